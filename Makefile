@@ -1,0 +1,39 @@
+# The two commands of the README. Both create .venv on first use.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lorafleet-installed
+# pip prints one warning per package for this machine's file:// mirrors; hide that noise only.
+QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: run test lint install clean
+
+run: $(STAMP)
+	$(VENV)/bin/lorafleet demo
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+install: $(STAMP)
+
+# A machine whose Python already has a CUDA torch keeps it (the venv sees system packages);
+# otherwise torch 2.13.0 is pinned first, which on this CPU machine is the CPU build on disk,
+# so nothing later pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	if python3 -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+	  python3 -m venv --system-site-packages $(VENV); \
+	else \
+	  python3 -m venv $(VENV); \
+	  $(PY) -m pip install -q torch==2.13.0 2>&1 | $(QUIET); \
+	fi
+	$(PY) -m pip install -q -e '.[test]' 2>&1 | $(QUIET)
+	$(PY) -c "import torch, replica, kernels, cluster, router"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

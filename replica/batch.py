@@ -1,0 +1,87 @@
+"""Batch preparation: scheduled sequences -> ForwardBatch, without a device read.
+
+Everything is built from host state (token lists, block tables, the slot
+table's host ranks) into host tensors, then copied with non_blocking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import SegmentInfo
+from replica.attention import AttentionMetadata
+from replica.device import to_device
+from replica.model import ForwardBatch
+from replica.sequence import Sequence
+
+
+def prepare_batch(
+    work: list[tuple[Sequence, int]],
+    block_size: int,
+    slot_ranks: list[int],
+    slot_scalings: list[float],
+    device: torch.device,
+) -> tuple[ForwardBatch, torch.Tensor, list[Sequence]]:
+    """work: (sequence, new tokens) with decodes (1 token) first.
+
+    Returns the batch, the rows whose logits are sampled (device), and the
+    sequences those rows belong to (those whose chunk reaches their last token).
+    """
+    ids, pos, slots_map, seg_indptr, seg_slots = [], [], [], [0], []
+    logit_rows, sampled = [], []
+    dec_tables, dec_ctx = [], []
+    pre_starts, pre_lens, pre_ctx, pre_tables = [], [], [], []
+    num_decode = 0
+    for seq, n in work:
+        start, ctx = seq.num_computed, seq.num_computed + n
+        ids += seq.token_ids[start:ctx]
+        pos += range(start, ctx)
+        slots_map += [
+            seq.blocks[p // block_size] * block_size + p % block_size for p in range(start, ctx)
+        ]
+        row0 = seg_indptr[-1]
+        seg_indptr.append(row0 + n)
+        seg_slots.append(seq.slot)
+        if n == 1 and not pre_starts:
+            num_decode += 1
+            dec_tables.append(seq.blocks)
+            dec_ctx.append(ctx)
+        else:
+            pre_starts.append(row0)
+            pre_lens.append(n)
+            pre_ctx.append(ctx)
+            pre_tables.append(seq.blocks)
+        if ctx == seq.num_tokens:
+            logit_rows.append(row0 + n - 1)
+            sampled.append(seq)
+
+    def dev(values, dtype=torch.int64) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=dtype), device)
+
+    attn = AttentionMetadata(
+        slot_mapping=dev(slots_map),
+        num_decode=num_decode,
+        decode_block_tables=dev(_pad(dec_tables)),
+        decode_context_lens=dev(dec_ctx),
+        decode_max_context=max(dec_ctx, default=0),
+        prefill_starts=pre_starts,
+        prefill_lens=pre_lens,
+        prefill_context_lens=pre_ctx,
+        prefill_block_tables=dev(_pad(pre_tables)),
+    )
+    lengths = [b - a for a, b in zip(seg_indptr, seg_indptr[1:])]
+    lora = SegmentInfo(
+        seg_indptr=dev(seg_indptr, torch.int32),
+        seg_slots=dev(seg_slots, torch.int32),
+        slot_ranks=dev(slot_ranks, torch.int32),
+        slot_scalings=dev(slot_scalings, torch.float32),
+        max_seg_len=max(lengths, default=0),
+        has_lora=any(s != 0 and slot_ranks[s] > 0 for s in seg_slots),
+    )
+    batch = ForwardBatch(input_ids=dev(ids), positions=dev(pos), attn=attn, lora=lora)
+    return batch, dev(logit_rows), sampled
+
+
+def _pad(tables: list[list[int]]) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables] or [[0]]

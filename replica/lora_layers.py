@@ -1,0 +1,60 @@
+"""LoRA-aware projections: base output, then shrink, then expand into it.
+
+Projections are fused where they share an input (q/k/v, gate/up): one base
+GEMM, one shrink over A's stacked along the rank axis, one multi-slice expand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import SegmentInfo
+
+# Fused projection groups of one decoder layer, in the order their outputs are laid out.
+MODULE_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass
+class LoRABuffers:
+    """Slot-stacked adapter weights of one (fused) projection in one layer."""
+
+    a: torch.Tensor  # [S, num_slices*R, in]: slice j's A in rows [j*R, j*R + rank)
+    b: torch.Tensor  # [S, out_total, R]: slice j's B in rows [offsets[j], offsets[j+1])
+    slice_offsets: list[int]  # [num_slices+1] host ints: output column range per slice
+    slice_names: tuple[str, ...]  # module names of the slices, e.g. ("q_proj", "k_proj", "v_proj")
+
+    @property
+    def max_rank(self) -> int:
+        return self.b.shape[2]
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_names)
+
+
+class LoRALinear:
+    """y = x Wᵀ (+ bias) + per-segment scaling · (x Aᵀ) Bᵀ."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [out_total, in]
+        bias: torch.Tensor | None,  # [out_total]
+        lora: LoRABuffers | None,
+    ) -> None:
+        self.weight, self.bias, self.lora = weight, bias, lora
+
+    def __call__(self, x: torch.Tensor, seg: SegmentInfo) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and seg.has_lora:
+            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.num_slices)
+            kernels.lora_expand(y, inter, self.lora.b, seg, self.lora.slice_offsets)
+        return y

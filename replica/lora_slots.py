@@ -1,0 +1,82 @@
+"""Device memory for adapter slots: stacked A/B buffers of every layer, rank and scaling per slot.
+
+This class only owns memory and copies weights in; which adapter lives in
+which slot is the slot pool's decision. Slot 0 is the base model: it always
+holds zeros and rank 0, so a segment on slot 0 adds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.adapter_format import LoRAAdapterWeights
+from replica.lora_layers import MODULE_GROUPS, LoRABuffers
+from replica.model_config import ModelSpec
+
+
+class LoRASlotBuffers:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        num_slots: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1 (slot 0 is the base model)")
+        self.spec, self.num_slots, self.max_rank = spec, num_slots, max_rank
+        shapes = spec.module_shapes()
+        # layers[i][group] -> LoRABuffers
+        self.layers: list[dict[str, LoRABuffers]] = []
+        for _ in range(spec.num_layers):
+            groups = {}
+            for group, names in MODULE_GROUPS.items():
+                in_f = shapes[names[0]][0]
+                offsets = [0]
+                for n in names:
+                    offsets.append(offsets[-1] + shapes[n][1])
+                a = torch.zeros(num_slots, len(names) * max_rank, in_f, device=device, dtype=dtype)
+                b = torch.zeros(num_slots, offsets[-1], max_rank, device=device, dtype=dtype)
+                groups[group] = LoRABuffers(a, b, offsets, names)
+            self.layers.append(groups)
+        self.ranks = [0] * num_slots  # host copy: the source of truth for batch metadata
+        self.scalings = [0.0] * num_slots
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        return sum(
+            (buf.a[0].nbytes + buf.b[0].nbytes) for groups in self.layers for buf in groups.values()
+        )
+
+    def write(self, slot: int, adapter: LoRAAdapterWeights) -> None:
+        """Copy `adapter` into `slot` (zero-padding past its rank and untargeted modules).
+
+        The copies are issued on the current stream; callers choose it (the
+        prefetcher runs this on a side stream and records an event after)."""
+        if slot == 0:
+            raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"{adapter.name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
+        r = adapter.rank
+        for layer, groups in enumerate(self.layers):
+            for buf in groups.values():
+                buf.a[slot].zero_()
+                buf.b[slot].zero_()
+                for j, module in enumerate(buf.slice_names):
+                    ab = adapter.weights.get((layer, module))
+                    if ab is None:
+                        continue
+                    a, b = ab
+                    c0, c1 = buf.slice_offsets[j], buf.slice_offsets[j + 1]
+                    buf.a[slot, j * self.max_rank : j * self.max_rank + r].copy_(
+                        a, non_blocking=True
+                    )
+                    buf.b[slot, c0:c1, :r].copy_(b, non_blocking=True)
+        self.ranks[slot] = r
+        self.scalings[slot] = adapter.scaling
+
+    def clear(self, slot: int) -> None:
+        """Forget the slot's adapter (weights stay until overwritten; rank 0 disables them)."""
+        self.ranks[slot] = 0
+        self.scalings[slot] = 0.0
