@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -30,4 +32,27 @@ class EngineConfig(BaseModel):
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output; default the model's context length."
+    )
+    host_cache_bytes: int = Field(
+        1 << 30, ge=0, description="Budget of adapters staged in (pinned) host memory, in bytes."
+    )
+    prefetch_window: int = Field(
+        16, ge=0, description="Waiting requests the prefetcher looks at each step (S-LoRA)."
+    )
+    max_loads_in_flight: int = Field(2, ge=1, description="Adapter loads running at once.")
+    adapter_loading: Literal["overlap", "sync"] = Field(
+        "overlap",
+        description="'overlap': prefetch on a side stream/thread, polled; "
+        "'sync': load on admission, blocking the step (ablation).",
+    )
+    eviction_policy: Literal["lru", "fifo"] = Field(
+        "lru", description="Which unused adapter slot to evict."
+    )
+    pin_base_slot: bool = Field(
+        True,
+        description="Base model in pinned slot 0 (never evicted, never waits). "
+        "False treats the base as one more evictable adapter (ablation).",
+    )
+    aging_steps: int = Field(
+        32, ge=1, description="Skips after which a request's adapter is given priority."
     )

@@ -5,6 +5,9 @@ Everything above this module is the same code on both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 
@@ -43,3 +46,69 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype {name!r}: expected one of auto, {', '.join(DTYPES)}") from None
+
+
+class LoadHandle:
+    """A load in flight; done() polls and never blocks (future done + event query)."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        if not self._future.done():
+            return False
+        if self._future.exception() is not None:
+            return True
+        event = self._future.result()
+        return event is None or event.query()
+
+    def result(self) -> None:
+        """Re-raise the load's exception, if any. Call only once done()."""
+        self._future.result()
+
+
+class SideStreamLoader:
+    """Runs copy jobs on one worker thread; on CUDA inside a side stream, then records an event.
+
+    The job's copies overlap the main stream's compute; readiness is polled with
+    LoadHandle.done(), never waited on by the step loop."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def submit(self, job: Callable[[], None]) -> LoadHandle:
+        return LoadHandle(self._pool.submit(self._run, job))
+
+    def _run(self, job: Callable[[], None]):
+        if self._stream is None:
+            job()
+            return None
+        with torch.cuda.stream(self._stream):
+            job()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class InlineLoader:
+    """The no-overlap ablation: the job runs in the caller, on the current stream, to the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def submit(self, job: Callable[[], None]) -> LoadHandle:
+        future: Future = Future()
+        try:
+            job()
+            synchronize(self._device)
+            future.set_result(None)
+        except Exception as e:  # surfaced through LoadHandle.result()
+            future.set_exception(e)
+        return LoadHandle(future)
+
+    def shutdown(self) -> None:
+        pass

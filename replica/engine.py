@@ -1,24 +1,35 @@
-"""The engine of one replica: schedule -> prepare -> forward -> sample -> emit."""
+"""The engine of one replica: schedule -> prepare -> forward -> sample -> emit.
+
+Single-threaded: the caller (AsyncLLMEngine's loop thread, or an offline
+loop) owns it. Adapter loads run on the loader, overlapped with steps.
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from replica.adapter_format import LoRAAdapterWeights, load_peft_adapter
+from replica.adapter_format import LoRAAdapterWeights
 from replica.batch import prepare_batch
 from replica.config import EngineConfig
-from replica.device import resolve_device, resolve_dtype
+from replica.device import InlineLoader, SideStreamLoader, resolve_device, resolve_dtype
+from replica.eviction import make_policy
+from replica.host_cache import AdapterSource, HostCache, PeftDirectorySource
 from replica.kv_cache import BlockAllocator, KVCache, blocks_needed
 from replica.lora_slots import LoRASlotBuffers
 from replica.model import LlamaForCausalLM
 from replica.model_config import load_model_spec
+from replica.prefetcher import Prefetcher
 from replica.sampling import Sampler, SamplingParams
 from replica.scheduler import Scheduler
 from replica.sequence import SeqStatus, Sequence
+from replica.slot_pool import AdapterSlotPool
+
+BASE_KEY = "__base__"  # the base model's pool name when its slot is not pinned (ablation)
 
 
 class RequestError(ValueError):
@@ -28,67 +39,89 @@ class RequestError(ValueError):
 @dataclass
 class StepOutput:
     seq: Sequence
-    new_token: int
+    new_token: int | None  # None when the sequence ended without a token (abort, error)
     finished: bool
 
 
+@dataclass
+class EngineStats:
+    steps: int = 0
+    load_wait_seconds: float = 0.0  # step-loop time spent on adapter loads, not on compute
+    tokens_generated: int = 0
+    step_seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.spec = load_model_spec(config.model)
+    def __init__(self, config: EngineConfig, source: AdapterSource | None = None) -> None:
+        self.config = c = config
+        self.device = resolve_device(c.device)
+        self.dtype = resolve_dtype(c.dtype, self.device)
+        self.spec = load_model_spec(c.model)
         self.lora = LoRASlotBuffers(
-            self.spec, config.num_slots, config.max_lora_rank, self.device, self.dtype
+            self.spec, c.num_slots, c.max_lora_rank, self.device, self.dtype
         )
-        self.model = LlamaForCausalLM(config.model, self.device, self.dtype, self.lora, self.spec)
-        per_block = KVCache.bytes_per_block(self.spec, config.block_size, self.dtype)
-        num_blocks = config.kv_cache_bytes // per_block
+        self.model = LlamaForCausalLM(c.model, self.device, self.dtype, self.lora, self.spec)
+        per_block = KVCache.bytes_per_block(self.spec, c.block_size, self.dtype)
+        num_blocks = c.kv_cache_bytes // per_block
         if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({per_block})"
-            )
-        self.kv = KVCache(self.spec, num_blocks, config.block_size, self.device, self.dtype)
+            raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} is below one block ({per_block})")
+        self.kv = KVCache(self.spec, num_blocks, c.block_size, self.device, self.dtype)
         self.max_model_len = min(
-            config.max_model_len or self.spec.max_position_embeddings,
+            c.max_model_len or self.spec.max_position_embeddings,
             self.spec.max_position_embeddings,
-            num_blocks * config.block_size,
+            num_blocks * c.block_size,
         )
-        self.adapter_slots: dict[str, int] = {}
+        self.source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {})
+        self.host_cache = HostCache(_WithBase(self.source), c.host_cache_bytes)
+        self.pool = AdapterSlotPool(c.num_slots, make_policy(c.eviction_policy))
+        sync = c.adapter_loading == "sync"
+        self.loader = InlineLoader(self.device) if sync else SideStreamLoader(self.device)
+        window = c.max_loras_per_batch if sync else c.prefetch_window
+        self.prefetcher = Prefetcher(
+            self.pool, self.lora, self.host_cache, self.loader, window, c.max_loads_in_flight
+        )
         self.scheduler = Scheduler(
             BlockAllocator(num_blocks),
-            config.block_size,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.max_loras_per_batch,
-            self.adapter_slots.get,
+            self.pool,
+            c.block_size,
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+            c.max_loras_per_batch,
+            c.aging_steps,
         )
         self.sampler = Sampler()
+        self.stats = EngineStats()
         self._arrivals = itertools.count()
+        self._unloading: set[str] = set()
 
-    # -- adapters ----------------------------------------------------------------------------
+    # -- adapters ------------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, source: str | Path | LoRAAdapterWeights) -> int:
-        """Put an adapter (a PEFT directory or converted weights) into a free device slot."""
-        weights = (
-            source
-            if isinstance(source, LoRAAdapterWeights)
-            else load_peft_adapter(source, self.spec, self.config.max_lora_rank, name)
-        )
-        slot = self.adapter_slots.get(name)
-        if slot is None:
-            used = set(self.adapter_slots.values())
-            free = [s for s in range(1, self.config.num_slots) if s not in used]
-            if not free:
-                raise RequestError(
-                    f"no free adapter slot for {name!r} (num_slots={self.config.num_slots})"
-                )
-            slot = free[0]
-        self.lora.write(slot, weights)
-        self.adapter_slots[name] = slot
-        return slot
+    def load_adapter(self, name: str, path: str | Path) -> LoRAAdapterWeights:
+        """Register a PEFT directory as `name`: validated and staged in the host cache now,
+        copied into a device slot when a request needs it."""
+        if not isinstance(self.source, PeftDirectorySource):
+            raise TypeError("load_adapter needs the PEFT directory source")
+        self.source.add(name, path)
+        self.host_cache.drop(name)
+        try:
+            return self.host_cache.get(name)
+        except Exception:
+            self.source.remove(name)
+            raise
 
-    # -- requests ----------------------------------------------------------------------------
+    def unload_adapter(self, name: str) -> None:
+        """New requests for `name` are refused at once; its slot frees when unused."""
+        if isinstance(self.source, PeftDirectorySource):
+            self.source.remove(name)
+        self.host_cache.drop(name)
+        self._unloading.add(name)
+        self._evict_unloaded()
+
+    def known_adapters(self) -> list[str]:
+        return [n for n in self.source.names() if n not in self._unloading]
+
+    # -- requests ------------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -101,8 +134,10 @@ class LLMEngine:
         arrival = next(self._arrivals)
         if not prompt_ids:
             raise RequestError("empty prompt")
-        if adapter is not None and adapter not in self.adapter_slots:
-            raise RequestError(f"unknown adapter {adapter!r}; known: {sorted(self.adapter_slots)}")
+        if adapter is not None and adapter not in self.known_adapters():
+            raise RequestError(
+                f"unknown adapter {adapter!r}; known: {sorted(self.known_adapters())}"
+            )
         if any(not 0 <= t < self.spec.vocab_size for t in prompt_ids):
             raise RequestError(f"prompt token id out of range [0, {self.spec.vocab_size})")
         total = len(prompt_ids) + sampling.max_tokens
@@ -111,24 +146,38 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                 f"exceeds the maximum model length {self.max_model_len}"
             )
-        seq = Sequence(request_id or f"req-{arrival}", list(prompt_ids), sampling, adapter, arrival)
+        key = adapter if adapter is not None else (None if self.config.pin_base_slot else BASE_KEY)
+        seq = Sequence(
+            request_id or f"req-{arrival}", list(prompt_ids), sampling, adapter, arrival, key
+        )
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """End a sequence now; frees its KV blocks and slot reference."""
         if seq.status is not SeqStatus.FINISHED:
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq, reason)
             self.sampler.release(seq.request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # -- the step ----------------------------------------------------------------------------
+    # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
+        outputs = self._fail_broken_loads()
+        self.prefetcher.prefetch(s.lora_key for s in self.scheduler.waiting)
+        if self.config.adapter_loading == "sync":
+            outputs += self._fail_broken_loads()  # inline loads finished inside prefetch()
+        loaded = time.perf_counter()
+        self.stats.load_wait_seconds += loaded - started
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
-            return []
+            if self.prefetcher.num_inflight:
+                time.sleep(0.0005)  # nothing runnable until a load lands: that is load wait
+                self.stats.load_wait_seconds += time.perf_counter() - loaded
+            return outputs
         work = scheduled.ordered()
         batch, logit_rows, sampled = prepare_batch(
             work, self.config.block_size, self.lora.ranks, self.lora.scalings, self.device
@@ -140,7 +189,12 @@ class LLMEngine:
         new_tokens = tokens.tolist()  # sync point: the one device read per step
         for seq, n in work:
             seq.num_computed += n
-        return [self._append(seq, tok) for seq, tok in zip(sampled, new_tokens)]
+        outputs += [self._append(seq, tok) for seq, tok in zip(sampled, new_tokens)]
+        self._evict_unloaded()
+        self.stats.steps += 1
+        self.stats.tokens_generated += len(new_tokens)
+        self.stats.step_seconds += time.perf_counter() - started
+        return outputs
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)
@@ -155,10 +209,32 @@ class LLMEngine:
             self.sampler.release(seq.request_id)
         return StepOutput(seq, token, reason is not None)
 
+    def _fail_broken_loads(self) -> list[StepOutput]:
+        """Requests whose adapter failed to load end with an error instead of waiting forever."""
+        outputs = []
+        for failure in self.prefetcher.poll():
+            msg = f"adapter {failure.name!r} failed to load: {failure.error}"
+            self.stats.failures.append(msg)
+            for seq in [s for s in self.scheduler.waiting if s.lora_key == failure.name]:
+                seq.error = msg
+                self.abort(seq, "error")
+                outputs.append(StepOutput(seq, None, True))
+        return outputs
+
+    def _evict_unloaded(self) -> None:
+        for name in list(self._unloading):
+            if self.prefetcher.is_loading(name):
+                continue
+            if self.pool.evict(name):  # the slot's rank is zeroed when it is reserved again
+                self._unloading.discard(name)
+
+    # -- offline helpers -----------------------------------------------------------------------
+
     def score(self, prompt_ids: list[int], adapter: str | None = None) -> torch.Tensor:
         """Logits [len(prompt), vocab] of every prompt position (one standalone prefill)."""
-        seq = Sequence("score", list(prompt_ids), SamplingParams(), adapter, -1)
-        seq.slot = 0 if adapter is None else self.adapter_slots[adapter]
+        seq = self.add_request(prompt_ids, SamplingParams(max_tokens=1), adapter, "score")
+        self.scheduler.waiting.remove(seq)
+        seq.slot = self._wait_for_slot(seq.lora_key)
         allocator = self.scheduler.allocator
         seq.blocks = allocator.allocate(blocks_needed(len(prompt_ids), self.config.block_size))
         try:
@@ -183,3 +259,37 @@ class LLMEngine:
                 return seqs
             self.step()
         raise RuntimeError(f"generation did not finish within {max_steps} steps")
+
+    def _wait_for_slot(self, key: str | None, timeout_s: float = 60.0) -> int:
+        if key is None:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            slot = self.pool.ready_slot(key)
+            if slot is not None:
+                return slot
+            if not self.prefetcher.is_loading(key) and not self.prefetcher.start(key):
+                raise RequestError(f"no adapter slot can be freed for {key!r}")
+            time.sleep(0.001)
+            for failure in self.prefetcher.poll():
+                if failure.name == key:
+                    raise RequestError(str(failure.error))
+        raise TimeoutError(f"adapter {key!r} did not load within {timeout_s}s")
+
+    def shutdown(self) -> None:
+        self.loader.shutdown()
+
+
+class _WithBase:
+    """The source, plus the base model as a rank-0 adapter (used only when its slot is unpinned)."""
+
+    def __init__(self, source: AdapterSource) -> None:
+        self.source = source
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def fetch(self, name: str) -> LoRAAdapterWeights:
+        if name == BASE_KEY:
+            return LoRAAdapterWeights(BASE_KEY, 0, 0.0, (), {})
+        return self.source.fetch(name)

@@ -53,7 +53,8 @@ class LoRASlotBuffers:
         """Copy `adapter` into `slot` (zero-padding past its rank and untargeted modules).
 
         The copies are issued on the current stream; callers choose it (the
-        prefetcher runs this on a side stream and records an event after)."""
+        prefetcher runs this on a side stream and records an event after). The
+        slot's rank stays 0 (invisible to batches) until activate()."""
         if slot == 0:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
         if adapter.rank > self.max_rank:
@@ -73,8 +74,11 @@ class LoRASlotBuffers:
                         a, non_blocking=True
                     )
                     buf.b[slot, c0:c1, :r].copy_(b, non_blocking=True)
-        self.ranks[slot] = r
-        self.scalings[slot] = adapter.scaling
+
+    def activate(self, slot: int, rank: int, scaling: float) -> None:
+        """Make a written slot visible to batches (main thread, once its copies are done)."""
+        self.ranks[slot] = rank
+        self.scalings[slot] = scaling
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (weights stay until overwritten; rank 0 disables them)."""

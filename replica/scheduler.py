@@ -1,26 +1,29 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
 Host-only: the scheduler never touches a tensor. Budgets per step: tokens
-(prefill chunks + decodes), sequences, KV blocks, and distinct adapters.
-A waiting request whose adapter is not in a device slot is skipped, not
-waited on: later requests (and every base request) are still admitted.
+(prefill chunks + decodes), sequences, KV blocks, distinct adapters, and
+adapter readiness. A waiting request whose adapter is not in a device slot
+(or would exceed max_loras_per_batch) is skipped, not waited on: later
+requests, and every base request, are still admitted. A request skipped
+`aging_steps` times starves no longer: new adapters are held back behind it
+until its own adapter gets a slot and runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replica.kv_cache import BlockAllocator, blocks_needed
 from replica.sequence import SeqStatus, Sequence
+from replica.slot_pool import AdapterSlotPool
 
 
 @dataclass
 class ScheduledBatch:
-    """This step's work: decodes first (one token each), then prefill chunks."""
+    """This step's work: (sequence, new tokens) pairs."""
 
     seqs: list[Sequence] = field(default_factory=list)
-    num_new: list[int] = field(default_factory=list)  # tokens each sequence runs this step
+    num_new: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
@@ -32,6 +35,7 @@ class ScheduledBatch:
         return sum(self.num_new)
 
     def ordered(self) -> list[tuple[Sequence, int]]:
+        """Decodes (one token) first, as batch preparation and attention expect."""
         pairs = list(zip(self.seqs, self.num_new))
         return [p for p in pairs if p[1] == 1] + [p for p in pairs if p[1] != 1]
 
@@ -40,18 +44,20 @@ class Scheduler:
     def __init__(
         self,
         allocator: BlockAllocator,
+        pool: AdapterSlotPool,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras_per_batch: int,
-        slot_of: Callable[[str], int | None],
+        aging_steps: int,
     ) -> None:
-        self.allocator, self.block_size = allocator, block_size
+        self.allocator, self.pool, self.block_size = allocator, pool, block_size
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
-        self.max_loras = max_loras_per_batch
-        self.slot_of = slot_of  # adapter name -> device slot if ready, else None
-        self.waiting: list[Sequence] = []
+        self.max_loras, self.aging_steps = max_loras_per_batch, aging_steps
+        self.waiting: list[Sequence] = []  # arrival order
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_skips = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,51 +70,65 @@ class Scheduler:
         budget = self.max_tokens
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted below while making room for an older sequence
+                continue  # preempted below to make room for an older sequence
             n = min(seq.num_pending, budget)
-            if n == 0:
-                continue
-            if not self._grow(seq, n, batch):
-                continue
-            batch.add(seq, n)
-            budget -= n
+            if n and self._grow(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
         self._admit(batch, budget)
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
-        self.allocator.free(seq.blocks)
-        seq.blocks = []
-        if seq in self.running:
+        """End a sequence (stop, length, abort, error) and free its KV and slot reference."""
+        if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self.pool.release(seq.slot)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        adapters = {s.adapter for s in self.running if s.adapter is not None}
+        running = {s.lora_key for s in self.running if s.lora_key is not None}
+        starving: set[str] = set()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            if seq.adapter is not None:
-                slot = self.slot_of(seq.adapter)
-                if slot is None:
-                    continue  # adapter not resident yet: skip, don't block
-                if seq.adapter not in adapters and len(adapters) >= self.max_loras:
-                    continue
-            else:
-                slot = 0
+            slot = self._slot_for(seq, running, starving)
+            if slot is None:
+                seq.skips += 1
+                self.num_skips += 1
+                if seq.skips >= self.aging_steps:
+                    starving.add(seq.lora_key)
+                continue  # skip, don't block
             n = min(seq.num_pending, budget)
             need = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.blocks)
             if need > self.allocator.num_free:
-                return  # KV cache full: wait (FCFS) rather than overcommit
+                return  # KV cache full: wait in arrival order rather than overcommit
             seq.blocks += self.allocator.allocate(need)
+            self.pool.acquire(slot)
             seq.slot, seq.status = slot, SeqStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)
-            if seq.adapter is not None:
-                adapters.add(seq.adapter)
+            if seq.lora_key is not None:
+                running.add(seq.lora_key)
             batch.add(seq, n)
             budget -= n
+
+    def _slot_for(self, seq: Sequence, running: set[str], starving: set[str]) -> int | None:
+        """The slot seq would run on now, or None if it must be skipped this step."""
+        key = seq.lora_key
+        if key is None:
+            return 0  # the pinned base slot: always admissible
+        slot = self.pool.ready_slot(key)
+        if slot is None or key in running:
+            return slot
+        if len(running) >= self.max_loras:
+            return None
+        if starving and key not in starving:
+            return None  # an older request has waited too long: its adapter goes first
+        return slot
 
     def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Ensure KV blocks for n more tokens, preempting the youngest others if needed."""
@@ -127,11 +147,13 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        """Free a sequence's KV and requeue it at the front; it recomputes later."""
+        """Free a sequence's KV and slot reference; it waits again and recomputes later."""
         self.allocator.free(seq.blocks)
+        self.pool.release(seq.slot)
         seq.blocks, seq.num_computed = [], 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
-        self.waiting.insert(0, seq)
+        self.waiting.append(seq)
         self.waiting.sort(key=lambda s: s.arrival)
         batch.preempted.append(seq)
+        self.num_preemptions += 1

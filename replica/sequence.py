@@ -19,14 +19,17 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    adapter: str | None  # None = base model
-    arrival: int  # admission order, for FCFS and picking the youngest to preempt
+    adapter: str | None  # the adapter the user asked for; None = base model
+    arrival: int  # arrival order, for FCFS and picking the youngest to preempt
+    lora_key: str | None = None  # slot-pool name it needs; None = the pinned base slot
     slot: int = 0  # adapter slot while running (0 = base)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason == "error"
+    skips: int = 0  # times passed over because its adapter was not ready (aging)
 
     @property
     def token_ids(self) -> list[int]:

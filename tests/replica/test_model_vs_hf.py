@@ -10,11 +10,14 @@ import torch
 
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
-from tests.oracle import hf_greedy, hf_logits, hf_model
 from replica.sampling import SamplingParams
 from tests.conftest import tiny_assets
+from tests.oracle import hf_greedy, hf_logits, hf_model
 
 LOGIT_ATOL = 2e-4
+# llama3 scaling with a short original context, so the tiny test prompts cross every band
+LLAMA3_SHORT = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
@@ -24,15 +27,16 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def engine_for(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_bytes=64 << 20, **kw))
+    return LLMEngine(
+        EngineConfig(model=str(model_dir), device="cpu", kv_cache_bytes=64 << 20, **kw)
+    )
 
 
 @pytest.mark.parametrize(
     "arch,overrides",
     [
         ("llama", {}),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("llama", {"rope_scaling": LLAMA3_SHORT}),
         ("mistral", {}),
         ("qwen2", {}),
     ],

@@ -1,0 +1,96 @@
+"""Adapters staged in (pinned) host memory under a byte budget, LRU, filled from a source."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Protocol
+
+from replica.adapter_format import LoRAAdapterWeights, load_peft_adapter
+from replica.device import pinned
+from replica.model_config import ModelSpec
+
+
+class AdapterSource(Protocol):
+    """Where adapter weights come from (a PEFT directory here, the object store in a cluster)."""
+
+    def fetch(self, name: str) -> LoRAAdapterWeights:
+        """Converted weights of `name`; raises KeyError if unknown."""
+
+    def names(self) -> list[str]:
+        """Every adapter the source can provide."""
+
+
+class PeftDirectorySource:
+    """Adapters read from PEFT directories through the one conversion function."""
+
+    def __init__(self, spec: ModelSpec, max_lora_rank: int, paths: dict[str, str | Path]) -> None:
+        self.spec, self.max_lora_rank = spec, max_lora_rank
+        self.paths = dict(paths)
+
+    def add(self, name: str, path: str | Path) -> None:
+        self.paths[name] = path
+
+    def remove(self, name: str) -> None:
+        self.paths.pop(name, None)
+
+    def names(self) -> list[str]:
+        return list(self.paths)
+
+    def fetch(self, name: str) -> LoRAAdapterWeights:
+        return load_peft_adapter(self.paths[name], self.spec, self.max_lora_rank, name)
+
+
+class HostCache:
+    """LRU of converted adapters in host memory. Thread-safe: the loader thread fills it."""
+
+    def __init__(self, source: AdapterSource, budget_bytes: int) -> None:
+        self.source, self.budget = source, budget_bytes
+        self._items: OrderedDict[str, LoRAAdapterWeights] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._items
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for a in self._items.values())
+
+    def get(self, name: str) -> LoRAAdapterWeights:
+        """The adapter's host copy, fetched from the source (and pinned) on a miss."""
+        with self._lock:
+            hit = self._items.get(name)
+            if hit is not None:
+                self._items.move_to_end(name)
+                self.hits += 1
+                return hit
+            self.misses += 1
+        adapter = _pin(self.source.fetch(name))  # I/O outside the lock
+        with self._lock:
+            self._items[name] = adapter
+            self._items.move_to_end(name)
+            self._shrink()
+        return adapter
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            self._items.pop(name, None)
+
+    def _shrink(self) -> None:
+        total = sum(a.nbytes for a in self._items.values())
+        while total > self.budget and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            total -= old.nbytes
+
+
+def _pin(adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
+    adapter.weights = {k: (pinned(a), pinned(b)) for k, (a, b) in adapter.weights.items()}
+    return adapter

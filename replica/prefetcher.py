@@ -1,0 +1,105 @@
+"""S-LoRA prefetch: look at the first W waiting requests and start loading their adapters.
+
+Per adapter: NOT_LOADED -> LOADING (slot reserved, copy in flight on the loader)
+-> LOADED (slot READY). Every step drains finished loads with a non-blocking
+poll before the scheduler looks at slot readiness.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from replica.device import LoadHandle
+from replica.host_cache import HostCache
+from replica.lora_slots import LoRASlotBuffers
+from replica.slot_pool import AdapterSlotPool
+
+
+@dataclass
+class _InFlight:
+    name: str
+    slot: int
+    handle: LoadHandle
+    started: float
+    meta: dict  # filled by the job: rank, scaling
+
+
+@dataclass
+class LoadFailure:
+    name: str
+    error: Exception
+
+
+class Prefetcher:
+    def __init__(
+        self,
+        pool: AdapterSlotPool,
+        buffers: LoRASlotBuffers,
+        host_cache: HostCache,
+        loader,
+        window: int,
+        max_inflight: int,
+    ) -> None:
+        self.pool, self.buffers, self.host_cache, self.loader = pool, buffers, host_cache, loader
+        self.window, self.max_inflight = window, max_inflight
+        self._inflight: dict[str, _InFlight] = {}
+        self.loads_started = 0
+        self.loads_done = 0
+        self.load_seconds = 0.0  # summed start->ready latency
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def is_loading(self, name: str) -> bool:
+        return name in self._inflight
+
+    def poll(self) -> list[LoadFailure]:
+        """Activate finished loads (never blocks); return the ones that failed."""
+        failures = []
+        for name, job in list(self._inflight.items()):
+            if not job.handle.done():
+                continue
+            del self._inflight[name]
+            try:
+                job.handle.result()
+            except Exception as e:
+                self.pool.cancel(job.slot)
+                failures.append(LoadFailure(name, e))
+                continue
+            self.buffers.activate(job.slot, job.meta["rank"], job.meta["scaling"])
+            self.pool.mark_ready(job.slot)
+            self.loads_done += 1
+            self.load_seconds += time.perf_counter() - job.started
+        return failures
+
+    def prefetch(self, wanted: Iterable[str]) -> None:
+        """Start loads for adapters in `wanted` (queue order, first W) that are not resident."""
+        names = list(dict.fromkeys(n for n in wanted if n is not None))[: self.window]
+        protected = set(names)
+        for name in names:
+            if len(self._inflight) >= self.max_inflight:
+                return
+            if self.pool.state(name) is not None:
+                continue  # loading or ready
+            if not self.start(name, protected):
+                return  # no slot can be freed now; try again next step
+
+    def start(self, name: str, protected: set[str] = frozenset()) -> bool:
+        slot = self.pool.reserve(name, protected)
+        if slot is None:
+            return False
+        self.buffers.clear(slot)
+        meta: dict = {}
+
+        def job() -> None:
+            weights = self.host_cache.get(name)
+            self.buffers.write(slot, weights)
+            meta.update(rank=weights.rank, scaling=weights.scaling)
+
+        started = time.perf_counter()
+        self.loads_started += 1
+        self._inflight[name] = _InFlight(name, slot, self.loader.submit(job), started, meta)
+        return True

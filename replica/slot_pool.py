@@ -1,0 +1,144 @@
+"""Which adapter lives in which device slot: states, reference counts, eviction.
+
+Host-only bookkeeping over LoRASlotBuffers. Index ranges:
+  slot 0          the base model: pinned, always READY, never evicted, never loaded
+  slots 1..S-1    adapters: FREE -> LOADING (a copy is in flight) -> READY -> (evicted) FREE
+A slot may be evicted only when READY, unreferenced (no sequence in the
+running batch uses it) and unpinned; LOADING slots are never touched.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from replica.eviction import EvictionPolicy
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LOADING = "loading"
+    READY = "ready"
+
+
+@dataclass
+class Slot:
+    index: int
+    adapter: str | None = None
+    state: SlotState = SlotState.FREE
+    refs: int = 0  # sequences in the running batch using this slot
+    pinned: bool = False
+
+
+class AdapterSlotPool:
+    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+        if num_slots < 2:
+            raise ValueError("num_slots must be >= 2: slot 0 is the base model, adapters need one")
+        self.slots = [Slot(i) for i in range(num_slots)]
+        self.slots[0] = Slot(0, None, SlotState.READY, pinned=True)
+        self.policy = policy
+        self._by_name: dict[str, int] = {}
+        self.num_evictions = 0
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def ready_slot(self, name: str) -> int | None:
+        """The slot holding `name`, if its weights are fully in place."""
+        i = self._by_name.get(name)
+        return i if i is not None and self.slots[i].state is SlotState.READY else None
+
+    def state(self, name: str) -> SlotState | None:
+        i = self._by_name.get(name)
+        return None if i is None else self.slots[i].state
+
+    def resident(self) -> list[str]:
+        return [s.adapter for s in self.slots[1:] if s.state is SlotState.READY]
+
+    @property
+    def num_free(self) -> int:
+        return sum(1 for s in self.slots if s.state is SlotState.FREE)
+
+    # -- transitions ---------------------------------------------------------------------------
+
+    def reserve(self, name: str, protected: set[str] = frozenset()) -> int | None:
+        """A slot for `name` to be loaded into (marked LOADING), evicting if needed.
+
+        Adapters in `protected` (wanted by requests about to run) are not evicted."""
+        if name in self._by_name:
+            raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
+        slot = next((s for s in self.slots if s.state is SlotState.FREE), None)
+        if slot is None:
+            victim = self._victim(protected)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self.num_evictions += 1
+            slot = victim
+        slot.adapter, slot.state = name, SlotState.LOADING
+        self._by_name[name] = slot.index
+        return slot.index
+
+    def mark_ready(self, index: int) -> None:
+        slot = self.slots[index]
+        assert slot.state is SlotState.LOADING, slot
+        slot.state = SlotState.READY
+        self.policy.insert(slot.adapter)
+
+    def cancel(self, index: int) -> None:
+        """A load failed: the slot is free again."""
+        slot = self.slots[index]
+        assert slot.state is SlotState.LOADING, slot
+        self._by_name.pop(slot.adapter, None)
+        slot.adapter, slot.state = None, SlotState.FREE
+
+    def evict(self, name: str) -> bool:
+        """Free `name`'s slot now if nothing uses it (unload); False if it is busy."""
+        i = self._by_name.get(name)
+        if i is None:
+            return True
+        slot = self.slots[i]
+        if slot.refs or slot.state is not SlotState.READY or slot.pinned:
+            return False
+        self._drop(slot)
+        return True
+
+    def acquire(self, index: int) -> None:
+        slot = self.slots[index]
+        assert slot.state is SlotState.READY, slot
+        slot.refs += 1
+        if slot.adapter is not None:
+            self.policy.touch(slot.adapter)
+
+    def release(self, index: int) -> None:
+        slot = self.slots[index]
+        assert slot.refs > 0, slot
+        slot.refs -= 1
+
+    def check_integrity(self) -> None:
+        base = self.slots[0]
+        assert base.pinned and base.state is SlotState.READY and base.adapter is None, base
+        for name, i in self._by_name.items():
+            assert self.slots[i].adapter == name and self.slots[i].state is not SlotState.FREE
+        for s in self.slots[1:]:
+            assert s.refs >= 0
+            assert (s.state is SlotState.FREE) == (s.adapter is None), s
+            assert s.state is SlotState.READY or s.refs == 0, s
+            if s.adapter is not None:
+                assert self._by_name.get(s.adapter) == s.index, s
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _victim(self, protected: set[str] = frozenset()) -> Slot | None:
+        candidates = {
+            s.adapter: s
+            for s in self.slots
+            if s.state is SlotState.READY and not s.refs and not s.pinned
+            and s.adapter not in protected
+        }  # fmt: skip
+        name = self.policy.select_victim(candidates)
+        return candidates.get(name) if name is not None else None
+
+    def _drop(self, slot: Slot) -> None:
+        self._by_name.pop(slot.adapter, None)
+        self.policy.remove(slot.adapter)
+        slot.adapter, slot.state = None, SlotState.FREE

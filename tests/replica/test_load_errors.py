@@ -1,0 +1,108 @@
+"""Bad models and adapters fail with an error that names the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from replica.adapter_format import AdapterFormatError, load_peft_adapter
+from replica.model import LlamaForCausalLM
+from replica.model_config import ModelConfigError, load_model_spec
+from replica.weights import WeightLoadError
+
+
+@pytest.fixture
+def model_copy(tiny, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny.model_dir, dst)
+    return dst
+
+
+def edit_config(model_dir, **changes) -> None:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unsupported_architecture_is_named(model_copy):
+    edit_config(model_copy, model_type="gpt2")
+    with pytest.raises(ModelConfigError, match="model_type='gpt2'.*llama, mistral, qwen2"):
+        load_model_spec(model_copy)
+
+
+def test_unsupported_rope_type_is_named(model_copy):
+    edit_config(model_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2})
+    with pytest.raises(ModelConfigError, match="rope_type='yarn'"):
+        load_model_spec(model_copy)
+
+
+def test_missing_config_is_named(tmp_path):
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        load_model_spec(tmp_path)
+
+
+def test_missing_weight_is_named(model_copy):
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(
+        WeightLoadError, match="missing weight 'model.layers.1.mlp.down_proj.weight'"
+    ):
+        LlamaForCausalLM(model_copy)
+
+
+def test_mismatched_shape_is_named(model_copy):
+    edit_config(model_copy, intermediate_size=96)
+    with pytest.raises(WeightLoadError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape"):
+        LlamaForCausalLM(model_copy)
+
+
+def test_adapter_rank_over_limit(tiny):
+    spec = load_model_spec(tiny.model_dir)
+    path = tiny.adapters["adapter-01"]  # rank 16
+    with pytest.raises(AdapterFormatError, match="rank 16 exceeds max_lora_rank 8"):
+        load_peft_adapter(path, spec, max_lora_rank=8)
+
+
+def test_adapter_for_another_base_model(tiny, demo):
+    spec = load_model_spec(demo.model_dir)  # hidden 512: tiny's adapters are hidden 64
+    with pytest.raises(
+        AdapterFormatError,
+        match=r"layer 0 \w+_proj: lora_A \(8, \d+\).*expected.*for this base model",
+    ):
+        load_peft_adapter(tiny.adapters["adapter-00"], spec, 64)
+
+
+def test_adapter_missing_files_and_bad_json(tiny, tmp_path):
+    spec = load_model_spec(tiny.model_dir)
+    with pytest.raises(AdapterFormatError, match="missing adapter_config.json"):
+        load_peft_adapter(tmp_path, spec, 64)
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterFormatError, match="invalid JSON"):
+        load_peft_adapter(tmp_path, spec, 64)
+    shutil.copy(tiny.adapters["adapter-00"] / "adapter_config.json", tmp_path)
+    with pytest.raises(AdapterFormatError, match="missing adapter_model.safetensors"):
+        load_peft_adapter(tmp_path, spec, 64)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(AdapterFormatError, match="unreadable safetensors"):
+        load_peft_adapter(tmp_path, spec, 64)
+
+
+def test_adapter_unsupported_features(tiny, tmp_path):
+    spec = load_model_spec(tiny.model_dir)
+    dst = tmp_path / "a"
+    shutil.copytree(tiny.adapters["adapter-00"], dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(AdapterFormatError, match="DoRA is not supported"):
+        load_peft_adapter(dst, spec, 64)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(dst / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = tensors[next(iter(tensors))].clone()
+    save_file(tensors, dst / "adapter_model.safetensors")
+    with pytest.raises(AdapterFormatError, match="unsupported tensor 'base_model.model.lm_head"):
+        load_peft_adapter(dst, spec, 64)
