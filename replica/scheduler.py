@@ -5,8 +5,8 @@ Host-only: the scheduler never touches a tensor. Budgets per step: tokens
 adapter readiness. A waiting request whose adapter is not in a device slot
 (or would exceed max_loras_per_batch) is skipped, not waited on: later
 requests, and every base request, are still admitted. A request skipped
-`aging_steps` times starves no longer: new adapters are held back behind it
-until its own adapter gets a slot and runs.
+`aging_steps` times starves no longer: other adapters' requests are held
+back behind it (base requests are not) until its own adapter gets a slot.
 """
 
 from __future__ import annotations
@@ -91,16 +91,16 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         running = {s.lora_key for s in self.running if s.lora_key is not None}
-        starving: set[str] = set()
+        priority: str | None = None  # adapter of the oldest request skipped too often
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            slot = self._slot_for(seq, running, starving)
+            slot = self._slot_for(seq, running, priority)
             if slot is None:
                 seq.skips += 1
                 self.num_skips += 1
-                if seq.skips >= self.aging_steps:
-                    starving.add(seq.lora_key)
+                if seq.skips >= self.aging_steps and priority is None:
+                    priority = seq.lora_key
                 continue  # skip, don't block
             n = min(seq.num_pending, budget)
             need = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.blocks)
@@ -116,19 +116,17 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
 
-    def _slot_for(self, seq: Sequence, running: set[str], starving: set[str]) -> int | None:
+    def _slot_for(self, seq: Sequence, running: set[str], priority: str | None) -> int | None:
         """The slot seq would run on now, or None if it must be skipped this step."""
         key = seq.lora_key
         if key is None:
             return 0  # the pinned base slot: always admissible
+        if priority is not None and key != priority:
+            return None  # an older request has waited too long: only its adapter (or base) runs
         slot = self.pool.ready_slot(key)
         if slot is None or key in running:
             return slot
-        if len(running) >= self.max_loras:
-            return None
-        if starving and key not in starving:
-            return None  # an older request has waited too long: its adapter goes first
-        return slot
+        return None if len(running) >= self.max_loras else slot
 
     def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Ensure KV blocks for n more tokens, preempting the youngest others if needed."""

@@ -1,0 +1,207 @@
+"""Engine behaviour with adapters: churn, skip-not-block, prefetch, abort, aging, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from replica.batch import prepare_batch
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from replica.host_cache import PeftDirectorySource
+from replica.model_config import load_model_spec
+from replica.sampling import SamplingParams
+from replica.sequence import SeqStatus, Sequence
+from replica.slot_pool import SlotState
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+class SlowSource(PeftDirectorySource):
+    """A PEFT source whose reads take `delay` seconds (a slow disk or object store)."""
+
+    def __init__(self, assets, delay: float = 0.0, gate: threading.Event | None = None) -> None:
+        spec = load_model_spec(assets.model_dir)
+        super().__init__(spec, 64, {n: p for n, p in assets.adapters.items()})
+        self.delay, self.gate, self.fetched = delay, gate, []
+
+    def fetch(self, name):
+        if self.gate is not None:
+            assert self.gate.wait(30), "test gate never opened"
+        time.sleep(self.delay)
+        self.fetched.append(name)
+        return super().fetch(name)
+
+
+def engine(assets, source=None, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", 16 << 20)
+    kw.setdefault("num_slots", 3)
+    cfg = EngineConfig(model=str(assets.model_dir), device="cpu", **kw)
+    return LLMEngine(cfg, source or SlowSource(assets))
+
+
+def prompt(i: int, n: int = 8) -> list[int]:
+    return [(7 * i + 3 * j) % 500 + 3 for j in range(n)]
+
+
+def run(eng: LLMEngine, max_steps: int = 2000, check=None) -> None:
+    for _ in range(max_steps):
+        if not eng.has_work():
+            return
+        eng.step()
+        if check:
+            check()
+    raise AssertionError("engine did not drain")
+
+
+def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
+    """More adapters than slots: after every step, each running sequence's slot holds
+    exactly its adapter's weights, and slot 0 holds zeros."""
+    eng = engine(tiny, num_slots=3, max_loras_per_batch=2, host_cache_bytes=0)
+    names = list(tiny.adapters)
+    reference = {n: eng.source.fetch(n) for n in names}
+    seqs = [
+        eng.add_request(prompt(i), GREEDY, None if i % 5 == 4 else names[i % len(names)])
+        for i in range(20)
+    ]
+
+    def check() -> None:
+        eng.pool.check_integrity()
+        for groups in eng.lora.layers:
+            for buf in groups.values():
+                assert not buf.a[0].any() and not buf.b[0].any(), "slot 0 was written"
+        assert eng.lora.ranks[0] == 0
+        for seq in eng.scheduler.running:
+            if seq.adapter is None:
+                assert seq.slot == 0
+                continue
+            assert eng.pool.slots[seq.slot].adapter == seq.adapter
+            a, b = reference[seq.adapter].weights[(0, "q_proj")]
+            r = a.shape[0]
+            buf = eng.lora.layers[0]["qkv_proj"]
+            assert torch.equal(buf.a[seq.slot, :r], a), f"slot {seq.slot} overwritten"
+            assert torch.equal(buf.b[seq.slot, : b.shape[0], :r], b)
+
+    run(eng, check=check)
+    assert eng.pool.num_evictions > 0, "the test should force evictions"
+    assert all(s.finish_reason == "length" for s in seqs)
+    alone = engine(tiny, num_slots=6)
+    for s in seqs:
+        assert s.output_ids == alone.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+
+
+def test_base_request_behind_loading_adapters_is_served_first(tiny):
+    gate = threading.Event()
+    eng = engine(tiny, SlowSource(tiny, gate=gate), num_slots=5, host_cache_bytes=0)
+    adapter_seqs = [eng.add_request(prompt(i), GREEDY, n) for i, n in enumerate(tiny.adapters)]
+    base = eng.add_request(prompt(9), GREEDY, None)
+    for _ in range(GREEDY.max_tokens):
+        eng.step()
+    assert base.status is SeqStatus.FINISHED, "base request must not wait on adapter I/O"
+    assert all(not s.output_ids for s in adapter_seqs)
+    assert all(eng.pool.state(n) is SlotState.LOADING for n in list(tiny.adapters)[:2])
+    gate.set()
+    run(eng)
+    assert all(s.finish_reason == "length" for s in adapter_seqs)
+    assert eng.stats.load_wait_seconds > 0
+
+
+def test_prefetch_starts_before_the_request_reaches_the_head(tiny):
+    eng = engine(tiny, max_num_seqs=1)
+    heads = [eng.add_request(prompt(i), GREEDY, None) for i in range(3)]
+    tail = eng.add_request(prompt(5), GREEDY, "adapter-01")
+    eng.step()
+    assert eng.scheduler.waiting[0] is heads[1]  # the adapter request is third in line
+    assert eng.pool.state("adapter-01") in (SlotState.LOADING, SlotState.READY)
+    run(eng)
+    assert tail.finish_reason == "length"
+
+
+def test_abort_frees_kv_blocks_and_slot_references(tiny):
+    eng = engine(tiny)
+    free_blocks = eng.scheduler.allocator.num_free
+    seq = eng.add_request(prompt(1, 40), SamplingParams(max_tokens=50), "adapter-02")
+    for _ in range(200):
+        eng.step()
+        if seq.status is SeqStatus.RUNNING and seq.output_ids:
+            break
+    slot = seq.slot
+    assert eng.pool.slots[slot].refs == 1
+    eng.abort(seq)
+    assert seq.finish_reason == "abort"
+    assert eng.scheduler.allocator.num_free == free_blocks
+    assert eng.pool.slots[slot].refs == 0
+    assert not eng.has_work()
+    eng.pool.check_integrity()
+
+
+def test_aging_lets_a_skipped_adapter_run_despite_a_stream_of_others(tiny):
+    eng = engine(tiny, max_loras_per_batch=1, aging_steps=4, num_slots=3)
+    eng.add_request(prompt(0), GREEDY, "adapter-00")
+    for _ in range(3):
+        eng.step()
+    starved = eng.add_request(prompt(1), GREEDY, "adapter-01")
+    for i in range(200):  # adapter-00 traffic never stops arriving
+        eng.add_request(prompt(i + 2), GREEDY, "adapter-00")
+        eng.step()
+        if starved.status is SeqStatus.FINISHED:
+            break
+    assert starved.finish_reason == "length", "aging must end the starvation"
+    assert starved.skips >= 4
+
+
+def test_failed_adapter_load_ends_its_requests_with_an_error(tiny):
+    class Broken(SlowSource):
+        def fetch(self, name):
+            if name == "adapter-03":
+                raise OSError("disk on fire")
+            return super().fetch(name)
+
+    eng = engine(tiny, Broken(tiny))
+    bad = eng.add_request(prompt(1), GREEDY, "adapter-03")
+    good = eng.add_request(prompt(2), GREEDY, "adapter-00")
+    run(eng)
+    assert bad.finish_reason == "error" and "disk on fire" in bad.error
+    assert good.finish_reason == "length"
+    eng.pool.check_integrity()
+
+
+def test_base_slot_unpinned_ablation_still_correct(tiny):
+    eng = engine(tiny, pin_base_slot=False, num_slots=3)
+    seqs = [eng.add_request(prompt(i), GREEDY, [None, "adapter-00", "adapter-01"][i % 3])
+            for i in range(6)]  # fmt: skip
+    run(eng)
+    ref = engine(tiny, num_slots=4)
+    for s in seqs:
+        assert s.output_ids == ref.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+    assert eng.prefetcher.loads_started >= 3  # the base had to be "loaded" like an adapter
+
+
+@pytest.mark.parametrize("loading", ["overlap", "sync"])
+def test_loading_modes_agree(tiny, loading):
+    eng = engine(tiny, adapter_loading=loading, num_slots=3)
+    seqs = [eng.add_request(prompt(i), GREEDY, list(tiny.adapters)[i % 4]) for i in range(8)]
+    run(eng)
+    ref = engine(tiny, num_slots=5)
+    for s in seqs:
+        assert s.output_ids == ref.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+
+
+def test_batch_preparation_reads_no_device_value(tiny):
+    """Batch preparation against `meta` tensors, where any read of a device value raises."""
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        torch.zeros(2, device="meta").tolist()
+    seqs = []
+    for i, (n_computed, n_tokens) in enumerate([(9, 10), (0, 7), (4, 12)]):
+        s = Sequence(f"r{i}", list(range(3, 3 + n_tokens)), GREEDY, None, i, slot=i % 2)
+        s.num_computed, s.blocks = n_computed, [i * 4 + b for b in range(4)]
+        seqs.append(s)
+    work = [(seqs[0], 1), (seqs[1], 7), (seqs[2], 5)]
+    batch, rows, sampled = prepare_batch(work, 4, [0, 16], [0.0, 2.0], torch.device("meta"))
+    assert batch.input_ids.device.type == "meta" and rows.device.type == "meta"
+    assert batch.lora.seg_slots.device.type == "meta"
+    assert batch.attn.num_decode == 1 and batch.lora.has_lora
+    assert batch.lora.max_seg_len == 7 and sampled == seqs[:2]
