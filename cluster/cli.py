@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
     from cluster import bench_kernels
 
+    from cluster import bench_engine
+
+    p = bench.add_parser("engine", help="The replica engine in-process: scenarios, ablations.")
+    bench_engine.add_arguments(p)
+    p.set_defaults(func=bench_engine.run)
+
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)
     p.set_defaults(func=bench_kernels.run)

@@ -1,0 +1,377 @@
+"""`lorafleet bench engine`: the replica engine in-process, scenarios, ablations, a baseline.
+
+Every figure is measured on this machine in this run; each ratio is printed
+next to the ceiling the hardware allows. `--json PATH` writes all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cluster.demo_assets import DemoSpec, cached_demo_assets
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from replica.sampling import SamplingParams
+from replica.sequence import Sequence
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    adapters: list[str | None]
+    max_tokens: int
+    concurrency: int
+
+
+@dataclass
+class RunResult:
+    name: str
+    tok_per_s: float
+    wall_s: float
+    ttft: dict[str, list[float]] = field(default_factory=dict)  # "base" / "adapter" -> seconds
+    e2e: dict[str, list[float]] = field(default_factory=dict)
+    adapter_loads: int = 0
+    load_wait_s: float = 0.0
+    evictions: int = 0
+
+    def summary(self) -> dict:
+        out = {
+            "tok_per_s": self.tok_per_s,
+            "wall_s": self.wall_s,
+            "adapter_loads": self.adapter_loads,
+            "load_wait_s": self.load_wait_s,
+            "evictions": self.evictions,
+        }
+        for metric, values in (("ttft", self.ttft), ("e2e", self.e2e)):
+            for kind, xs in values.items():
+                if xs:
+                    out[f"{metric}_{kind}_p50_s"] = _pct(xs, 50)
+                    out[f"{metric}_{kind}_p95_s"] = _pct(xs, 95)
+        return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapters", type=int, default=16, help="Distinct adapters in the workload.")
+    p.add_argument("--requests", type=int, default=64, help="Requests per scenario.")
+    p.add_argument("--concurrency", type=int, default=32, help="Requests in flight at once.")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--slots", type=int, default=8, help="Device slots in churn scenarios.")
+    p.add_argument("--zipf-alpha", type=float, default=1.0)
+    p.add_argument("--baseline-requests", type=int, default=32,
+                   help="Requests timed through transformers + PEFT.")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="A few-second smoke run.")
+    p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.adapters, args.requests, args.concurrency = 4, 8, 4
+        args.prompt_len, args.output_len, args.slots, args.baseline_requests = 16, 8, 3, 2
+    torch.manual_seed(args.seed)
+    assets = cached_demo_assets(DemoSpec(num_adapters=args.adapters))
+    names = list(assets.adapters)
+    rng = random.Random(args.seed)
+    vocab = DemoSpec().vocab_size
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)
+    ]
+
+    def workload(name: str, pick) -> Workload:
+        chosen = [pick(i) for i in range(args.requests)]
+        return Workload(name, prompts, chosen, args.output_len, args.concurrency)
+
+    zipf = _zipf_weights(len(names), args.zipf_alpha)
+    scenarios = {
+        "uniform": workload("uniform", lambda i: rng.choice(names)),
+        "zipf": workload("zipf", lambda i: rng.choices(names, zipf)[0]),
+        "distinct": workload("distinct", lambda i: names[i % len(names)]),
+        "mixed": workload("mixed", lambda i: None if i % 2 else names[(i // 2) % len(names)]),
+        "base_only": workload("base_only", lambda i: None),
+    }
+    base_cfg = dict(model=str(assets.model_dir), device="auto", max_num_seqs=args.concurrency,
+                    kv_cache_bytes=_kv_bytes(args), max_loras_per_batch=args.adapters)  # fmt: skip
+    churn = dict(base_cfg, num_slots=args.slots + 1, max_loras_per_batch=args.slots)
+    fits = dict(base_cfg, num_slots=args.adapters + 1)
+    report: dict = {"machine": _machine(), "args": _jsonable(vars(args)), "scenarios": {}}
+
+    print(
+        f"engine bench: {args.requests} requests x {args.prompt_len}+{args.output_len} tokens, "
+        f"{args.concurrency} concurrent, {args.adapters} adapters, {args.slots} slots in churn"
+    )
+    results = {}
+    for name, wl in scenarios.items():
+        results[name] = _run(EngineConfig(**churn), assets, wl)
+    results["all_resident_uniform"] = _run(EngineConfig(**fits), assets, scenarios["uniform"])
+    results["distinct_sync_loading"] = _run(
+        EngineConfig(**churn, adapter_loading="sync"), assets, scenarios["distinct"]
+    )
+    results["mixed_base_unpinned"] = _run(
+        EngineConfig(**churn, pin_base_slot=False), assets, scenarios["mixed"]
+    )
+    for name, r in results.items():
+        report["scenarios"][name] = r.summary()
+    _print_table(results)
+
+    baseline = _hf_peft_baseline(assets, scenarios["uniform"], args.baseline_requests)
+    report["hf_peft_baseline"] = baseline
+    ours = results["all_resident_uniform"].tok_per_s
+    report["speedup_vs_hf_peft"] = ours / baseline["tok_per_s"]
+    report["speedup_ceiling_estimate"] = baseline["ceiling_speedup"]
+    on = results["distinct"].load_wait_s
+    off = results["distinct_sync_loading"].load_wait_s
+    report["load_stall_ratio_overlap_on_vs_off"] = on / off if off else float("nan")
+    base_only = _pct(results["base_only"].ttft["base"], 50)
+    report["base_ttft_p50_ratio_churn_vs_base_only"] = (
+        _pct(results["mixed"].ttft["base"], 50) / base_only
+    )
+    report["base_ttft_p50_ratio_unpinned_vs_base_only"] = (
+        _pct(results["mixed_base_unpinned"].ttft["base"], 50) / base_only
+    )
+    report.update(_decode_step(assets, min(16, args.adapters), args))
+    _print_headline(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+# -- one engine run -----------------------------------------------------------------------------
+
+
+def _run(config: EngineConfig, assets, wl: Workload) -> RunResult:
+    eng = LLMEngine(config)
+    try:
+        for name, path in assets.adapters.items():
+            eng.load_adapter(name, path)  # validated into the host cache, not into slots
+        return _drive(eng, wl)
+    finally:
+        eng.shutdown()
+
+
+def _drive(eng: LLMEngine, wl: Workload) -> RunResult:
+    sampling = SamplingParams(max_tokens=wl.max_tokens, ignore_eos=True)
+    pending = list(zip(wl.prompts, wl.adapters))[::-1]
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: list[tuple[Sequence, float]] = []
+    live: list[Sequence] = []
+    start = time.perf_counter()
+    for _ in range(1_000_000):  # bounded: every step makes progress or loads land
+        while pending and len(live) < wl.concurrency:
+            prompt, adapter = pending.pop()
+            seq = eng.add_request(prompt, sampling, adapter)
+            arrival[seq.request_id] = time.perf_counter()
+            live.append(seq)
+        if not live:
+            break
+        for out in eng.step():
+            now = time.perf_counter()
+            first.setdefault(out.seq.request_id, now)
+            if out.finished:
+                live.remove(out.seq)
+                done.append((out.seq, now))
+    wall = time.perf_counter() - start
+    result = RunResult(wl.name, sum(len(s.output_ids) for s, _ in done) / wall, wall)
+    for seq, end in done:
+        kind = "base" if seq.adapter is None else "adapter"
+        result.ttft.setdefault(kind, []).append(first[seq.request_id] - arrival[seq.request_id])
+        result.e2e.setdefault(kind, []).append(end - arrival[seq.request_id])
+    result.adapter_loads = eng.prefetcher.loads_started
+    result.load_wait_s = eng.stats.load_wait_seconds
+    result.evictions = eng.pool.num_evictions
+    return result
+
+
+# -- the baseline a user would write without us -------------------------------------------------
+
+
+def _hf_peft_baseline(assets, wl: Workload, n: int) -> dict:
+    """transformers + PEFT, one request at a time, switching adapters per request."""
+    try:
+        from peft import PeftModel
+    except ImportError as e:  # peft is a test/bench extra
+        raise SystemExit("bench engine needs peft: pip install 'lorafleet[test]'") from e
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32).eval()
+    names = [a for a in dict.fromkeys(wl.adapters[:n]) if a is not None]
+    model = PeftModel.from_pretrained(base, assets.adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(assets.adapters[name], adapter_name=name)
+    prefill_s, tokens, start = 0.0, 0, time.perf_counter()
+    with torch.inference_mode():
+        for prompt, adapter in zip(wl.prompts[:n], wl.adapters[:n]):
+            model.set_adapter(adapter)
+            ids = torch.tensor([prompt])
+            t0 = time.perf_counter()
+            model(input_ids=ids)
+            prefill_s += time.perf_counter() - t0
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=wl.max_tokens, min_new_tokens=wl.max_tokens, pad_token_id=0,
+            )  # fmt: skip
+            tokens += out.shape[1] - len(prompt)
+    wall = time.perf_counter() - start - prefill_s  # the extra prefill was only to time it
+    per_request = wall / n
+    prefill = prefill_s / n
+    decode_per_token = (per_request - prefill) / wl.max_tokens
+    # Ceiling: prefill cannot beat the baseline (compute-bound); decode steps at best cost
+    # one baseline decode step for the whole batch (bandwidth-bound, batch for free).
+    batches = -(-len(wl.prompts) // wl.concurrency)
+    ideal = len(wl.prompts) * prefill + batches * wl.max_tokens * decode_per_token
+    return {
+        "requests": n,
+        "tok_per_s": tokens / wall,
+        "prefill_s_per_request": prefill,
+        "decode_s_per_token": decode_per_token,
+        "ceiling_speedup": len(wl.prompts) * per_request / ideal,
+    }
+
+
+# -- decode step cost with 16 distinct adapters vs base ------------------------------------------
+
+
+def _decode_step(assets, n_adapters: int, args: argparse.Namespace) -> dict:
+    names = list(assets.adapters)[:n_adapters]
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
+                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
+                       kv_cache_bytes=_kv_bytes(args))  # fmt: skip
+    eng = LLMEngine(cfg)
+    try:
+        for name in names:
+            eng.load_adapter(name, assets.adapters[name])
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
+        base_s = _steady_decode_step(eng, prompts, [None] * len(names))
+        lora_s = _steady_decode_step(eng, prompts, names)
+        base_bytes = sum(t.nbytes for t in _base_weights(eng))
+        lora_bytes = sum(eng.host_cache.get(n).nbytes for n in names)
+    finally:
+        eng.shutdown()
+    step_ratio = lora_s / base_s
+    bytes_ratio = (base_bytes + lora_bytes) / base_bytes
+    return {
+        "decode_step_base_s": base_s,
+        "decode_step_16_adapters_s": lora_s,
+        "decode_step_ratio_16_adapters_vs_base": step_ratio,
+        "decode_bytes_ratio_16_adapters_vs_base": bytes_ratio,
+        "decode_step_overhead_vs_bytes": step_ratio / bytes_ratio,
+        "decode_batch": len(names),
+    }
+
+
+def _steady_decode_step(eng: LLMEngine, prompts, adapters, steps: int = 12) -> float:
+    """Median time of a decode-only step with every sequence in the batch."""
+    sampling = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    seqs = [eng.add_request(p, sampling, a) for p, a in zip(prompts, adapters)]
+    for _ in range(10_000):  # prefill everything, wait for loads
+        eng.step()
+        if all(s.output_ids for s in seqs):
+            break
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    for s in seqs:
+        eng.abort(s)
+    return statistics.median(times)
+
+
+def _base_weights(eng: LLMEngine) -> list[torch.Tensor]:
+    m = eng.model
+    tensors = [m.lm_head, m.norm.weight]
+    for layer in m.layers:
+        tensors += [
+            layer.qkv_proj.weight,
+            layer.o_proj.weight,
+            layer.gate_up_proj.weight,
+            layer.down_proj.weight,
+            layer.input_norm.weight,
+            layer.post_attn_norm.weight,
+        ]
+    return tensors  # the embedding table is gathered by row, not read whole
+
+
+# -- printing and helpers -----------------------------------------------------------------------
+
+
+def _print_table(results: dict[str, RunResult]) -> None:
+    cols = ("tok/s", "TTFT p50 base", "TTFT p50 lora", "E2E p95 base", "E2E p95 lora", "loads",
+            "load wait s")  # fmt: skip
+    print(f"{'scenario':<24}" + "".join(f"{c:>15}" for c in cols))
+    for name, r in results.items():
+        s = r.summary()
+        row = [f"{r.tok_per_s:.1f}", _ms(s, "ttft_base_p50_s"), _ms(s, "ttft_adapter_p50_s"),
+               _ms(s, "e2e_base_p95_s"), _ms(s, "e2e_adapter_p95_s"), str(r.adapter_loads),
+               f"{r.load_wait_s:.3f}"]  # fmt: skip
+        print(f"{name:<24}" + "".join(f"{c:>15}" for c in row))
+
+
+def _print_headline(r: dict) -> None:
+    b = r["hf_peft_baseline"]
+    print(f"\ntransformers+PEFT baseline: {b['tok_per_s']:.1f} tok/s over {b['requests']} requests")
+    print(
+        f"speedup_vs_hf_peft                       {r['speedup_vs_hf_peft']:.2f}x "
+        f"(ceiling ~{r['speedup_ceiling_estimate']:.1f}x; target >= 6x)"
+    )
+    print(
+        f"load_stall_ratio_overlap_on_vs_off       {r['load_stall_ratio_overlap_on_vs_off']:.3f} "
+        "(ceiling 0; target <= 0.05)"
+    )
+    print(
+        f"base_ttft_p50_ratio_churn_vs_base_only   "
+        f"{r['base_ttft_p50_ratio_churn_vs_base_only']:.2f} (ideal 1.0; target <= 1.5)"
+    )
+    print(
+        f"base_ttft_p50_ratio_unpinned_vs_base_only "
+        f"{r['base_ttft_p50_ratio_unpinned_vs_base_only']:.2f} (ablation: base slot unpinned)"
+    )
+    step = r["decode_step_ratio_16_adapters_vs_base"]
+    print(f"decode_step_ratio_16_adapters_vs_base    {step:.3f}"
+          f" vs bytes ratio {r['decode_bytes_ratio_16_adapters_vs_base']:.3f} -> "
+          f"decode_step_overhead_vs_bytes {r['decode_step_overhead_vs_bytes']:.3f} "
+          "(ceiling 1.0; target <= 1.15)")  # fmt: skip
+
+
+def _kv_bytes(args: argparse.Namespace) -> int:
+    spec = DemoSpec()
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    return int(per_token * (args.prompt_len + args.output_len + 32) * args.concurrency * 1.25)
+
+
+def _zipf_weights(n: int, alpha: float) -> list[float]:
+    return [1.0 / (k + 1) ** alpha for k in range(n)]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def _ms(summary: dict, key: str) -> str:
+    return f"{summary[key] * 1000:.0f} ms" if key in summary else "-"
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
