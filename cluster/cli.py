@@ -7,8 +7,23 @@ import json
 import sys
 from pathlib import Path
 
+import pydantic
+
 from cluster import demo_assets
 from cluster.engine_args import add_engine_arguments, engine_config_from_args
+from replica.adapter_format import AdapterFormatError
+from replica.engine import RequestError
+from replica.model_config import ModelConfigError
+from replica.weights import WeightLoadError
+
+# Problems with what the user asked for: one line on stderr, exit code 2, no traceback.
+USER_ERRORS = (
+    AdapterFormatError,
+    ModelConfigError,
+    RequestError,
+    WeightLoadError,
+    pydantic.ValidationError,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=bench_kernels.run)
 
     args = parser.parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except USER_ERRORS as e:
+        print(f"lorafleet: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _demo_assets(args: argparse.Namespace) -> int:
