@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
-    from cluster import bench_kernels
-
-    from cluster import bench_engine
+    from cluster import bench_engine, bench_kernels
 
     p = bench.add_parser("engine", help="The replica engine in-process: scenarios, ablations.")
     bench_engine.add_arguments(p)
