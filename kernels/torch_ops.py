@@ -1,23 +1,29 @@
 """Fast torch path of the multi-LoRA ops: the CPU backend (and CUDA when forced).
 
-Formulation, picked by measurement (`lorafleet bench kernels`, numbers in the
-lead's report): tokens are grouped by slot, slots by rank; slots of one rank
-that sit next to each other in the stacked buffers form a *run*, and a run is
-one `torch.bmm` on a zero-copy view `a[lo:hi, rows, :]` / `b[lo:hi, :, :r]`.
-So each used slot's A and B are read once, never gathered (a gather reads,
-writes and re-reads them: 3x the bytes), and 32 decode tokens with 32
-adapters cost a handful of ops, not one Python iteration each. Alternatives
-measured and rejected: gather + bmm (copies the weights), F.grouped_mm
-(a per-group cost in its CPU fallback, 4-5x slower than bmm at hidden 512),
-einsum / mul-sum (slower than bmm, same bytes).
+Formulation: tokens are grouped by slot and slots by rank; used slots of one
+rank that sit next to each other in the stacked buffers form a *run*, computed
+as one `torch.bmm` over a zero-copy view of the buffers (`a[lo:hi]`,
+`b[lo:hi, :, :r]`), or, for a run of one slot, one 2-D matmul. Each used
+slot's A and B are read once and only up to its rank; nothing is gathered.
 
-A run may bridge a gap of unused slots when reading them is cheaper than
-another run (`_GAP_BYTES`); their rows are zero-padded and dropped. A slot
-with many tokens (prefill) forms a run alone. Plans are memoized on the
-metadata's values, so every layer of a step reuses its step's plan.
+Picked by measurement (decode, 32 tokens with 32 rank-16 adapters, fp32,
+weights cold, 2-core CPU; `lorafleet bench kernels` and the report of the
+task that wrote this): vs the per-sequence loop, runs + bmm 3.0x at hidden
+512 and 1.3x at 4096 (where the loop already moves bytes near the memory
+bandwidth); gather + bmm (BGMV-style, copies every token's A/B) 1.5x / 0.5x;
+F.grouped_mm over the slot range 2.2x / 1.25x (a per-group cost in its CPU
+fallback); einsum is bmm underneath.
+
+A run may bridge a gap of unused slots when reading them costs less than
+another run's fixed op overhead (`_GAP_BYTES`); their rows are zero-padded
+and dropped. A slot with many tokens (prefill) forms a run alone. Plans are
+memoized on the metadata's values, so every layer of a step reuses the plan
+its first layer built.
 
 Reads the metadata on the host: free on CPU, a device sync on CUDA (where
-this path only runs when LORAFLEET_KERNELS=torch forces it).
+this path only runs when LORAFLEET_KERNELS=torch forces it). fp16/bf16
+weights are widened to fp32 per call (exact, but 3x the bytes): CPU serving
+is fp32.
 """
 
 from __future__ import annotations
@@ -39,21 +45,28 @@ _GAP_BYTES = 192 * 1024
 
 @dataclass(frozen=True)
 class _Run:
-    """Slots [lo, hi) of one rank, computed as one bmm over a buffer view."""
+    """Used slots in [lo, hi), all of one rank: one matmul over a view of the buffers."""
 
     lo: int  # first slot
     hi: int  # one past the last slot
     rank: int  # r: the rank of every used slot in the run
-    m: int  # tokens per slot after zero padding
+    m: int  # tokens per slot after zero padding (bmm runs)
     rows: torch.Tensor  # [n] int64: token rows in (slot, token) order
-    pos: torch.Tensor | None  # [n] int64: place of each row in the padded [(hi-lo)*m]; None = dense
-    row_range: tuple[int, int] | None  # rows are exactly range(*row_range), dense: use views
+    row_range: tuple[int, int] | None  # rows are exactly range(*row_range): use views
+    pos: torch.Tensor | None  # [n] int64: each row's place in the padded [(hi-lo)*m]; None: dense
+    alpha: float  # scaling shared by every used slot (1.0 when they differ)
+    row_scale: torch.Tensor | None  # [n, 1] fp32 per-row scaling when slots differ
+
+    @property
+    def single(self) -> bool:
+        return self.hi - self.lo == 1
 
 
 def _runs(
     indptr: tuple[int, ...],
     slots: tuple[int, ...],
     ranks: tuple[int, ...],
+    scalings: tuple[float, ...],
     r_max: int,
     bytes_per_rank: int,
     device: torch.device,
@@ -71,10 +84,9 @@ def _runs(
     groups: list[list[int]] = []
     for s in sorted((s for s in rows_of if ranks[s] > 0), key=lambda s: (ranks[s], s)):
         prev = groups[-1][-1] if groups else None
-        small = len(rows_of[s]) <= _SMALL_TOKENS
         if (
             prev is not None
-            and small
+            and len(rows_of[s]) <= _SMALL_TOKENS
             and len(rows_of[prev]) <= _SMALL_TOKENS
             and ranks[prev] == ranks[s]
             and (s - prev - 1) * ranks[s] * bytes_per_rank <= _GAP_BYTES
@@ -82,60 +94,92 @@ def _runs(
             groups[-1].append(s)
         else:
             groups.append([s])
-    return tuple(_make_run(g, rows_of, ranks, device) for g in groups)
+    return tuple(_make_run(g, rows_of, ranks, scalings, device) for g in groups)
 
 
 def _make_run(
-    group: list[int], rows_of: dict[int, list[int]], ranks: tuple[int, ...], device: torch.device
+    group: list[int],
+    rows_of: dict[int, list[int]],
+    ranks: tuple[int, ...],
+    scalings: tuple[float, ...],
+    device: torch.device,
 ) -> _Run:
     lo, hi = group[0], group[-1] + 1
     m = max(len(rows_of[s]) for s in group)
     rows = [t for s in group for t in rows_of[s]]
     dense = len(rows) == (hi - lo) * m
     pos = None if dense else [(s - lo) * m + i for s in group for i in range(len(rows_of[s]))]
-    contiguous = dense and rows == list(range(rows[0], rows[0] + len(rows)))
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    shared = len({scalings[s] for s in group}) == 1
+    row_scale = [scalings[s] for s in group for _ in rows_of[s]]
     return _Run(
         lo=lo,
         hi=hi,
         rank=ranks[group[0]],
         m=m,
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        pos=None if pos is None else torch.tensor(pos, dtype=torch.int64, device=device),
         row_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
+        pos=None if pos is None else torch.tensor(pos, dtype=torch.int64, device=device),
+        alpha=scalings[group[0]] if shared else 1.0,
+        row_scale=None
+        if shared
+        else torch.tensor(row_scale, dtype=torch.float32, device=device)[:, None],
     )
 
 
-_cached_runs = functools.lru_cache(maxsize=64)(_runs)
+@functools.lru_cache(maxsize=64)
+def _cached_runs(
+    key: tuple[bytes, bytes, bytes, bytes], r_max: int, bytes_per_rank: int, device: torch.device
+) -> tuple[_Run, ...]:
+    indptr, slots, ranks = (tuple(memoryview(k).cast("i")) for k in key[:3])
+    scalings = tuple(memoryview(key[3]).cast("f"))
+    return _runs(indptr, slots, ranks, scalings, r_max, bytes_per_rank, device)
 
 
 def _plan(seg: SegmentInfo, r_max: int, bytes_per_rank: int, device: torch.device):
-    # Memoized on the metadata's values (not the object), so buffers the
-    # engine refills in place can never serve a stale plan.
-    return _cached_runs(
-        tuple(seg.seg_indptr.tolist()),
-        tuple(seg.seg_slots.tolist()),
-        tuple(seg.slot_ranks.tolist()),
-        r_max,
-        bytes_per_rank,
-        device,
-    )
+    # Memoized on the metadata's values, not the object, so buffers the engine
+    # refills in place never serve a stale plan; every layer of a step hits the
+    # entry its first layer made. (Raw bytes: the cheapest exact key.)
+    meta = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings)
+    key = tuple(t.cpu().numpy().tobytes() for t in meta)
+    return _cached_runs(key, r_max, bytes_per_rank, device)
 
 
-def _gather(src: torch.Tensor, run: _Run) -> torch.Tensor:
-    """src rows of the run, zero-padded: [(hi-lo), m, src.shape[1]]."""
-    shape = (run.hi - run.lo, run.m, src.shape[1])
+def _cut(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
+    """t[start:end] along dim (negative dims count from the end); t itself when that
+    is all of it: at decode sizes each view op skipped is measurable."""
+    if start == 0 and end == t.shape[dim]:
+        return t
+    if dim < 0:
+        return t[(Ellipsis, slice(start, end)) + (slice(None),) * (-1 - dim)]
+    return t[(slice(None),) * dim + (slice(start, end),)]
+
+
+def _rows(src: torch.Tensor, run: _Run) -> torch.Tensor:
+    """src[run.rows] as float32: [n, src.shape[1]]; a view when the rows are a range."""
     if run.row_range is not None:
-        return src[run.row_range[0] : run.row_range[1]].reshape(shape)
-    picked = src.index_select(0, run.rows)
+        return _cut(src, 0, *run.row_range).float()
+    return src.index_select(0, run.rows).float()
+
+
+def _slots(buf: torch.Tensor, run: _Run) -> torch.Tensor:
+    """The run's slots of a stacked buffer, a view: buf[lo] for one slot, else buf[lo:hi]."""
+    return buf[run.lo] if run.single else buf[run.lo : run.hi]
+
+
+def _matmul(p: torch.Tensor, w: torch.Tensor, run: _Run) -> torch.Tensor:
+    """p @ wᵀ per slot of the run: p [n, k] rows, w [N, k] (one slot) or
+    [(hi-lo), N, k] -> [n, N] fp32. One slot is a plain 2-D matmul (a batch-of-one
+    bmm costs more per call); several are one bmm over the padded rows."""
+    if run.single:
+        return torch.nn.functional.linear(p, w.float())
+    shape = (run.hi - run.lo, run.m, p.shape[1])
     if run.pos is None:
-        return picked.view(shape)
-    padded = src.new_zeros(shape[0] * shape[1], shape[2])
-    return padded.index_copy_(0, run.pos, picked).view(shape)
-
-
-def _valid(res: torch.Tensor, run: _Run) -> torch.Tensor:
-    """Drop the padding rows of a [(hi-lo), m, w] result: [n, w] in run.rows order."""
-    flat = res.reshape(-1, res.shape[-1])
+        p = p.reshape(shape)
+    else:
+        p = p.new_zeros(shape[0] * shape[1], shape[2]).index_copy_(0, run.pos, p).view(shape)
+    res = torch.bmm(p, w.float().transpose(1, 2))  # [(hi-lo), m, N]
+    flat = res.view(-1, res.shape[-1])
     return flat if run.pos is None else flat.index_select(0, run.pos)
 
 
@@ -152,17 +196,19 @@ def lora_shrink(
         return out
     r_max = a.shape[1] // num_slices
     for run in _plan(seg, r_max, num_slices * a.shape[2] * a.element_size(), x.device):
-        xs = _gather(x, run).float()  # [(hi-lo), m, in]
-        r = run.rank
-        # one bmm for every slice when the rank fills them; else one per slice
-        col_ranges = [(0, a.shape[1])] if r == r_max else [(j * r_max, j * r_max + r) for j in range(num_slices)]
+        xs = _rows(x, run)  # [n, in]
+        w_all = _slots(a, run)  # [(hi-lo,) num_slices*R, in]
+        # a rank filling every slice is one matmul over all of a's rows
+        if run.rank == r_max:
+            col_ranges = [(0, a.shape[1])]
+        else:
+            col_ranges = [(j * r_max, j * r_max + run.rank) for j in range(num_slices)]
         for c0, c1 in col_ranges:
-            w = a[run.lo : run.hi, c0:c1].float()  # [(hi-lo), c1-c0, in]: a view for fp32
-            res = torch.bmm(xs, w.transpose(1, 2))  # [(hi-lo), m, c1-c0]
+            res = _matmul(xs, _cut(w_all, -2, c0, c1), run)  # [n, c1-c0]
             if run.row_range is not None:
-                out[run.row_range[0] : run.row_range[1], c0:c1] = res.reshape(-1, c1 - c0)
+                _cut(_cut(out, 0, *run.row_range), 1, c0, c1).copy_(res)
             else:
-                out[:, c0:c1].index_copy_(0, run.rows, _valid(res, run))
+                _cut(out, 1, c0, c1).index_copy_(0, run.rows, res)
     return out
 
 
@@ -180,26 +226,24 @@ def lora_expand(
     r_max = b.shape[2]
     used_cols = slice_offsets[-1] - slice_offsets[0]
     for run in _plan(seg, r_max, used_cols * b.element_size(), y.device):
-        r = run.rank
-        # scale the small intermediate, not the output
-        scale = seg.slot_scalings[run.lo : run.hi].view(-1, 1, 1)
-        t = _gather(inter, run) * scale  # [(hi-lo), m, num_slices*R]
+        t = _rows(inter, run)  # [n, num_slices*R]
+        if run.row_scale is not None:
+            t = t * run.row_scale  # slots differ in scaling: scale the small side
+        w_all = _cut(_slots(b, run), -1, 0, run.rank)  # [(hi-lo,) out_total, r]
         for j in range(len(slice_offsets) - 1):
             c0, c1 = slice_offsets[j], slice_offsets[j + 1]
-            w = b[run.lo : run.hi, c0:c1, :r].float()  # [(hi-lo), c1-c0, r]: a view for fp32
-            res = torch.bmm(t[:, :, j * r_max : j * r_max + r], w.transpose(1, 2))
-            _accumulate(y[:, c0:c1], res, run)
+            t_j = _cut(t, 1, j * r_max, j * r_max + run.rank)  # [n, r]
+            res = _matmul(t_j, _cut(w_all, -2, c0, c1), run)  # [n, c1-c0]
+            _accumulate(_cut(y, 1, c0, c1), res, run)
     return y
 
 
 def _accumulate(y_cols: torch.Tensor, res: torch.Tensor, run: _Run) -> None:
-    """y_cols[run rows] += res (fp32), rounding once into y's dtype."""
+    """y_cols[run.rows] += alpha * res (fp32), rounded once into y's dtype."""
     if run.row_range is not None:
-        # in-place add promotes to fp32 and rounds once on store
-        y_cols[run.row_range[0] : run.row_range[1]].add_(res.reshape(-1, res.shape[-1]))
-        return
-    delta = _valid(res, run)
-    if y_cols.dtype == torch.float32:
-        y_cols.index_add_(0, run.rows, delta)
+        # in-place add computes in fp32 and rounds once on store
+        _cut(y_cols, 0, *run.row_range).add_(res, alpha=run.alpha)
+    elif y_cols.dtype == torch.float32:
+        y_cols.index_add_(0, run.rows, res, alpha=run.alpha)
     else:
-        y_cols[run.rows] = (y_cols[run.rows] + delta).to(y_cols.dtype)
+        y_cols[run.rows] = torch.add(y_cols[run.rows], res, alpha=run.alpha).to(y_cols.dtype)

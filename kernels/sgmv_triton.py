@@ -1,0 +1,282 @@
+"""Triton SGMV kernels for the multi-LoRA ops: CUDA, or CPU under TRITON_INTERPRET=1.
+
+Imported lazily by `kernels.lora_shrink` / `kernels.lora_expand` when the
+triton backend is chosen, so importing `kernels` never needs triton.
+
+Both kernels launch one program per (segment, token block, slice x column
+block[, K split]). The grid is sized from host ints only (number of segments,
+SegmentInfo.max_seg_len, the buffers' R and the slice widths): no launcher
+reads a device value. A program whose segment is slot 0 or empty, or whose
+block lies past its segment's tokens or its slot's rank, returns after a few
+scalar loads, so slot 0 costs nothing but those. Accumulation is fp32.
+
+Tile configurations: decode batches (every segment <= _DECODE_MAX_SEG tokens)
+use 16-row tiles and, for shrink, a K split so that a few segments still fill
+the GPU; prefill batches use 64-row tiles. Decode is bandwidth-bound and a
+masked tile row reads no memory, so the idle MMA rows cost little; a
+BGMV-style variant (tl.sum instead of tl.dot) moves the same bytes and is
+worth adding only if it measures faster on a GPU. Configurations have not
+been tuned on a GPU yet.
+
+Tiles are widened to fp32 before tl.dot: one code path for every dtype, exact
+products for fp16/bf16 under tf32, and the interpreter's bf16 dot (wrong in
+triton 3.9) is never used.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.segments import SegmentInfo
+
+_DECODE_MAX_SEG = 16
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,  # [T, K]
+    a_ptr,  # [S, num_slices*R, K]
+    out_ptr,  # [T, num_slices*R] fp32, zeroed when SPLIT_K > 1
+    indptr_ptr,  # [G+1] int32
+    seg_slots_ptr,  # [G] int32
+    ranks_ptr,  # [S] int32
+    K,
+    R,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_ot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid = tl.program_id(2)
+    pid_k = pid % SPLIT_K
+    n_blocks = tl.cdiv(R, BLOCK_N)
+    j = pid // SPLIT_K // n_blocks  # slice
+    pid_n = pid // SPLIT_K % n_blocks
+
+    slot = tl.load(seg_slots_ptr + g)
+    if slot == 0:
+        return
+    end = tl.load(indptr_ptr + g + 1)
+    m0 = tl.load(indptr_ptr + g) + pid_m * BLOCK_M
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R)
+    n0 = pid_n * BLOCK_N
+    if m0 >= end or n0 >= rank:
+        return
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < end
+    mask_n = offs_n < rank
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + (j * R + offs_n)[None, :] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xk = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        ak = tl.load(a_rows + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.dot(xk.to(tl.float32), ak.to(tl.float32), input_precision=PRECISION)
+
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + (j * R + offs_n)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _expand_kernel(
+    inter_ptr,  # [T, num_slices*R] fp32
+    b_ptr,  # [S, N, R]
+    y_ptr,  # [T, N], updated in place
+    indptr_ptr,  # [G+1] int32
+    seg_slots_ptr,  # [G] int32
+    ranks_ptr,  # [S] int32
+    scalings_ptr,  # [S] fp32
+    slice_offsets_ptr,  # [num_slices+1] int32
+    R,
+    N_BLOCKS,  # column blocks per slice (of the widest slice)
+    stride_it,
+    stride_bs,
+    stride_bn,
+    stride_yt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid = tl.program_id(2)
+    j = pid // N_BLOCKS  # slice
+    pid_n = pid % N_BLOCKS
+
+    slot = tl.load(seg_slots_ptr + g)
+    if slot == 0:
+        return
+    end = tl.load(indptr_ptr + g + 1)
+    m0 = tl.load(indptr_ptr + g) + pid_m * BLOCK_M
+    c1 = tl.load(slice_offsets_ptr + j + 1)
+    n0 = tl.load(slice_offsets_ptr + j) + pid_n * BLOCK_N
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R)
+    if m0 >= end or n0 >= c1 or rank == 0:
+        return
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < end
+    mask_n = offs_n < c1
+    t_rows = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_it + j * R
+    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, rank, BLOCK_K):  # bounded by this slot's rank, not R
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < rank
+        t = tl.load(t_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(b_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.dot(t, w.to(tl.float32), input_precision=PRECISION)  # [BM, BK] @ [BK, BN]
+    acc *= tl.load(scalings_ptr + slot)
+
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    old = tl.load(y, mask=mask, other=0.0)
+    tl.store(y, (old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_launch(seg: SegmentInfo, *tensors: torch.Tensor) -> None:
+    """What the kernels assume beyond kernels' shared checks: a device they can run on,
+    unit stride along rows, contiguous metadata."""
+    if tensors[0].device.type == "cpu" and not isinstance(_shrink_kernel, InterpretedFunction):
+        raise RuntimeError(
+            "the triton backend got CPU tensors: set TRITON_INTERPRET=1 before triton is "
+            "imported, or use LORAFLEET_KERNELS=torch"
+        )
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton LoRA ops need unit stride on the last dim, got {t.stride()}")
+    meta = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings)
+    if not all(t.is_contiguous() for t in meta):
+        raise ValueError("triton LoRA ops need contiguous SegmentInfo tensors")
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets_tensor(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # one small device tensor per distinct slice layout, made once (not per call)
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # Tiles are widened to fp32 before tl.dot (one code path for every dtype, and
+    # the interpreter's bf16 dot is wrong). tf32 holds fp16/bf16 values exactly,
+    # so half data keeps exact products; fp32 data needs a true fp32 dot.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def shrink_config(max_seg_len: int, k: int, r_max: int, dtype: torch.dtype) -> dict:
+    """Tile configuration of _shrink_kernel for a batch (host ints only)."""
+    if max_seg_len <= _DECODE_MAX_SEG:
+        # one token per segment: few programs, so split K (atomics into a zeroed output)
+        cfg = dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=max(1, min(8, k // 512)))
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=1)
+    return cfg | dict(BLOCK_N=16 if r_max <= 16 else 32, PRECISION=_precision(dtype), num_warps=4)
+
+
+def expand_config(max_seg_len: int, dtype: torch.dtype) -> dict:
+    """Tile configuration of _expand_kernel for a batch (host ints only)."""
+    block_m = 16 if max_seg_len <= _DECODE_MAX_SEG else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=16, PRECISION=_precision(dtype), num_warps=4)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    a: torch.Tensor,  # [S, num_slices*R, K], contiguous
+    seg: SegmentInfo,
+    num_slices: int = 1,
+) -> torch.Tensor:  # [T, num_slices*R] float32
+    """out[rows_g, j*R : j*R+r] = x[rows_g] @ a[s, j*R : j*R+r]ᵀ per segment g with
+    slot s = seg_slots[g] != 0 and r = slot_ranks[s]; zero elsewhere (float32).
+    Arguments are checked by kernels.lora_shrink; see kernels.reference."""
+    _check_launch(seg, x, a)
+    if not a.is_contiguous():
+        raise ValueError("lora_shrink: a must be contiguous")
+    T, K = x.shape
+    r_max = a.shape[1] // num_slices
+    out = torch.zeros(T, a.shape[1], dtype=torch.float32, device=x.device)
+    if not seg.has_lora or T == 0 or seg.num_segments == 0:
+        return out
+    cfg = shrink_config(seg.max_seg_len, K, r_max, x.dtype)
+    grid = (
+        seg.num_segments,
+        triton.cdiv(seg.max_seg_len, cfg["BLOCK_M"]),
+        num_slices * triton.cdiv(r_max, cfg["BLOCK_N"]) * cfg["SPLIT_K"],
+    )
+    _shrink_kernel[grid](
+        x,
+        a,
+        out,
+        seg.seg_indptr,
+        seg.seg_slots,
+        seg.slot_ranks,
+        K,
+        r_max,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        out.stride(0),
+        **cfg,
+    )
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, N], updated in place
+    inter: torch.Tensor,  # [T, num_slices*R] float32
+    b: torch.Tensor,  # [S, N, R], contiguous
+    seg: SegmentInfo,
+    slice_offsets: list[int],  # host, [num_slices+1]
+) -> torch.Tensor:  # y
+    """y[rows_g, c0:c1] += scaling[s] * inter[rows_g, j*R : j*R+r] @ b[s, c0:c1, :r]ᵀ per
+    segment g with slot s != 0 and slice j = [c0, c1) = slice_offsets[j : j+2]; fp32
+    accumulation rounded once into y.dtype. Arguments are checked by kernels.lora_expand."""
+    _check_launch(seg, y, inter, b)
+    if not b.is_contiguous():
+        raise ValueError("lora_expand: b must be contiguous")
+    num_slices = len(slice_offsets) - 1
+    width = max((c1 - c0 for c0, c1 in zip(slice_offsets, slice_offsets[1:])), default=0)
+    if not seg.has_lora or y.shape[0] == 0 or seg.num_segments == 0 or width == 0:
+        return y
+    cfg = expand_config(seg.max_seg_len, y.dtype)
+    n_blocks = triton.cdiv(width, cfg["BLOCK_N"])
+    grid = (seg.num_segments, triton.cdiv(seg.max_seg_len, cfg["BLOCK_M"]), num_slices * n_blocks)
+    _expand_kernel[grid](
+        inter,
+        b,
+        y,
+        seg.seg_indptr,
+        seg.seg_slots,
+        seg.slot_ranks,
+        seg.slot_scalings,
+        _offsets_tensor(tuple(slice_offsets), y.device),
+        b.shape[2],
+        n_blocks,
+        inter.stride(0),
+        b.stride(0),
+        b.stride(1),
+        y.stride(0),
+        **cfg,
+    )
+    return y

@@ -1,0 +1,353 @@
+"""Both multi-LoRA backends against kernels.reference on randomized segmented batches.
+
+Triton runs in its interpreter on CPU: TRITON_INTERPRET=1 is set here, before
+anything imports triton, and checked below. Weight padding past each slot's
+rank and every unused slot are NaN, so a kernel that reads past a rank or
+touches an unused slot fails loudly rather than by a rounding error.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import zlib
+from dataclasses import dataclass
+
+import pytest
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything below imports triton
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import SegmentInfo, make_segment_info, torch_ops  # noqa: E402
+from kernels.reference import lora_expand_reference, lora_shrink_reference  # noqa: E402
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels import sgmv_triton
+except ImportError:  # a platform without triton still tests the torch path
+    sgmv_triton = None
+needs_triton = pytest.mark.skipif(sgmv_triton is None, reason="triton is not installed")
+
+BACKENDS = {"torch": torch_ops} | ({"triton": sgmv_triton} if sgmv_triton else {})
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# (rtol, atol) for expand's output, rounded once into y's dtype: about one ulp of
+# y (|y| ~ 1). shrink's output is fp32 from exact products for every dtype.
+EXPAND_TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+SHRINK_TOL = (1e-5, 1e-5)
+R = 64  # max_lora_rank of the buffers; slot ranks are drawn from 8..64
+IN = 72  # not a multiple of any K block
+WIDTHS = {1: [40], 2: [40, 24], 3: [40, 16, 8]}  # uneven slices, like GQA qkv
+
+
+@needs_triton
+def test_triton_runs_in_the_interpreter():
+    assert isinstance(sgmv_triton._shrink_kernel, InterpretedFunction)
+    assert isinstance(sgmv_triton._expand_kernel, InterpretedFunction)
+
+
+@dataclass
+class Case:
+    x: torch.Tensor  # [T, IN]
+    a: torch.Tensor  # [S, ns*R, IN]
+    b: torch.Tensor  # [S, out_total, R]
+    y: torch.Tensor  # [T, out_total]
+    seg: SegmentInfo
+    num_slices: int
+    slice_offsets: list[int]
+    base_rows: torch.Tensor  # [T] bool: rows no adapter touches
+
+
+def draw_slots(popularity: str, n: int, num_slots: int, rnd: random.Random) -> list[int]:
+    adapters = rnd.sample(range(1, num_slots), min(n, num_slots - 1))
+    if popularity == "distinct":
+        slots = adapters[:n]
+    elif popularity == "uniform":
+        slots = [rnd.choice(adapters) for _ in range(n)]
+    elif popularity == "identical":
+        slots = [adapters[0]] * n
+    else:  # skewed: a zipf-like head
+        slots = rnd.choices(adapters, weights=[1 / (k + 1) ** 2 for k in range(len(adapters))], k=n)
+    # base-model requests interleaved with adapter ones
+    return [0 if i % 3 == 1 else s for i, s in enumerate(slots)]
+
+
+def make_case(
+    popularity: str,
+    n: int,
+    kind: str,
+    dtype: torch.dtype,
+    num_slices: int,
+    seed: int,
+    rank: int | None = None,  # every slot's rank (default: drawn from 8..64)
+    scaling: float | None = None,  # every slot's scaling (default: drawn)
+) -> Case:
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 2 * n + 3  # room for gaps between used slots
+    slots = draw_slots(popularity, n, num_slots, rnd)
+    lens = [1] * n if kind == "decode" else [rnd.choice([0, 1, 2, 5, 17, 33, 40]) for _ in range(n)]
+    ranks = [0] + [rank or rnd.choice([8, 16, 32, 64]) for _ in range(num_slots - 1)]
+    scalings = [0.0] + [scaling or rnd.uniform(0.25, 2.0) for _ in range(num_slots - 1)]
+    seg = make_segment_info(lens, slots, ranks, scalings)
+    widths = WIDTHS[num_slices]
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    used = {s for s, n_tok in zip(slots, lens) if s and n_tok}
+    a = torch.full((num_slots, num_slices * R, IN), float("nan"))
+    b = torch.full((num_slots, offsets[-1], R), float("nan"))
+    for s in used:
+        r = ranks[s]
+        for j in range(num_slices):
+            a[s, j * R : j * R + r] = torch.randn(r, IN, generator=gen) / IN**0.5
+        b[s, :, :r] = torch.randn(offsets[-1], r, generator=gen) / r**0.5
+    tokens = sum(lens)
+    base_rows = torch.ones(tokens, dtype=torch.bool)
+    for g, s in enumerate(slots):
+        if s:
+            base_rows[seg.seg_indptr[g] : seg.seg_indptr[g + 1]] = False
+    return Case(
+        x=torch.randn(tokens, IN, generator=gen).to(dtype),
+        a=a.to(dtype),
+        b=b.to(dtype),
+        y=torch.randn(tokens, offsets[-1], generator=gen).to(dtype),
+        seg=seg,
+        num_slices=num_slices,
+        slice_offsets=offsets,
+        base_rows=base_rows,
+    )
+
+
+def check_backend(backend: str, case: Case) -> None:
+    ops = BACKENDS[backend]
+    ref_inter = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
+    inter = ops.lora_shrink(case.x, case.a, case.seg, case.num_slices)
+    assert inter.dtype == torch.float32 and inter.shape == ref_inter.shape
+    torch.testing.assert_close(inter, ref_inter, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
+
+    ref_y = lora_expand_reference(case.y.clone(), ref_inter, case.b, case.seg, case.slice_offsets)
+    y = case.y.clone()
+    out = ops.lora_expand(y, ref_inter, case.b, case.seg, case.slice_offsets)
+    assert out.data_ptr() == y.data_ptr()  # in place
+    rtol, atol = EXPAND_TOL[y.dtype]
+    torch.testing.assert_close(y, ref_y, rtol=rtol, atol=atol)
+    assert torch.equal(y[case.base_rows], case.y[case.base_rows])  # slot 0: untouched bits
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("n", [1, 3, 7, 33])
+@pytest.mark.parametrize("popularity", ["distinct", "uniform", "identical", "skewed"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_matches_reference(backend, popularity, n, kind, dtype):
+    num_slices = 1 + (n + len(kind) + len(popularity)) % 3  # every count meets every axis
+    seed = zlib.crc32(f"{popularity}-{n}-{kind}-{dtype}".encode())
+    check_backend(backend, make_case(popularity, n, kind, dtype, num_slices, seed))
+
+
+@pytest.mark.parametrize("num_slices", [1, 2, 3])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_slices_with_mixed_batch(backend, num_slices):
+    """A prefill segment next to decode tokens and empty segments, all slices."""
+    check_backend(backend, make_case("uniform", 9, "prefill", torch.float32, num_slices, seed=7))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_no_adapter_leaves_y_bit_identical(backend, dtype):
+    seg = make_segment_info([3, 0, 5], [0, 2, 0], [0, 16, 8], [0.0, 1.0, 2.0])  # slot 2: empty
+    assert not seg.has_lora
+    x, y = torch.randn(8, IN).to(dtype), torch.randn(8, 40).to(dtype)
+    a, b = torch.full((3, R, IN), float("nan"), dtype=dtype), torch.randn(3, 40, R).to(dtype)
+    ops = BACKENDS[backend]
+    inter = ops.lora_shrink(x, a, seg, 1)
+    assert torch.equal(inter, torch.zeros(8, R))
+    y0 = y.clone()
+    ops.lora_expand(y, inter, b, seg, [0, 40])
+    assert torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_empty_batch(backend):
+    ops = BACKENDS[backend]
+    seg = make_segment_info([], [], [0, 8], [0.0, 1.0])
+    inter = ops.lora_shrink(torch.zeros(0, IN), torch.zeros(2, R, IN), seg, 1)
+    assert inter.shape == (0, R)
+    y = torch.zeros(0, 40)
+    assert ops.lora_expand(y, inter, torch.zeros(2, 40, R), seg, [0, 40]) is y
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_shared_scaling_runs(backend):
+    """Adapters of one rank and scaling: the torch path's alpha route, no per-row scale."""
+    case = make_case("uniform", 7, "decode", torch.float32, 2, seed=9, rank=16, scaling=0.75)
+    check_backend(backend, case)
+
+
+def test_torch_plan_follows_refilled_metadata():
+    """The torch path memoizes plans by metadata values: buffers the engine refills
+    in place must give the new batch's answer, never a stale plan."""
+    case = make_case("distinct", 7, "decode", torch.float32, 1, seed=3)
+    check_backend("torch", case)
+    case.seg.seg_slots.copy_(case.seg.seg_slots.flip(0))
+    case.base_rows = case.base_rows.flip(0)
+    check_backend("torch", case)
+
+
+def test_torch_runs_bridge_small_gaps_only():
+    """Slots 1, 3, 5 share a run (the gaps are cheap at this width); a slot far away
+    gets its own run, so its unused neighbours are never read."""
+    ranks, scalings = (0,) + (16,) * 40, (0.0,) + (1.0,) * 40
+    indptr, slots, cpu = (0, 1, 2, 3, 4), (5, 1, 3, 40), torch.device("cpu")
+    narrow = torch_ops._runs(indptr, slots, ranks, scalings, 16, 512 * 4, cpu)
+    assert [(r.lo, r.hi) for r in narrow] == [(1, 6), (40, 41)]
+    wide = torch_ops._runs(indptr, slots, ranks, scalings, 16, 4096 * 4, cpu)
+    assert [(r.lo, r.hi) for r in wide] == [(1, 2), (3, 4), (5, 6), (40, 41)]
+
+
+def test_dispatch(monkeypatch):
+    x = torch.zeros(1, 4)
+    monkeypatch.delenv("LORAFLEET_KERNELS", raising=False)
+    assert kernels.backend_for(x) == "torch"
+    monkeypatch.setenv("LORAFLEET_KERNELS", "triton")
+    assert kernels.backend_for(x) == "triton"
+    monkeypatch.setenv("LORAFLEET_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="LORAFLEET_KERNELS"):
+        kernels.backend_for(x)
+
+
+@pytest.mark.parametrize("forced", list(BACKENDS))
+def test_public_ops_dispatch_and_match(monkeypatch, forced):
+    monkeypatch.setenv("LORAFLEET_KERNELS", forced)
+    case = make_case("skewed", 7, "prefill", torch.bfloat16, 3, seed=11)
+    inter = kernels.lora_shrink(case.x, case.a, case.seg, case.num_slices)
+    ref_inter = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
+    torch.testing.assert_close(inter, ref_inter, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
+    y = kernels.lora_expand(case.y.clone(), inter, case.b, case.seg, case.slice_offsets)
+    ref_y = lora_expand_reference(case.y.clone(), ref_inter, case.b, case.seg, case.slice_offsets)
+    torch.testing.assert_close(y, ref_y, rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_public_ops_validate_before_launch():
+    case = make_case("distinct", 3, "decode", torch.float32, 2, seed=5)
+    x, a, b, seg = case.x, case.a, case.b, case.seg
+    inter = kernels.lora_shrink(x, a, seg, 2)
+    with pytest.raises(ValueError, match="share one of"):
+        kernels.lora_shrink(x.half(), a, seg, 2)
+    with pytest.raises(ValueError, match="slices"):
+        kernels.lora_shrink(x, a, seg, 5)
+    with pytest.raises(ValueError, match="one per buffer slot"):
+        kernels.lora_shrink(x, a[:-1], seg, 2)
+    with pytest.raises(ValueError, match="fp32"):
+        kernels.lora_expand(case.y, inter.half(), b, seg, case.slice_offsets)
+    with pytest.raises(ValueError, match="slice_offsets"):
+        kernels.lora_expand(case.y, inter, b, seg, [0, 40, 30])
+    with pytest.raises(ValueError, match="inter"):
+        kernels.lora_expand(case.y, inter, b, seg, [0, 40])
+    bad = make_segment_info([1, 1, 1], [1, 0, 2], [0, 8, 8], [0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="one per buffer slot"):
+        kernels.lora_shrink(x, a, bad, 2)
+
+
+def test_torch_path_rejects_rank_past_buffer():
+    seg = make_segment_info([2], [1], [0, 32], [0.0, 1.0])
+    with pytest.raises(ValueError, match="rank 32"):
+        torch_ops.lora_shrink(torch.zeros(2, IN), torch.zeros(2, 16, IN), seg, 1)
+
+
+@needs_triton
+def test_triton_on_cpu_without_interpreter_is_refused():
+    """Outside the interpreter, CPU tensors forced onto triton get a clear error."""
+    code = textwrap.dedent(
+        """
+        import os, torch
+        os.environ.pop("TRITON_INTERPRET", None)
+        os.environ["LORAFLEET_KERNELS"] = "triton"
+        import kernels
+        seg = kernels.make_segment_info([1], [1], [0, 8], [0.0, 1.0])
+        try:
+            kernels.lora_shrink(torch.zeros(1, 16), torch.zeros(2, 16, 16), seg)
+        except RuntimeError as e:
+            assert "TRITON_INTERPRET=1" in str(e), e
+        else:
+            raise SystemExit("no error")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@needs_triton
+def test_triton_kernels_compile_for_cuda(tmp_path):
+    """No GPU here: lower both kernels to sm_90 cubins (ptxas ships with triton) for
+    each dtype and both tile configurations, to catch what the interpreter can't."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile
+        from kernels import sgmv_triton as st
+
+        target = GPUTarget("cuda", 90, 32)
+        ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+
+        def build(fn, ptrs, cfg):
+            cfg = dict(cfg)
+            opts = {"num_warps": cfg.pop("num_warps")}
+            sig = {n: "constexpr" if n in cfg else ptrs.get(n, "i32") for n in fn.arg_names}
+            kernel = compile(ASTSource(fn, sig, constexprs=cfg), target=target, options=opts)
+            assert "mma" in kernel.asm["ptx"] or "fma" in kernel.asm["ptx"]
+
+        for dtype, p in ptr.items():
+            for seg_len in (1, 512):
+                ints = {"indptr_ptr": "*i32", "seg_slots_ptr": "*i32", "ranks_ptr": "*i32"}
+                shrink = ints | {"x_ptr": p, "a_ptr": p, "out_ptr": "*fp32"}
+                build(st._shrink_kernel, shrink, st.shrink_config(seg_len, 4096, 64, dtype))
+                expand = ints | {"inter_ptr": "*fp32", "b_ptr": p, "y_ptr": p,
+                                 "scalings_ptr": "*fp32", "slice_offsets_ptr": "*i32"}
+                build(st._expand_kernel, expand, st.expand_config(seg_len, dtype))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+def test_bench_quick_writes_every_figure(tmp_path):
+    import argparse
+    import json
+
+    from cluster import bench_kernels
+
+    parser = argparse.ArgumentParser()
+    bench_kernels.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(
+        [
+            "--quick",
+            "--hidden",
+            "64",
+            "--footprint-mib",
+            "0",
+            "--min-time",
+            "0.01",
+            "--json",
+            str(out),
+        ]
+    )
+    assert bench_kernels.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["copy_gbps"] > 0 and len(doc["shapes"]) == 2
+    for shape in doc["shapes"]:
+        assert shape["speedup_vs_loop"] > 0 and shape["lora_over_base_time"] > 0
+        assert {"lora_gbps", "base_gbps", "lora_over_base_bytes"} <= set(shape)
