@@ -374,4 +374,4 @@ def _machine() -> dict:
 
 
 def _jsonable(d: dict) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items() if not callable(v)}

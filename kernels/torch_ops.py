@@ -1,10 +1,9 @@
 """Fast torch path of the multi-LoRA ops: the CPU backend (and CUDA when forced).
 
-Formulation: tokens are grouped by slot and slots by rank; used slots of one
-rank that sit next to each other in the stacked buffers form a *run*, computed
-as one `torch.bmm` over a zero-copy view of the buffers (`a[lo:hi]`,
-`b[lo:hi, :, :r]`), or, for a run of one slot, one 2-D matmul. Each used
-slot's A and B are read once and only up to its rank; nothing is gathered.
+Formulation: tokens are grouped by slot; used slots next to each other in the
+stacked buffers form a *run*, computed as one `torch.bmm` over a zero-copy view
+of the buffers (`a[lo:hi]`, `b[lo:hi, :, :r]` with r the run's largest rank),
+or, for a run of one slot, one 2-D matmul. Nothing is gathered.
 
 Picked by measurement (decode, 32 tokens with 32 rank-16 adapters, fp32,
 weights cold, 2-core CPU; `lorafleet bench kernels` and the report of the
@@ -14,9 +13,13 @@ bandwidth); gather + bmm (BGMV-style, copies every token's A/B) 1.5x / 0.5x;
 F.grouped_mm over the slot range 2.2x / 1.25x (a per-group cost in its CPU
 fallback); einsum is bmm underneath.
 
-A run may bridge a gap of unused slots when reading them costs less than
-another run's fixed op overhead (`_GAP_BYTES`); their rows are zero-padded
-and dropped. A slot with many tokens (prefill) forms a run alone. Plans are
+Decode-sized slots merge into one run while the extra bytes read (unused
+slots between, whose rows are zero-padded and dropped; padding past a
+lower-rank slot's rank, which the contract keeps zero) cost less than the
+ops saved (`_MERGE_BYTES`). Measured in the engine's decode step (hidden 512,
+16 adapters of ranks 8-64 in R=64 slots, 32 tokens): one run per rank took
+~130 ms of LoRA ops per step, merged runs far less. A slot with many tokens
+(prefill) forms a run alone. Plans are
 memoized on the metadata's values, so every layer of a step reuses the plan
 its first layer built.
 
@@ -38,9 +41,10 @@ from kernels.segments import SegmentInfo
 # Slots with more tokens than this get a run each (their matmul amortizes the
 # call); fewer are padded to the run's longest, so padding stays compute-cheap.
 _SMALL_TOKENS = 16
-# Reading this many bytes of unused slots costs about one more run's fixed op
-# overhead (~10 us at the ~20 GB/s measured here), so bridge gaps below it.
-_GAP_BYTES = 192 * 1024
+# Reading this many extra bytes (zero padding of lower-rank slots, unused slots
+# between) costs about what one more run's ~10 fixed-cost ops do at the ~10-20 GB/s
+# measured here, so runs merge below it.
+_MERGE_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -82,19 +86,31 @@ def _runs(
         if ranks[s] > r_max:
             raise ValueError(f"slot {s} has rank {ranks[s]} > the buffers' max rank {r_max}")
     groups: list[list[int]] = []
-    for s in sorted((s for s in rows_of if ranks[s] > 0), key=lambda s: (ranks[s], s)):
-        prev = groups[-1][-1] if groups else None
-        if (
-            prev is not None
-            and len(rows_of[s]) <= _SMALL_TOKENS
-            and len(rows_of[prev]) <= _SMALL_TOKENS
-            and ranks[prev] == ranks[s]
-            and (s - prev - 1) * ranks[s] * bytes_per_rank <= _GAP_BYTES
-        ):
+    # Prefill-sized slots each get a run. Decode-sized ones are merged in slot order while
+    # the bytes a merge adds (padding up to the run's largest rank, unused slots between)
+    # cost less than the ops it saves: on CPU a run's fixed cost is ~10 ops of ~10 us.
+    # A rank-0 slot (an adapter that does not target this projection) may ride along
+    # inside a run: its weights are all padding, i.e. zero, and keeping its rows in the
+    # run keeps the run's rows one contiguous range (views instead of gather/scatter).
+    small = sorted(s for s in rows_of if len(rows_of[s]) <= _SMALL_TOKENS)
+    for s in small:
+        if groups and _merge_cost(groups[-1], s, ranks, bytes_per_rank) <= _MERGE_BYTES:
             groups[-1].append(s)
         else:
             groups.append([s])
+    groups = [g for g in groups if max(ranks[s] for s in g) > 0]
+    groups += [[s] for s in sorted(rows_of) if ranks[s] > 0 and len(rows_of[s]) > _SMALL_TOKENS]
     return tuple(_make_run(g, rows_of, ranks, scalings, device) for g in groups)
+
+
+def _run_bytes(group: list[int], ranks: tuple[int, ...], bytes_per_rank: int) -> int:
+    return (group[-1] + 1 - group[0]) * max(ranks[s] for s in group) * bytes_per_rank
+
+
+def _merge_cost(group: list[int], s: int, ranks: tuple[int, ...], bytes_per_rank: int) -> int:
+    """Extra bytes read if slot s joins the run `group` instead of starting its own."""
+    alone = _run_bytes(group, ranks, bytes_per_rank) + _run_bytes([s], ranks, bytes_per_rank)
+    return _run_bytes([*group, s], ranks, bytes_per_rank) - alone
 
 
 def _make_run(
@@ -115,7 +131,7 @@ def _make_run(
     return _Run(
         lo=lo,
         hi=hi,
-        rank=ranks[group[0]],
+        rank=max(ranks[s] for s in group),  # slots of lower rank read their zero padding
         m=m,
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
         row_range=(rows[0], rows[0] + len(rows)) if contiguous else None,

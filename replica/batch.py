@@ -18,7 +18,7 @@ from replica.sequence import Sequence
 def prepare_batch(
     work: list[tuple[Sequence, int]],
     block_size: int,
-    slot_ranks: list[int],
+    slot_ranks: dict[str, list[int]],
     slot_scalings: list[float],
     device: torch.device,
 ) -> tuple[ForwardBatch, torch.Tensor, list[Sequence]]:
@@ -70,14 +70,19 @@ def prepare_batch(
         ],
     )
     lengths = [b - a for a, b in zip(seg_indptr, seg_indptr[1:])]
-    lora = SegmentInfo(
-        seg_indptr=dev(seg_indptr, torch.int32),
-        seg_slots=dev(seg_slots, torch.int32),
-        slot_ranks=dev(slot_ranks, torch.int32),
-        slot_scalings=dev(slot_scalings, torch.float32),
-        max_seg_len=max(lengths, default=0),
-        has_lora=any(s != 0 and slot_ranks[s] > 0 for s in seg_slots),
-    )
+    indptr_dev, slots_dev = dev(seg_indptr, torch.int32), dev(seg_slots, torch.int32)
+    scalings_dev = dev(slot_scalings, torch.float32)
+    lora = {  # one SegmentInfo per projection group: same segments, that group's ranks
+        group: SegmentInfo(
+            seg_indptr=indptr_dev,
+            seg_slots=slots_dev,
+            slot_ranks=dev(ranks, torch.int32),
+            slot_scalings=scalings_dev,
+            max_seg_len=max(lengths, default=0),
+            has_lora=any(s != 0 and ranks[s] > 0 for s in seg_slots),
+        )
+        for group, ranks in slot_ranks.items()
+    }
     batch = ForwardBatch(input_ids=dev(ids), positions=dev(pos), attn=attn, lora=lora)
     return batch, dev(logit_rows), sampled
 

@@ -40,7 +40,9 @@ class LoRASlotBuffers:
                 b = torch.zeros(num_slots, offsets[-1], max_rank, device=device, dtype=dtype)
                 groups[group] = LoRABuffers(a, b, offsets, names)
             self.layers.append(groups)
-        self.ranks = [0] * num_slots  # host copy: the source of truth for batch metadata
+        # Host copies, the source of truth for batch metadata. Ranks are per projection
+        # group: 0 where the adapter does not target it, so batches skip reading those slots.
+        self.ranks: dict[str, list[int]] = {g: [0] * num_slots for g in MODULE_GROUPS}
         self.scalings = [0.0] * num_slots
 
     @property
@@ -75,12 +77,15 @@ class LoRASlotBuffers:
                     )
                     buf.b[slot, c0:c1, :r].copy_(b, non_blocking=True)
 
-    def activate(self, slot: int, rank: int, scaling: float) -> None:
+    def activate(self, slot: int, adapter: LoRAAdapterWeights) -> None:
         """Make a written slot visible to batches (main thread, once its copies are done)."""
-        self.ranks[slot] = rank
-        self.scalings[slot] = scaling
+        for group, names in MODULE_GROUPS.items():
+            targeted = any(n in adapter.target_modules for n in names)
+            self.ranks[group][slot] = adapter.rank if targeted else 0
+        self.scalings[slot] = adapter.scaling
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (weights stay until overwritten; rank 0 disables them)."""
-        self.ranks[slot] = 0
+        for ranks in self.ranks.values():
+            ranks[slot] = 0
         self.scalings[slot] = 0.0

@@ -28,7 +28,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64: new tokens of every sequence, segment by segment
     positions: torch.Tensor  # [T] int64: absolute position of each token
     attn: AttentionMetadata
-    lora: SegmentInfo  # one segment per sequence, in the same order as the tokens
+    lora: dict[str, SegmentInfo]  # per projection group: one segment per sequence, token order
 
 
 class RMSNorm:
@@ -81,7 +81,7 @@ class DecoderLayer:
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_norm(x), batch.lora)
+        qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"])
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
@@ -91,9 +91,10 @@ class DecoderLayer:
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.head_dim**-0.5, s.sliding_window,
         )  # fmt: skip
-        x = x + self.o_proj(attn.reshape(t, s.q_size), batch.lora)
-        gate, up = self.gate_up_proj(self.post_attn_norm(x), batch.lora).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up, batch.lora)
+        x = x + self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"])
+        gate_up = self.gate_up_proj(self.post_attn_norm(x), batch.lora["gate_up_proj"])
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up, batch.lora["down_proj"])
 
 
 class LlamaForCausalLM:

@@ -23,7 +23,7 @@ class _InFlight:
     slot: int
     handle: LoadHandle
     started: float
-    meta: dict  # filled by the job: rank, scaling
+    meta: dict  # filled by the job: the adapter's weights (rank, scaling, targets)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Prefetcher:
                 self.pool.cancel(job.slot)
                 failures.append(LoadFailure(name, e))
                 continue
-            self.buffers.activate(job.slot, job.meta["rank"], job.meta["scaling"])
+            self.buffers.activate(job.slot, job.meta["adapter"])
             self.pool.mark_ready(job.slot)
             self.loads_done += 1
             self.load_seconds += time.perf_counter() - job.started
@@ -97,7 +97,7 @@ class Prefetcher:
         def job() -> None:
             weights = self.host_cache.get(name)
             self.buffers.write(slot, weights)
-            meta.update(rank=weights.rank, scaling=weights.scaling)
+            meta["adapter"] = weights
 
         started = time.perf_counter()
         self.loads_started += 1

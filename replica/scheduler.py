@@ -35,8 +35,10 @@ class ScheduledBatch:
         return sum(self.num_new)
 
     def ordered(self) -> list[tuple[Sequence, int]]:
-        """Decodes (one token) first, as batch preparation and attention expect."""
-        pairs = list(zip(self.seqs, self.num_new))
+        """Decodes (one token) first, as batch preparation and attention expect; within
+        each group by adapter slot, so every adapter's tokens are one contiguous row range
+        (the LoRA kernels then read views instead of gathering rows)."""
+        pairs = sorted(zip(self.seqs, self.num_new), key=lambda p: p[0].slot)
         return [p for p in pairs if p[1] == 1] + [p for p in pairs if p[1] != 1]
 
 

@@ -73,7 +73,7 @@ def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
         for groups in eng.lora.layers:
             for buf in groups.values():
                 assert not buf.a[0].any() and not buf.b[0].any(), "slot 0 was written"
-        assert eng.lora.ranks[0] == 0
+        assert all(ranks[0] == 0 for ranks in eng.lora.ranks.values())
         for seq in eng.scheduler.running:
             if seq.adapter is None:
                 assert seq.slot == 0
@@ -200,8 +200,10 @@ def test_batch_preparation_reads_no_device_value(tiny):
         s.num_computed, s.blocks = n_computed, [i * 4 + b for b in range(4)]
         seqs.append(s)
     work = [(seqs[0], 1), (seqs[1], 7), (seqs[2], 5)]
-    batch, rows, sampled = prepare_batch(work, 4, [0, 16], [0.0, 2.0], torch.device("meta"))
+    ranks = {"qkv_proj": [0, 16], "down_proj": [0, 0]}
+    batch, rows, sampled = prepare_batch(work, 4, ranks, [0.0, 2.0], torch.device("meta"))
     assert batch.input_ids.device.type == "meta" and rows.device.type == "meta"
-    assert batch.lora.seg_slots.device.type == "meta"
-    assert batch.attn.num_decode == 1 and batch.lora.has_lora
-    assert batch.lora.max_seg_len == 7 and sampled == seqs[:2]
+    qkv, down = batch.lora["qkv_proj"], batch.lora["down_proj"]
+    assert qkv.seg_slots.device.type == "meta" and qkv.slot_ranks.device.type == "meta"
+    assert batch.attn.num_decode == 1 and qkv.has_lora and not down.has_lora
+    assert qkv.max_seg_len == 7 and sampled == seqs[:2]
