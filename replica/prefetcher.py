@@ -78,13 +78,14 @@ class Prefetcher:
     def prefetch(self, wanted: Iterable[str]) -> None:
         """Start loads for adapters in `wanted` (queue order, first W) that are not resident."""
         names = list(dict.fromkeys(n for n in wanted if n is not None))[: self.window]
-        protected = set(names)
-        for name in names:
+        for k, name in enumerate(names):
             if len(self._inflight) >= self.max_inflight:
                 return
             if self.pool.state(name) is not None:
                 continue  # loading or ready
-            if not self.start(name, protected):
+            # Only adapters of requests ahead of this one are protected from eviction, so
+            # the oldest waiting request can always claim any unreferenced slot.
+            if not self.start(name, set(names[:k])):
                 return  # no slot can be freed now; try again next step
 
     def start(self, name: str, protected: set[str] = frozenset()) -> bool:

@@ -207,3 +207,14 @@ def test_batch_preparation_reads_no_device_value(tiny):
     assert qkv.seg_slots.device.type == "meta" and qkv.slot_ranks.device.type == "meta"
     assert batch.attn.num_decode == 1 and qkv.has_lora and not down.has_lora
     assert qkv.max_seg_len == 7 and sampled == seqs[:2]
+
+
+def test_more_waiting_requests_than_the_window_do_not_livelock(tiny):
+    """Regression: with every slot READY, unreferenced and wanted by someone in the
+    window, the oldest request's adapter must still be able to evict (it used not to:
+    every slot was protected and aging held the resident adapters back)."""
+    eng = engine(tiny, num_slots=3, max_loras_per_batch=2, prefetch_window=16, aging_steps=2)
+    names = list(tiny.adapters)
+    seqs = [eng.add_request(prompt(i), GREEDY, names[i % 4]) for i in range(24)]
+    run(eng, max_steps=3000)
+    assert all(s.finish_reason == "length" for s in seqs)
