@@ -41,6 +41,7 @@ class RunResult:
     e2e: dict[str, list[float]] = field(default_factory=dict)
     adapter_loads: int = 0
     load_wait_s: float = 0.0
+    prefetch_overhead_s: float = 0.0
     evictions: int = 0
 
     def summary(self) -> dict:
@@ -49,6 +50,7 @@ class RunResult:
             "wall_s": self.wall_s,
             "adapter_loads": self.adapter_loads,
             "load_wait_s": self.load_wait_s,
+            "prefetch_overhead_s": self.prefetch_overhead_s,
             "evictions": self.evictions,
         }
         for metric, values in (("ttft", self.ttft), ("e2e", self.e2e)):
@@ -188,7 +190,8 @@ def _drive(eng: LLMEngine, wl: Workload) -> RunResult:
         result.ttft.setdefault(kind, []).append(first[seq.request_id] - arrival[seq.request_id])
         result.e2e.setdefault(kind, []).append(end - arrival[seq.request_id])
     result.adapter_loads = eng.prefetcher.loads_started
-    result.load_wait_s = eng.stats.load_wait_seconds
+    result.load_wait_s = eng.load_wait_seconds
+    result.prefetch_overhead_s = eng.stats.prefetch_seconds
     result.evictions = eng.pool.num_evictions
     return result
 

@@ -39,7 +39,7 @@ class EngineConfig(BaseModel):
     prefetch_window: int = Field(
         16, ge=0, description="Waiting requests the prefetcher looks at each step (S-LoRA)."
     )
-    max_loads_in_flight: int = Field(4, ge=1, description="Adapter loads running at once.")
+    max_loads_in_flight: int = Field(8, ge=1, description="Adapter loads running at once.")
     adapter_loading: Literal["overlap", "sync"] = Field(
         "overlap",
         description="'overlap': prefetch on a side stream/thread, polled; "

@@ -46,7 +46,8 @@ class StepOutput:
 @dataclass
 class EngineStats:
     steps: int = 0
-    load_wait_seconds: float = 0.0  # step-loop time spent on adapter loads, not on compute
+    idle_on_loads_seconds: float = 0.0  # step loop idle: nothing runnable, loads in flight
+    prefetch_seconds: float = 0.0  # step loop bookkeeping: polling, planning, submitting
     tokens_generated: int = 0
     step_seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
@@ -171,12 +172,12 @@ class LLMEngine:
         if self.config.adapter_loading == "sync":
             outputs += self._fail_broken_loads()  # inline loads finished inside prefetch()
         loaded = time.perf_counter()
-        self.stats.load_wait_seconds += loaded - started
+        self.stats.prefetch_seconds += loaded - started
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             if self.prefetcher.num_inflight:
-                time.sleep(0.0005)  # nothing runnable until a load lands: that is load wait
-                self.stats.load_wait_seconds += time.perf_counter() - loaded
+                time.sleep(0.0005)  # nothing runnable until a load lands
+                self.stats.idle_on_loads_seconds += time.perf_counter() - loaded
             return outputs
         work = scheduled.ordered()
         batch, logit_rows, sampled = prepare_batch(
@@ -195,6 +196,12 @@ class LLMEngine:
         self.stats.tokens_generated += len(new_tokens)
         self.stats.step_seconds += time.perf_counter() - started
         return outputs
+
+    @property
+    def load_wait_seconds(self) -> float:
+        """Step-loop time blocked on adapter loads: inside inline loads, or idle because
+        nothing could run until a load landed. Bookkeeping is not counted."""
+        return self.prefetcher.blocked_seconds + self.stats.idle_on_loads_seconds
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)

@@ -48,6 +48,7 @@ class Prefetcher:
         self.loads_started = 0
         self.loads_done = 0
         self.load_seconds = 0.0  # summed start->ready latency
+        self.blocked_seconds = 0.0  # caller time inside loader.submit (the whole load if inline)
 
     @property
     def num_inflight(self) -> int:
@@ -102,5 +103,7 @@ class Prefetcher:
 
         started = time.perf_counter()
         self.loads_started += 1
-        self._inflight[name] = _InFlight(name, slot, self.loader.submit(job), started, meta)
+        handle = self.loader.submit(job)
+        self.blocked_seconds += time.perf_counter() - started
+        self._inflight[name] = _InFlight(name, slot, handle, started, meta)
         return True
