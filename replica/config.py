@@ -17,7 +17,7 @@ class EngineConfig(BaseModel):
     dtype: str = Field("auto", description="'auto' (bf16 on CUDA, fp32 on CPU) or a dtype name.")
     max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank a slot can hold.")
     num_slots: int = Field(
-        8, ge=1, description="Device adapter slots including slot 0 (the pinned base model)."
+        8, ge=2, description="Device adapter slots including slot 0 (the pinned base model)."
     )
     max_loras_per_batch: int = Field(
         8, ge=1, description="Distinct adapters allowed in one running batch."

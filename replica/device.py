@@ -6,7 +6,8 @@ Everything above this module is the same code on both.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import torch
 
@@ -65,6 +66,12 @@ class LoadHandle:
     def result(self) -> None:
         """Re-raise the load's exception, if any. Call only once done()."""
         self._future.result()
+
+
+def wait_any(handles: list[LoadHandle], timeout_s: float) -> None:
+    """Block until one load's job has finished (or the timeout): only for a step loop
+    with nothing else to run. A CUDA event still pending is caught by the next poll."""
+    futures_wait([h._future for h in handles], timeout_s, return_when=FIRST_COMPLETED)
 
 
 class SideStreamLoader:

@@ -176,7 +176,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             if self.prefetcher.num_inflight:
-                time.sleep(0.0005)  # nothing runnable until a load lands
+                self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands
                 self.stats.idle_on_loads_seconds += time.perf_counter() - loaded
             return outputs
         work = scheduled.ordered()

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from replica.device import LoadHandle
+from replica.device import LoadHandle, wait_any
 from replica.host_cache import HostCache
 from replica.lora_slots import LoRASlotBuffers
 from replica.slot_pool import AdapterSlotPool
@@ -56,6 +56,10 @@ class Prefetcher:
 
     def is_loading(self, name: str) -> bool:
         return name in self._inflight
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Idle until some load lands (nothing else can run): ends the wait when it does."""
+        wait_any([job.handle for job in self._inflight.values()], timeout_s)
 
     def poll(self) -> list[LoadFailure]:
         """Activate finished loads (never blocks); return the ones that failed."""
