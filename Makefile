@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lorafleet-installed
 # pip prints one warning per package for this machine's file:// mirrors; hide that noise only.
-QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
+# (grep's own "nothing left" status is ignored; pip's failure still fails the pipeline.)
+QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 .PHONY: run test lint install clean
 
