@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,12 +45,8 @@ class StepOutput:
 
 @dataclass
 class EngineStats:
-    steps: int = 0
     idle_on_loads_seconds: float = 0.0  # step loop idle: nothing runnable, loads in flight
     prefetch_seconds: float = 0.0  # step loop bookkeeping: polling, planning, submitting
-    tokens_generated: int = 0
-    step_seconds: float = 0.0
-    failures: list[str] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -192,9 +188,6 @@ class LLMEngine:
             seq.num_computed += n
         outputs += [self._append(seq, tok) for seq, tok in zip(sampled, new_tokens)]
         self._evict_unloaded()
-        self.stats.steps += 1
-        self.stats.tokens_generated += len(new_tokens)
-        self.stats.step_seconds += time.perf_counter() - started
         return outputs
 
     @property
@@ -221,7 +214,6 @@ class LLMEngine:
         outputs = []
         for failure in self.prefetcher.poll():
             msg = f"adapter {failure.name!r} failed to load: {failure.error}"
-            self.stats.failures.append(msg)
             for seq in [s for s in self.scheduler.waiting if s.lora_key == failure.name]:
                 seq.error = msg
                 self.abort(seq, "error")

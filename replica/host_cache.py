@@ -49,20 +49,6 @@ class HostCache:
         self.source, self.budget = source, budget_bytes
         self._items: OrderedDict[str, LoRAAdapterWeights] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def __contains__(self, name: str) -> bool:
-        with self._lock:
-            return name in self._items
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return list(self._items)
-
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return sum(a.nbytes for a in self._items.values())
 
     def get(self, name: str) -> LoRAAdapterWeights:
         """The adapter's host copy, fetched from the source (and pinned) on a miss."""
@@ -70,9 +56,7 @@ class HostCache:
             hit = self._items.get(name)
             if hit is not None:
                 self._items.move_to_end(name)
-                self.hits += 1
                 return hit
-            self.misses += 1
         adapter = _pin(self.source.fetch(name))  # I/O outside the lock
         with self._lock:
             self._items[name] = adapter

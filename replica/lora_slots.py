@@ -46,12 +46,6 @@ class LoRASlotBuffers:
         self.ranks: dict[str, list[int]] = {g: [0] * num_slots for g in MODULE_GROUPS}
         self.scalings = [0.0] * num_slots
 
-    @property
-    def nbytes_per_slot(self) -> int:
-        return sum(
-            (buf.a[0].nbytes + buf.b[0].nbytes) for groups in self.layers for buf in groups.values()
-        )
-
     def write(self, slot: int, adapter: LoRAAdapterWeights) -> None:
         """Copy `adapter` into `slot` (zero-padding past its rank and untargeted modules).
 

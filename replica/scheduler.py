@@ -24,15 +24,10 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
 
     def ordered(self) -> list[tuple[Sequence, int]]:
         """Decodes (one token) first, as batch preparation and attention expect; within
@@ -59,7 +54,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # arrival order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_skips = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,7 +94,6 @@ class Scheduler:
             slot = self._slot_for(seq, running, priority)
             if slot is None:
                 seq.skips += 1
-                self.num_skips += 1
                 if seq.skips >= self.aging_steps and priority is None:
                     priority = seq.lora_key
                 continue  # skip, don't block
@@ -155,5 +148,4 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.append(seq)
         self.waiting.sort(key=lambda s: s.arrival)
-        batch.preempted.append(seq)
         self.num_preemptions += 1

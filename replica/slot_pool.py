@@ -51,9 +51,6 @@ class AdapterSlotPool:
         i = self._by_name.get(name)
         return None if i is None else self.slots[i].state
 
-    def resident(self) -> list[str]:
-        return [s.adapter for s in self.slots[1:] if s.state is SlotState.READY]
-
     @property
     def num_free(self) -> int:
         return sum(1 for s in self.slots if s.state is SlotState.FREE)

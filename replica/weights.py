@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,12 +20,6 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self._files = _tensor_files(self.dir)  # name -> shard file
         self._handles: dict[Path, object] = {}
-
-    def names(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._files
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name`, checked against the shape the model config implies."""
