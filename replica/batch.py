@@ -27,28 +27,26 @@ def prepare_batch(
     Returns the batch, the rows whose logits are sampled (device), and the
     sequences those rows belong to (those whose chunk reaches their last token).
     """
-    ids, pos, slots_map, seg_indptr, seg_slots = [], [], [], [0], []
+    ids, pos, seg_indptr, seg_slots = [], [], [0], []
     logit_rows, sampled = [], []
-    dec_tables, dec_ctx = [], []
-    pre_starts, pre_lens, pre_ctx, pre_tables = [], [], [], []
+    dec_tables, dec_ctx, dec_new_slots = [], [], []
+    pre_starts, pre_lens, pre_ctx, pre_seq_slots = [], [], [], []
     for seq, n in work:
         start, ctx = seq.num_computed, seq.num_computed + n
-        ids += seq.token_ids[start:ctx]
+        ids += seq.token_slice(start, ctx)
         pos += range(start, ctx)
-        slots_map += [
-            seq.blocks[p // block_size] * block_size + p % block_size for p in range(start, ctx)
-        ]
         row0 = seg_indptr[-1]
         seg_indptr.append(row0 + n)
         seg_slots.append(seq.slot)
         if n == 1 and not pre_starts:
             dec_tables.append(seq.blocks)
             dec_ctx.append(ctx)
+            dec_new_slots.append(seq.blocks[start // block_size] * block_size + start % block_size)
         else:
             pre_starts.append(row0)
             pre_lens.append(n)
             pre_ctx.append(ctx)
-            pre_tables.append(seq.blocks)
+            pre_seq_slots.append(_token_slots([seq.blocks], block_size)[0, :ctx])  # one op/seq
         if ctx == seq.num_tokens:
             logit_rows.append(row0 + n - 1)
             sampled.append(seq)
@@ -56,8 +54,10 @@ def prepare_batch(
     def dev(values, dtype=torch.int64) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), device)
 
+    new_slots = [torch.tensor(dec_new_slots, dtype=torch.int64)]
+    new_slots += [s[c - n :] for s, c, n in zip(pre_seq_slots, pre_ctx, pre_lens)]
     attn = AttentionMetadata(
-        slot_mapping=dev(slots_map),
+        slot_mapping=to_device(torch.cat(new_slots), device),
         num_decode=len(dec_ctx),
         decode_slots=to_device(_token_slots(dec_tables, block_size), device),
         decode_context_lens=dev(dec_ctx),
@@ -65,8 +65,8 @@ def prepare_batch(
         prefill_lens=pre_lens,
         prefill_context_lens=pre_ctx,
         prefill_slots=[  # None: a whole-prompt prefill attends to its fresh K/V, not the cache
-            None if c == n else to_device(_token_slots([t], block_size)[0, :c], device)
-            for t, c, n in zip(pre_tables, pre_ctx, pre_lens)
+            None if c == n else to_device(s, device)
+            for s, c, n in zip(pre_seq_slots, pre_ctx, pre_lens)
         ],
     )
     lengths = [b - a for a, b in zip(seg_indptr, seg_indptr[1:])]

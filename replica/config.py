@@ -37,7 +37,10 @@ class EngineConfig(BaseModel):
         1 << 30, ge=0, description="Budget of adapters staged in (pinned) host memory, in bytes."
     )
     prefetch_window: int = Field(
-        16, ge=0, description="Waiting requests the prefetcher looks at each step (S-LoRA)."
+        16,
+        ge=0,
+        description="Distinct adapters, in waiting-queue order, the prefetcher looks ahead "
+        "for each step (S-LoRA).",
     )
     max_loads_in_flight: int = Field(8, ge=1, description="Adapter loads running at once.")
     adapter_loading: Literal["overlap", "sync"] = Field(

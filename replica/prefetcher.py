@@ -82,7 +82,12 @@ class Prefetcher:
 
     def prefetch(self, wanted: Iterable[str]) -> None:
         """Start loads for adapters in `wanted` (queue order, first W) that are not resident."""
-        names = list(dict.fromkeys(n for n in wanted if n is not None))[: self.window]
+        names: list[str] = []
+        for n in wanted:  # stop at W distinct names: never walk the whole queue each step
+            if len(names) >= self.window:
+                break
+            if n is not None and n not in names:
+                names.append(n)
         for k, name in enumerate(names):
             if len(self._inflight) >= self.max_inflight:
                 return

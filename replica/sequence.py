@@ -31,9 +31,14 @@ class Sequence:
     error: str | None = None  # why, when finish_reason == "error"
     skips: int = 0  # times passed over because its adapter was not ready (aging)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """(prompt_ids + output_ids)[start:end] without building the whole list."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     @property
     def num_tokens(self) -> int:
