@@ -57,6 +57,21 @@ class RequestStream:
         self._done = event.finished
         return event
 
+    async def next_batch(self) -> list[TokenEvent]:
+        """Every event available now (waiting for at least one); [] once the stream ended.
+        Lets a consumer that crosses a process boundary send one message per batch."""
+        if self._done:
+            return []
+        events = [await self._queue.get()]
+        while not events[-1].finished and not self._queue.empty():
+            events.append(self._queue.get_nowait())
+        self._done = events[-1].finished
+        return events
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:

@@ -27,7 +27,7 @@ from replica.prefetcher import Prefetcher
 from replica.sampling import Sampler, SamplingParams
 from replica.scheduler import Scheduler
 from replica.sequence import SeqStatus, Sequence
-from replica.slot_pool import AdapterSlotPool
+from replica.slot_pool import AdapterSlotPool, SlotState
 
 BASE_KEY = "__base__"  # the base model's pool name when its slot is not pinned (ablation)
 
@@ -109,14 +109,30 @@ class LLMEngine:
 
     def unload_adapter(self, name: str) -> None:
         """New requests for `name` are refused at once; its slot frees when unused."""
-        if isinstance(self.source, PeftDirectorySource):
-            self.source.remove(name)
+        self.source.remove(name)
         self.host_cache.drop(name)
         self._unloading.add(name)
         self._evict_unloaded()
 
     def known_adapters(self) -> list[str]:
         return [n for n in self.source.names() if n not in self._unloading]
+
+    def residency(self) -> dict:
+        """What the router needs to place requests: adapters on device (READY slots) and in
+        host memory, queue depth and free slots. Host-side state only."""
+        pool = self.pool
+        return {
+            "device_adapters": [
+                s.adapter
+                for s in pool.slots
+                if s.state is SlotState.READY and s.adapter not in (None, BASE_KEY)
+            ],
+            "host_adapters": self.host_cache.names(),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "free_slots": pool.num_free,
+            "adapter_loads": self.prefetcher.loads_started,
+        }
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ class AdapterSource(Protocol):
     def names(self) -> list[str]:
         """Every adapter the source can provide."""
 
+    def remove(self, name: str) -> None:
+        """Forget `name` (unloaded)."""
+
 
 class PeftDirectorySource:
     """Adapters read from PEFT directories through the one conversion function."""
@@ -67,6 +70,11 @@ class HostCache:
     def drop(self, name: str) -> None:
         with self._lock:
             self._items.pop(name, None)
+
+    def names(self) -> list[str]:
+        """Adapters staged in host memory now, least recently used first."""
+        with self._lock:
+            return list(self._items)
 
     def _shrink(self) -> None:
         total = sum(a.nbytes for a in self._items.values())

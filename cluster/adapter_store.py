@@ -1,0 +1,167 @@
+"""AdapterStore: the cluster's registry of LoRA adapters, weights kept in Ray's object store.
+
+One per application (a Serve deployment of one replica, so the controller
+health-checks and restarts it). `register` validates a PEFT directory against
+the base model and the limits, converts it once with the engine's conversion
+and `ray.put`s it: weights enter the object store once per cluster, however
+many replicas use them. Replicas ask for the ObjectRef of the version a request
+names and map it zero-copy. Mutations are serialized; reads never wait on them.
+
+After a restart the registry is rebuilt from the config's preload list;
+adapters loaded at runtime must be loaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from replica.adapter_format import AdapterFormatError, load_peft_adapter
+from replica.adapter_packing import pack_adapter
+from replica.model_config import load_model_spec
+from router.errors import BadRequestError, NotFoundError
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the registry tells about one registered adapter (no weights)."""
+
+    name: str
+    version: int
+    path: str
+    rank: int
+    target_modules: tuple[str, ...]
+    nbytes: int
+    created: int
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        model: str,
+        max_lora_rank: int,
+        adapter_roots: list[str],
+        preload: dict[str, str],
+        reserved_names: tuple[str, ...] = (),
+    ) -> None:
+        self.spec = load_model_spec(model)
+        self.max_lora_rank = max_lora_rank
+        self.roots = [Path(r).resolve() for r in adapter_roots]
+        self.reserved = set(reserved_names)
+        self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef]] = {}
+        self._versions = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._replica_stats: dict[str, tuple[float, dict]] = {}
+        self.num_puts = 0
+        for name, path in preload.items():  # the operator's config: trusted, roots not applied
+            self._add(name, path)
+
+    # -- mutations -----------------------------------------------------------------------------
+
+    async def register(self, name: str, path: str) -> AdapterInfo:
+        """Validate, convert and put `path` under `name`. Nothing is registered on error."""
+        async with self._lock:
+            if name in self._adapters:
+                raise BadRequestError(
+                    f"adapter {name!r} is already registered; unload it first to replace it"
+                )
+            resolved = self._check_path(path)
+            return await asyncio.to_thread(self._add, name, resolved)
+
+    async def unregister(self, name: str) -> AdapterInfo:
+        """Remove `name` for new requests at once; replicas drop their copies when unused."""
+        async with self._lock:
+            entry = self._adapters.pop(name, None)
+            if entry is None:
+                raise NotFoundError(self._not_found(name))
+            return entry[0]
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> AdapterInfo:
+        entry = self._adapters.get(name)
+        if entry is None:
+            raise NotFoundError(self._not_found(name))
+        return entry[0]
+
+    def get_ref(self, name: str, version: int) -> list[ray.ObjectRef]:
+        """The weights of one version, wrapped in a list so Ray hands over the reference,
+        not the value. Raises NotFoundError if that version is gone (unloaded)."""
+        entry = self._adapters.get(name)
+        if entry is None or entry[0].version != version:
+            raise NotFoundError(f"adapter {name!r} version {version} is no longer registered")
+        return [entry[1]]
+
+    def list(self) -> list[AdapterInfo]:
+        return sorted((info for info, _ in self._adapters.values()), key=lambda i: i.name)
+
+    def live_versions(self) -> dict[str, int]:
+        return {name: info.version for name, (info, _) in self._adapters.items()}
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_adapters": len(self._adapters), "num_puts": self.num_puts}
+
+    # -- replica reports (for `lorafleet bench` and operators) ----------------------------------
+
+    def report_replica(self, replica_id: str, stats: dict) -> dict[str, int]:
+        """A replica's periodic report; answers with the live versions so it can drop
+        references to unloaded adapters."""
+        self._replica_stats[replica_id] = (time.time(), stats)
+        return self.live_versions()
+
+    def replica_stats(self) -> dict[str, dict]:
+        now = time.time()
+        return {
+            rid: {**s, "age_s": round(now - t, 3)} for rid, (t, s) in self._replica_stats.items()
+        }
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _add(self, name: str, path: str | Path) -> AdapterInfo:
+        if name in self.reserved:
+            raise BadRequestError(f"adapter name {name!r} is reserved (the base model's name)")
+        try:
+            weights = load_peft_adapter(path, self.spec, self.max_lora_rank, name)
+        except AdapterFormatError as e:
+            raise BadRequestError(str(e)) from None
+        info = AdapterInfo(
+            name=name,
+            version=next(self._versions),
+            path=str(path),
+            rank=weights.rank,
+            target_modules=weights.target_modules,
+            nbytes=weights.nbytes,
+            created=int(time.time()),
+        )
+        self._adapters[name] = (info, ray.put(pack_adapter(weights)))
+        self.num_puts += 1
+        return info
+
+    def _check_path(self, path: str) -> Path:
+        """`path` and the files read from it must lie inside an adapter root, symlinks
+        resolved (no traversal, no symlink escape)."""
+        if not self.roots:
+            raise BadRequestError(
+                "loading adapters at runtime is disabled: no adapter_roots are configured"
+            )
+        try:
+            resolved = Path(path).resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise BadRequestError(f"adapter path {path!r} does not exist") from None
+        files = [resolved / "adapter_config.json", resolved / "adapter_model.safetensors"]
+        for p in [resolved, *(f.resolve() for f in files if f.exists())]:
+            if not any(p.is_relative_to(root) for root in self.roots):
+                roots = ", ".join(str(r) for r in self.roots)
+                raise BadRequestError(
+                    f"adapter path {path!r} is outside the configured adapter roots ({roots})"
+                )
+        return resolved
+
+    def _not_found(self, name: str) -> str:
+        return f"adapter {name!r} is not registered; known adapters: {sorted(self._adapters)}"

@@ -1,0 +1,58 @@
+"""build_app: the import_path of lorafleet's Serve configs (`cluster.app:build_app`).
+
+Wires three deployments: the AdapterStore (one replica), the LoRAReplica engines
+(routed by AdapterAffinityRouter or Serve's default) and the HTTP Ingress.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from cluster.adapter_store import AdapterStore
+from cluster.config import AppConfig
+from replica.deployment import LoRAReplica
+from router.affinity import AdapterAffinityRouter
+from router.ingress import Ingress
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    config = AppConfig.model_validate(args).resolved()
+    engine = config.engine
+    store = (
+        serve.deployment(AdapterStore)
+        .options(name="AdapterStore", num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .bind(
+            engine.model,
+            engine.max_lora_rank,
+            config.adapter_roots,
+            config.adapters,
+            (config.served_model_name,),
+        )
+    )
+    routing: dict[str, Any] = {
+        "request_routing_stats_period_s": config.routing_stats_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 5 * config.routing_stats_period_s),
+    }
+    if config.routing == "affinity":
+        routing["request_router_class"] = AdapterAffinityRouter
+        routing["request_router_kwargs"] = {
+            "load_bound_epsilon": config.load_bound_epsilon,
+            "load_bound_floor": config.load_bound_floor,
+        }
+    router_config = RequestRouterConfig(**routing)
+    replicas = LoRAReplica.options(
+        request_router_config=router_config,
+        ray_actor_options={"num_cpus": 1},
+        max_ongoing_requests=engine.max_num_seqs * 2,
+    ).bind(engine.model_dump(), store)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(
+        replicas,
+        store,
+        engine.model,
+        config.served_model_name,
+        config.default_max_tokens,
+    )

@@ -1,0 +1,84 @@
+"""The application config: one pydantic model for every knob of a lorafleet Serve app.
+
+It is the `args:` block of a Serve config file (configs/serve.yaml) and what
+`build_app` validates. Deployment sizing (replicas, autoscaling, resources) stays
+in the Serve config's `deployments:` section, where `serve deploy` updates it in place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from replica.config import EngineConfig
+
+DEMO = "demo"  # engine.model / adapters value: the demo model and adapters, built if missing
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(
+        description="The replica engine's settings; engine.model may be 'demo'."
+    )
+    served_model_name: str | None = Field(
+        None, description="The base model's name in the API (default: the model directory name)."
+    )
+    adapters: dict[str, str] | Literal["demo"] = Field(
+        default_factory=dict,
+        description="Adapters registered at start: name -> PEFT directory, or 'demo'.",
+    )
+    demo_adapters: int = Field(8, ge=1, le=256, description="How many demo adapters to build.")
+    adapter_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories that runtime loads (POST /v1/load_lora_adapter) may read "
+        "from; empty disables runtime loading. The demo adapters' directory is added for demo.",
+    )
+    routing: Literal["affinity", "default"] = Field(
+        "affinity",
+        description="'affinity': AdapterAffinityRouter; 'default': Serve's power-of-two router "
+        "(for comparison).",
+    )
+    load_bound_epsilon: float = Field(
+        0.25, ge=0.0, description="Affinity load bound: at most (1+eps) x the mean load."
+    )
+    load_bound_floor: int = Field(
+        4, ge=0, description="Affinity keeps a replica whose queue is under this many requests."
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="How often replicas publish residency and load to the router."
+    )
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request omits it.")
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, v: dict[str, str] | str) -> dict[str, str] | str:
+        if isinstance(v, dict):
+            for name in v:
+                if not name or "/" in name:
+                    raise ValueError(f"adapter name {name!r}: must be non-empty, without '/'")
+        return v
+
+    def resolved(self) -> AppConfig:
+        """'demo' replaced by built (cached) demo assets; names and paths made explicit."""
+        engine, adapters, roots = self.engine, self.adapters, list(self.adapter_roots)
+        if engine.model == DEMO or adapters == DEMO:
+            from cluster.demo_assets import DemoSpec, cached_demo_assets
+
+            assets = cached_demo_assets(DemoSpec(num_adapters=self.demo_adapters))
+            if engine.model == DEMO:
+                engine = engine.model_copy(update={"model": str(assets.model_dir)})
+            if adapters == DEMO:
+                adapters = {n: str(p) for n, p in assets.adapters.items()}
+                roots.append(str(assets.root / "adapters"))
+        name = self.served_model_name or Path(engine.model).name
+        return self.model_copy(
+            update={
+                "engine": engine,
+                "adapters": adapters,
+                "adapter_roots": roots,
+                "served_model_name": name,
+            }
+        )

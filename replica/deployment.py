@@ -1,0 +1,152 @@
+"""LoRAReplica: the Ray Serve deployment around one replica's engine.
+
+The ingress calls `generate(adapter, version, prompt_ids, sampling, request_id)`
+through a DeploymentHandle (the adapter name first, so the request router can
+read it) and streams the replies: one message per batch of new tokens. Adapter
+weights come from the object store; this class only turns (name, version) into
+an ObjectRef once per version, and publishes what is resident for routing.
+Nothing here speaks HTTP: refusals are messages with a status, not responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+
+from replica.async_engine import AsyncLLMEngine, TokenEvent
+from replica.config import EngineConfig
+from replica.engine import LLMEngine, RequestError
+from replica.object_store_source import ObjectStoreSource, adapter_key, adapter_name
+from replica.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 10.0
+
+
+@serve.deployment(name="LoRAReplica")
+class LoRAReplica:
+    def __init__(self, engine_config: dict[str, Any], store: Any) -> None:
+        """`store` is a DeploymentHandle to the AdapterStore."""
+        self.source = ObjectStoreSource()
+        self.engine = LLMEngine(EngineConfig(**engine_config), source=self.source)
+        self.aengine = AsyncLLMEngine(self.engine)
+        self.store = store
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self._fetching: dict[str, asyncio.Future] = {}
+
+    async def generate(
+        self,
+        adapter: str | None,
+        version: int | None,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        request_id: str,
+    ):
+        """Yields {"token_ids", "finished", "finish_reason", "error", "status",
+        "num_prompt_tokens"}; a refused request yields one finished message with a status."""
+        try:
+            key = None if adapter is None else await self._ensure_adapter(adapter, version)
+            params = SamplingParams(**sampling)
+            stream = await self.aengine.add_request(prompt_ids, params, key, request_id)
+        except (RequestError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+            yield _refusal(400, str(e))
+            return
+        except Exception as e:  # from the store: carries its HTTP status (404 once unloaded)
+            yield _refusal(getattr(e, "status", 503), getattr(e, "message", str(e)))
+            return
+        try:
+            while events := await stream.next_batch():
+                yield _message(events)
+        finally:
+            if not stream.finished:  # the caller went away: free KV and the slot reference
+                self.aengine.abort(stream.request_id)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Published to the request router every `request_routing_stats_period_s`."""
+        snapshot = await self.aengine.call(self.engine.residency)
+        stats = {
+            "device_adapters": sorted({adapter_name(k) for k in snapshot["device_adapters"]}),
+            "host_adapters": sorted({adapter_name(k) for k in snapshot["host_adapters"]}),
+            "queue_len": snapshot["num_waiting"] + snapshot["num_running"],
+            "free_slots": snapshot["free_slots"],
+        }
+        await self._report({**snapshot, **stats})
+        return stats
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine loop has died."""
+        if not self.aengine.is_alive():
+            raise RuntimeError("engine loop is not running")
+
+    async def residency(self) -> dict[str, Any]:
+        return await self.aengine.call(self.engine.residency)
+
+    def __del__(self) -> None:
+        aengine = getattr(self, "aengine", None)
+        if aengine is not None:
+            aengine.shutdown()
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    async def _ensure_adapter(self, name: str, version: int | None) -> str:
+        """The engine key of (name, version), fetching its ObjectRef on first use.
+        Concurrent first requests for one version share one fetch."""
+        if version is None:
+            raise RequestError(f"adapter {name!r}: a version is required")
+        key = adapter_key(name, version)
+        if key in self.source:
+            return key
+        pending = self._fetching.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch_ref(name, version, key))
+            self._fetching[key] = pending
+            pending.add_done_callback(lambda _: self._fetching.pop(key, None))
+        await asyncio.shield(pending)
+        return key
+
+    async def _fetch_ref(self, name: str, version: int, key: str) -> None:
+        [ref] = await self.store.get_ref.remote(name, version)
+        self.source.add(key, ref)
+
+    async def _report(self, stats: dict[str, Any]) -> None:
+        """Report to the store; drop references to adapter versions it no longer holds."""
+        try:
+            live = await asyncio.wait_for(
+                self.store.report_replica.remote(self.replica_id, stats), STORE_TIMEOUT_S
+            )
+        except Exception as e:  # the store restarting must not break routing stats
+            log.warning("adapter store unreachable: %s", e)
+            return
+        for key in self.source.names():
+            name = adapter_name(key)
+            if name in live and adapter_key(name, live[name]) == key:
+                continue
+            await self.aengine.call(lambda key=key: self.engine.unload_adapter(key))
+
+
+def _message(events: list[TokenEvent]) -> dict[str, Any]:
+    last = events[-1]
+    return {
+        "token_ids": [e.token_id for e in events if e.token_id is not None],
+        "finished": last.finished,
+        "finish_reason": last.finish_reason,
+        "error": last.error,
+        "status": 500 if last.error else None,
+        "num_prompt_tokens": last.num_prompt_tokens,
+    }
+
+
+def _refusal(status: int, message: str) -> dict[str, Any]:
+    return {
+        "token_ids": [],
+        "finished": True,
+        "finish_reason": "error",
+        "error": message,
+        "status": status,
+        "num_prompt_tokens": 0,
+    }

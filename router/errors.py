@@ -1,0 +1,28 @@
+"""Errors that carry their HTTP status: raised anywhere below the ingress (the AdapterStore,
+the replica's admission), they reach the client as OpenAI-style error bodies.
+
+Plain Python, no Ray: an exception raised in another actor arrives wrapped by Ray as a
+subclass of both RayTaskError and the original class, so `except APIError` still works.
+"""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    status = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequestError(APIError):
+    status = 400
+
+
+class NotFoundError(APIError):
+    status = 404
+
+
+class ServiceUnavailableError(APIError):
+    status = 503

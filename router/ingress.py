@@ -1,0 +1,294 @@
+"""The HTTP face: an OpenAI-compatible FastAPI ingress deployment.
+
+Validates bodies, resolves `model` to the base model or a registered adapter,
+tokenizes (chat template for chat), calls a LoRAReplica through its handle (the
+request router picks which) and turns the token stream into text: incremental
+detokenization, stop strings, SSE chunks. No tensors here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from transformers import AutoTokenizer
+
+from router import protocol as p
+from router.detokenize import IncrementalDetokenizer, StopStringMatcher
+from router.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+
+app = FastAPI(title="lorafleet", description="Multi-LoRA serving, OpenAI-compatible API.")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(p.error_body(e.status, e.message), status_code=e.status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(
+        f"{'.'.join(str(x) for x in err['loc'] if x != 'body') or 'body'}: {err['msg']}"
+        for err in e.errors()
+    )
+    return JSONResponse(p.error_body(400, problems), status_code=400)
+
+
+class _Output:
+    """One request's text so far: detokenized incrementally, cut at a stop string."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = StopStringMatcher(stop)
+        self.num_tokens = 0
+        self.num_prompt_tokens = 0
+        self.finish_reason: str | None = None
+
+    def add(self, message: dict[str, Any]) -> str:
+        """New text from one replica message; sets finish_reason when the request ends."""
+        if message.get("error") and message.get("finish_reason") == "error":
+            raise ServiceUnavailableError(f"generation failed: {message['error']}")
+        self.num_prompt_tokens = message["num_prompt_tokens"] or self.num_prompt_tokens
+        text = ""
+        for token in message["token_ids"]:
+            self.num_tokens += 1
+            delta, stopped = self.stop.feed(self.detok.add(token))
+            text += delta
+            if stopped:
+                self.finish_reason = "stop"
+                return text
+        if message["finished"]:
+            delta, stopped = self.stop.feed(self.detok.flush())
+            text += delta if stopped else delta + self.stop.flush()
+            self.finish_reason = "stop" if stopped else message["finish_reason"]
+        return text
+
+    def usage(self) -> p.UsageInfo:
+        return p.UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_tokens,
+            total_tokens=self.num_prompt_tokens + self.num_tokens,
+        )
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(
+        self,
+        replicas: Any,
+        store: Any,
+        model_dir: str,
+        served_model_name: str,
+        default_max_tokens: int = 16,
+    ) -> None:
+        """`replicas` and `store` are DeploymentHandles (LoRAReplica, AdapterStore)."""
+        self.replicas = replicas.options(stream=True)
+        self.store = store
+        self.model_dir = model_dir
+        self.model_name = served_model_name
+        self.default_max_tokens = default_max_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.created = int(time.time())
+
+    # -- service -------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> p.ModelList:
+        base = p.ModelCard(id=self.model_name, created=self.created, root=self.model_dir)
+        cards = [
+            p.ModelCard(id=a.name, created=a.created, root=a.path, parent=self.model_name)
+            for a in await self.store.list.remote()
+        ]
+        return p.ModelList(data=[base, *cards])
+
+    @app.get("/v1/lorafleet/stats")
+    async def stats(self) -> dict[str, Any]:
+        """Per-replica counters (adapter loads, residency, queue) and the store's own."""
+        return {
+            "replicas": await self.store.replica_stats.remote(),
+            "store": await self.store.stats.remote(),
+        }
+
+    # -- adapters (vLLM's endpoints) -----------------------------------------------------------
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: p.LoadLoRAAdapterRequest) -> dict[str, Any]:
+        if body.lora_name == self.model_name:
+            raise BadRequestError(f"{body.lora_name!r} is the base model's name")
+        info = await self.store.register.remote(body.lora_name, body.lora_path)
+        return {"status": "ok", "lora_name": info.name, "version": info.version}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: p.UnloadLoRAAdapterRequest) -> dict[str, Any]:
+        info = await self.store.unregister.remote(body.lora_name)
+        return {"status": "ok", "lora_name": info.name}
+
+    # -- generation ----------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, body: p.CompletionRequest) -> Any:
+        if isinstance(body.prompt, str):
+            prompt_ids = self.tokenizer(body.prompt)["input_ids"]
+        else:
+            prompt_ids = list(body.prompt)
+        return await self._serve(body, prompt_ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: p.ChatCompletionRequest) -> Any:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # a template may reject a conversation (roles, order)
+            raise BadRequestError(f"chat template: {e}") from None
+        prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return await self._serve(body, prompt_ids, chat=True)
+
+    async def _serve(self, body: Any, prompt_ids: list[int], chat: bool) -> Any:
+        if not prompt_ids:
+            raise BadRequestError("the prompt is empty")
+        adapter, version = await self._resolve(body.model)
+        request_id = p.random_id("chatcmpl" if chat else "cmpl")
+        stream = self.replicas.generate.remote(
+            adapter, version, prompt_ids, body.sampling_kwargs(self.default_max_tokens), request_id
+        )
+        first = await _first_message(stream)
+        if first.get("status") and first["finished"] and not first["token_ids"]:
+            raise _status_error(first["status"], first["error"])
+        output = _Output(self.tokenizer, body.stop_strings())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = self._sse(stream, first, output, body.model, request_id, chat, include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        text = output.add(first)
+        async for message in _until_done(stream, output):
+            text += output.add(message)
+        return _response(chat, request_id, body.model, text, output)
+
+    async def _resolve(self, model: str) -> tuple[str | None, int | None]:
+        if model == self.model_name:
+            return None, None
+        try:
+            info = await self.store.resolve.remote(model)
+        except NotFoundError:
+            names = [self.model_name, *(a.name for a in await self.store.list.remote())]
+            raise NotFoundError(
+                f"model {model!r} does not exist; available models: {names}"
+            ) from None
+        return info.name, info.version
+
+    async def _sse(
+        self,
+        stream: Any,
+        first: dict[str, Any],
+        output: _Output,
+        model: str,
+        request_id: str,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        chunk = p.ChatCompletionStreamResponse if chat else p.CompletionStreamResponse
+
+        def event(text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            body = chunk(id=request_id, created=created, model=model, choices=[choice])
+            return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+        try:
+            if chat:
+                yield event("", None, role=True)
+            text = output.add(first)
+            if text or output.finish_reason:
+                yield event(text, output.finish_reason)
+            async for message in _until_done(stream, output):
+                text = output.add(message)
+                if text or output.finish_reason:
+                    yield event(text, output.finish_reason)
+            if include_usage:
+                body = chunk(
+                    id=request_id, created=created, model=model, choices=[], usage=output.usage()
+                )
+                yield f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+        except APIError as e:  # after the 200 header only an error event can tell the client
+            yield f"data: {json.dumps(p.error_body(e.status, e.message))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+async def _first_message(stream: Any) -> dict[str, Any]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise ServiceUnavailableError("the replica ended the request without a reply") from None
+    except APIError:
+        raise
+    except Exception as e:  # a replica that died or could not be reached
+        raise ServiceUnavailableError(f"no replica could serve the request: {e}") from None
+
+
+async def _until_done(stream: Any, output: _Output) -> AsyncIterator[dict[str, Any]]:
+    """The replica's messages until the request finishes. Whoever stops early (a stop
+    string, an error, a client gone) cancels the replica's work, freeing its KV and slot."""
+    replica_done = False
+    try:
+        while output.finish_reason is None:
+            try:
+                message = await stream.__anext__()
+            except StopAsyncIteration:
+                raise ServiceUnavailableError("the replica ended the stream early") from None
+            except APIError:
+                raise
+            except Exception as e:
+                raise ServiceUnavailableError(f"the replica failed mid-request: {e}") from None
+            replica_done = message["finished"]
+            yield message
+    finally:
+        if not replica_done:
+            stream.cancel()
+
+
+def _status_error(status: int, message: str) -> APIError:
+    kinds = {400: BadRequestError, 404: NotFoundError}
+    error = kinds.get(status, APIError)(message)
+    error.status = status
+    return error
+
+
+def _response(chat: bool, request_id: str, model: str, text: str, output: _Output) -> Any:
+    if chat:
+        return p.ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": output.finish_reason,
+                }
+            ],
+            usage=output.usage(),
+        )
+    return p.CompletionResponse(
+        id=request_id,
+        model=model,
+        choices=[{"index": 0, "text": text, "finish_reason": output.finish_reason}],
+        usage=output.usage(),
+    )
