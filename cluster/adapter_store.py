@@ -59,6 +59,7 @@ class AdapterStore:
         self._lock = asyncio.Lock()
         self._replica_stats: dict[str, tuple[float, dict]] = {}
         self.num_puts = 0
+        self.num_ref_requests = 0
         for name, path in preload.items():  # the operator's config: trusted, roots not applied
             self._add(name, path)
 
@@ -93,6 +94,7 @@ class AdapterStore:
     def get_ref(self, name: str, version: int) -> list[ray.ObjectRef]:
         """The weights of one version, wrapped in a list so Ray hands over the reference,
         not the value. Raises NotFoundError if that version is gone (unloaded)."""
+        self.num_ref_requests += 1
         entry = self._adapters.get(name)
         if entry is None or entry[0].version != version:
             raise NotFoundError(f"adapter {name!r} version {version} is no longer registered")
@@ -105,7 +107,11 @@ class AdapterStore:
         return {name: info.version for name, (info, _) in self._adapters.items()}
 
     def stats(self) -> dict[str, Any]:
-        return {"num_adapters": len(self._adapters), "num_puts": self.num_puts}
+        return {
+            "num_adapters": len(self._adapters),
+            "num_puts": self.num_puts,
+            "num_ref_requests": self.num_ref_requests,
+        }
 
     # -- replica reports (for `lorafleet bench` and operators) ----------------------------------
 

@@ -33,11 +33,11 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-    problems = "; ".join(
-        f"{'.'.join(str(x) for x in err['loc'] if x != 'body') or 'body'}: {err['msg']}"
-        for err in e.errors()
-    )
-    return JSONResponse(p.error_body(400, problems), status_code=400)
+    return JSONResponse(p.error_body(400, p.format_validation_errors(e.errors())), status_code=400)
+
+
+# Everything the Ingress methods use is defined above the class: serve.ingress copies the
+# methods with the module globals of that moment.
 
 
 class _Output:
@@ -64,17 +64,76 @@ class _Output:
                 self.finish_reason = "stop"
                 return text
         if message["finished"]:
+            if message["finish_reason"] not in ("stop", "length"):
+                raise ServiceUnavailableError(f"request ended: {message['finish_reason']}")
             delta, stopped = self.stop.feed(self.detok.flush())
             text += delta if stopped else delta + self.stop.flush()
             self.finish_reason = "stop" if stopped else message["finish_reason"]
         return text
 
     def usage(self) -> p.UsageInfo:
-        return p.UsageInfo(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_tokens,
-            total_tokens=self.num_prompt_tokens + self.num_tokens,
+        return p.UsageInfo.of(self.num_prompt_tokens, self.num_tokens)
+
+
+async def _first_message(stream: Any) -> dict[str, Any]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise ServiceUnavailableError("the replica ended the request without a reply") from None
+    except APIError:
+        raise
+    except Exception as e:  # a replica that died or could not be reached
+        raise ServiceUnavailableError(f"no replica could serve the request: {e}") from None
+
+
+async def _until_done(stream: Any, output: _Output) -> AsyncIterator[dict[str, Any]]:
+    """The replica's messages until the request finishes. Whoever stops early (a stop
+    string, an error, a client gone) cancels the replica's work, freeing its KV and slot."""
+    replica_done = False
+    try:
+        while output.finish_reason is None:
+            try:
+                message = await stream.__anext__()
+            except StopAsyncIteration:
+                raise ServiceUnavailableError("the replica ended the stream early") from None
+            except APIError:
+                raise
+            except Exception as e:
+                raise ServiceUnavailableError(f"the replica failed mid-request: {e}") from None
+            replica_done = message["finished"]
+            yield message
+    finally:
+        if not replica_done:
+            stream.cancel()
+
+
+def _status_error(status: int, message: str) -> APIError:
+    kinds = {400: BadRequestError, 404: NotFoundError}
+    error = kinds.get(status, APIError)(message)
+    error.status = status
+    return error
+
+
+def _response(chat: bool, request_id: str, model: str, text: str, output: _Output) -> Any:
+    if chat:
+        return p.ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": output.finish_reason,
+                }
+            ],
+            usage=output.usage(),
         )
+    return p.CompletionResponse(
+        id=request_id,
+        model=model,
+        choices=[{"index": 0, "text": text, "finish_reason": output.finish_reason}],
+        usage=output.usage(),
+    )
 
 
 @serve.deployment(name="Ingress")
@@ -146,7 +205,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: p.ChatCompletionRequest) -> Any:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = body.chat_messages()
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
@@ -160,7 +219,7 @@ class Ingress:
         if not prompt_ids:
             raise BadRequestError("the prompt is empty")
         adapter, version = await self._resolve(body.model)
-        request_id = p.random_id("chatcmpl" if chat else "cmpl")
+        request_id = p.chat_completion_id() if chat else p.completion_id()
         stream = self.replicas.generate.remote(
             adapter, version, prompt_ids, body.sampling_kwargs(self.default_max_tokens), request_id
         )
@@ -169,8 +228,9 @@ class Ingress:
             raise _status_error(first["status"], first["error"])
         output = _Output(self.tokenizer, body.stop_strings())
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._sse(stream, first, output, body.model, request_id, chat, include_usage)
+            chunks = self._sse(
+                stream, first, output, body.model, request_id, chat, body.include_usage()
+            )
             return StreamingResponse(chunks, media_type="text/event-stream")
         text = output.add(first)
         async for message in _until_done(stream, output):
@@ -210,8 +270,7 @@ class Ingress:
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish}
-            body = chunk(id=request_id, created=created, model=model, choices=[choice])
-            return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+            return p.sse_event(chunk(id=request_id, created=created, model=model, choices=[choice]))
 
         try:
             if chat:
@@ -224,71 +283,15 @@ class Ingress:
                 if text or output.finish_reason:
                     yield event(text, output.finish_reason)
             if include_usage:
-                body = chunk(
-                    id=request_id, created=created, model=model, choices=[], usage=output.usage()
+                yield p.sse_event(
+                    chunk(
+                        id=request_id,
+                        created=created,
+                        model=model,
+                        choices=[],
+                        usage=output.usage(),
+                    )
                 )
-                yield f"data: {body.model_dump_json(exclude_none=True)}\n\n"
         except APIError as e:  # after the 200 header only an error event can tell the client
             yield f"data: {json.dumps(p.error_body(e.status, e.message))}\n\n"
-        yield "data: [DONE]\n\n"
-
-
-async def _first_message(stream: Any) -> dict[str, Any]:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        raise ServiceUnavailableError("the replica ended the request without a reply") from None
-    except APIError:
-        raise
-    except Exception as e:  # a replica that died or could not be reached
-        raise ServiceUnavailableError(f"no replica could serve the request: {e}") from None
-
-
-async def _until_done(stream: Any, output: _Output) -> AsyncIterator[dict[str, Any]]:
-    """The replica's messages until the request finishes. Whoever stops early (a stop
-    string, an error, a client gone) cancels the replica's work, freeing its KV and slot."""
-    replica_done = False
-    try:
-        while output.finish_reason is None:
-            try:
-                message = await stream.__anext__()
-            except StopAsyncIteration:
-                raise ServiceUnavailableError("the replica ended the stream early") from None
-            except APIError:
-                raise
-            except Exception as e:
-                raise ServiceUnavailableError(f"the replica failed mid-request: {e}") from None
-            replica_done = message["finished"]
-            yield message
-    finally:
-        if not replica_done:
-            stream.cancel()
-
-
-def _status_error(status: int, message: str) -> APIError:
-    kinds = {400: BadRequestError, 404: NotFoundError}
-    error = kinds.get(status, APIError)(message)
-    error.status = status
-    return error
-
-
-def _response(chat: bool, request_id: str, model: str, text: str, output: _Output) -> Any:
-    if chat:
-        return p.ChatCompletionResponse(
-            id=request_id,
-            model=model,
-            choices=[
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": output.finish_reason,
-                }
-            ],
-            usage=output.usage(),
-        )
-    return p.CompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[{"index": 0, "text": text, "finish_reason": output.finish_reason}],
-        usage=output.usage(),
-    )
+        yield p.SSE_DONE

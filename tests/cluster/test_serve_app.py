@@ -1,0 +1,415 @@
+"""The Serve application end to end: real local Ray, real Serve, real HTTP on 127.0.0.1.
+
+One cluster for the module (2 LoRAReplica replicas, AdapterStore, Ingress); the
+outside oracle for outputs is the in-process engine, itself checked against
+transformers + PEFT in tests/replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+from transformers import AutoTokenizer
+
+from cluster import serving
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from replica.sampling import SamplingParams
+from tests.conftest import tiny_assets
+
+pytestmark = pytest.mark.serve
+
+PRELOADED = ["adapter-00", "adapter-01", "adapter-02", "adapter-04", "adapter-05", "adapter-06"]
+MAX_RANK = 32  # adapter-03 and adapter-07 are rank 64: refused
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(assets, port: int, max_replicas: int = 2, target: int = 8) -> dict:
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "lorafleet",
+                "route_prefix": "/",
+                "import_path": "cluster.app:build_app",
+                "args": {
+                    "engine": {
+                        "model": str(assets.model_dir),
+                        "device": "cpu",
+                        "num_slots": 4,
+                        "max_lora_rank": MAX_RANK,
+                        "kv_cache_bytes": 32 * 2**20,
+                    },
+                    "served_model_name": "tiny-base",
+                    "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                    "adapter_roots": [str(assets.root / "adapters")],
+                    "routing_stats_period_s": 0.5,
+                },
+                "deployments": [
+                    {
+                        "name": "LoRAReplica",
+                        "max_ongoing_requests": 64,
+                        "ray_actor_options": {"num_cpus": 1},
+                        "autoscaling_config": {
+                            "min_replicas": 2,
+                            "initial_replicas": 2,
+                            "max_replicas": max_replicas,
+                            "target_ongoing_requests": target,
+                        },
+                    }
+                ],
+            }
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def assets():
+    return tiny_assets("llama", num_adapters=8)
+
+
+@pytest.fixture(scope="module")
+def cluster(assets):
+    ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
+    port = _free_port()
+    config = _config(assets, port)
+    try:
+        serving.deploy(config, timeout_s=240)
+        yield {"url": f"http://127.0.0.1:{port}", "config": config, "port": port}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine(assets) -> LLMEngine:
+    """The in-process engine with the same adapters: the reference for HTTP outputs."""
+    eng = LLMEngine(
+        EngineConfig(model=str(assets.model_dir), device="cpu", num_slots=8, max_lora_rank=64)
+    )
+    for name, path in assets.adapters.items():
+        eng.load_adapter(name, path)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    return AutoTokenizer.from_pretrained(assets.model_dir)
+
+
+def _reference(engine: LLMEngine, prompt_ids: list[int], adapter: str | None, n: int) -> list[int]:
+    seq = engine.generate([(prompt_ids, SamplingParams(max_tokens=n, ignore_eos=True), adapter)])
+    return seq[0].output_ids
+
+
+def _text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _stats(cluster) -> dict:
+    return httpx.get(cluster["url"] + "/v1/lorafleet/stats", timeout=30).json()
+
+
+def _post(cluster, path: str, body: dict) -> httpx.Response:
+    return httpx.post(cluster["url"] + path, json=body, timeout=60)
+
+
+# -- outputs ----------------------------------------------------------------------------------
+
+
+def test_completions_equal_the_engine(cluster, client, engine, tokenizer):
+    prompt = "the cat sat on"
+    ids = tokenizer(prompt)["input_ids"]
+    for model in ["tiny-base", "adapter-00", "adapter-02", "adapter-05"]:
+        r = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        adapter = None if model == "tiny-base" else model
+        expected = _text(tokenizer, _reference(engine, ids, adapter, 8))
+        assert r.choices[0].text == expected, model
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_concurrent_mixed_requests_equal_the_engine(cluster, engine, tokenizer):
+    """Base and adapter requests in flight together (shared batches) give solo outputs."""
+    models = ["tiny-base", *PRELOADED, "tiny-base"]
+    prompts = [f"request number {i} says" for i in range(len(models))]
+
+    async def one(client: httpx.AsyncClient, model: str, prompt: str) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        r = await client.post(cluster["url"] + "/v1/completions", json=body | {"ignore_eos": True})
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c, m, p) for m, p in zip(models, prompts)))
+
+    for model, prompt, text in zip(models, prompts, asyncio.run(run())):
+        adapter = None if model == "tiny-base" else model
+        ids = tokenizer(prompt)["input_ids"]
+        assert text == _text(tokenizer, _reference(engine, ids, adapter, 6)), model
+
+
+def test_chat_completion_uses_the_chat_template(cluster, client, engine, tokenizer):
+    messages = [{"role": "user", "content": "hello there"}]
+    r = client.chat.completions.create(
+        model="adapter-01",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert r.choices[0].message.content == _text(
+        tokenizer, _reference(engine, ids, "adapter-01", 6)
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_equals_non_streaming(cluster, client):
+    kwargs = dict(model="adapter-04", prompt="once upon a time", max_tokens=10, temperature=0)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    chunks = list(
+        client.completions.create(
+            **kwargs,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+    chat = client.chat.completions.create(
+        model="tiny-base",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [c.choices[0].delta for c in chat if c.choices]
+    assert deltas[0].role == "assistant"
+    assert len("".join(d.content or "" for d in deltas)) > 0
+
+
+def test_stop_string_cuts_the_output(cluster, client):
+    full = (
+        client.completions.create(
+            model="adapter-00",
+            prompt="a b c",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[3:5]
+    assert stop.strip()
+    r = client.completions.create(
+        model="adapter-00", prompt="a b c", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+# -- models and adapters ----------------------------------------------------------------------
+
+
+def test_models_lists_base_and_adapters(cluster, client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(PRELOADED) <= set(models) and "tiny-base" in models
+    assert models["adapter-00"].model_extra["parent"] == "tiny-base"
+
+
+def test_unknown_model_is_404_listing_names(cluster):
+    r = _post(cluster, "/v1/completions", {"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert "nope" in message and "adapter-00" in message and "tiny-base" in message
+
+
+def test_load_and_unload_at_runtime(cluster, client, engine, assets, tokenizer):
+    path = str(assets.adapters["adapter-06"])
+    r = _post(cluster, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": path})
+    assert r.status_code == 200, r.text
+    ids = tokenizer("late adapter")["input_ids"]
+    out = client.completions.create(
+        model="late",
+        prompt="late adapter",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == _text(tokenizer, _reference(engine, ids, "adapter-06", 6))
+    assert (
+        _post(
+            cluster, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": path}
+        ).status_code
+        == 400
+    )
+    assert _post(cluster, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    r = _post(cluster, "/v1/completions", {"model": "late", "prompt": "hi"})
+    assert r.status_code == 404
+    assert _post(cluster, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404
+
+
+def _refused(cluster, name: str, path: str) -> str:
+    before = httpx.get(cluster["url"] + "/v1/models").json()["data"]
+    r = _post(cluster, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+    assert r.status_code == 400, r.text
+    assert httpx.get(cluster["url"] + "/v1/models").json()["data"] == before  # nothing registered
+    return r.json()["error"]["message"]
+
+
+def test_bad_adapters_are_refused_with_400(cluster, assets, tmp_path):
+    roots = assets.root / "adapters"
+    # rank over max_lora_rank
+    assert "exceeds max_lora_rank" in _refused(cluster, "big", str(assets.adapters["adapter-03"]))
+    # not a PEFT directory
+    assert "adapter_config.json" in _refused(cluster, "empty", str(roots))
+    # path outside the adapter roots, directly and through a symlink
+    outside = tmp_path / "copy"
+    shutil.copytree(assets.adapters["adapter-00"], outside)
+    assert "outside the configured adapter roots" in _refused(cluster, "out", str(outside))
+    link = roots / f"link-{time.monotonic_ns()}"
+    link.symlink_to(outside)
+    try:
+        assert "outside" in _refused(cluster, "link", str(link))
+        dots = str(roots) + "/" + "../" * len(roots.parts) + str(outside).lstrip("/")
+        assert "outside" in _refused(cluster, "dots", dots)
+    finally:
+        link.unlink()
+    # an adapter of another base model (other shapes)
+    other = tiny_assets("llama", hidden_size=32, num_heads=2, num_kv_heads=1, num_adapters=1)
+    wrong = roots / f"wrong-{time.monotonic_ns()}"
+    shutil.copytree(other.adapters["adapter-00"], wrong)
+    try:
+        assert "for this base model" in _refused(cluster, "wrong", str(wrong))
+    finally:
+        shutil.rmtree(wrong)
+    # the base model's name
+    assert "base model" in _refused(cluster, "tiny-base", str(assets.adapters["adapter-00"]))
+
+
+def test_bad_requests_are_400(cluster):
+    assert _post(cluster, "/v1/completions", {"prompt": "no model"}).status_code == 400
+    r = _post(
+        cluster, "/v1/completions", {"model": "tiny-base", "prompt": "x", "max_tokens": 10**6}
+    )
+    assert r.status_code == 400 and "maximum model length" in r.json()["error"]["message"]
+    r = _post(cluster, "/v1/completions", {"model": "tiny-base", "prompt": ""})
+    assert r.status_code == 400
+
+
+# -- placement --------------------------------------------------------------------------------
+
+
+def _loads(cluster) -> dict[str, int]:
+    return {rid: s["adapter_loads"] for rid, s in _stats(cluster)["replicas"].items()}
+
+
+def _wait_for_reports(cluster, since: float) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        reps = _stats(cluster)["replicas"]
+        if len([s for s in reps.values() if s["age_s"] < time.time() - since]) >= 2:
+            return
+        time.sleep(0.3)
+
+
+def test_requests_follow_their_adapter(cluster, client):
+    """Sequential requests: each adapter is loaded on one replica, then found there."""
+    adapters = PRELOADED[:3]  # fits the 3 adapter slots of one replica
+    for a in adapters:  # warm: one load each, somewhere
+        client.completions.create(model=a, prompt="warm", max_tokens=2)
+    time.sleep(1.5)  # residency reaches the router with the next stats period
+    before = sum(_loads(cluster).values())
+    for _ in range(3):
+        for a in adapters:
+            client.completions.create(model=a, prompt="again", max_tokens=2)
+    time.sleep(1.5)
+    assert sum(_loads(cluster).values()) == before  # every request found its adapter resident
+
+
+def test_hot_adapter_spills_past_the_load_bound(cluster):
+    """One adapter under heavy concurrency: past the bound, the other replica takes some."""
+
+    async def flood() -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "adapter-05", "prompt": "hot", "max_tokens": 24, "ignore_eos": True}
+            rs = await asyncio.gather(
+                *(c.post(cluster["url"] + "/v1/completions", json=body) for _ in range(24))
+            )
+            assert all(r.status_code == 200 for r in rs)
+
+    asyncio.run(flood())
+    time.sleep(1.5)
+    holders = [
+        rid
+        for rid, s in _stats(cluster)["replicas"].items()
+        if "adapter-05" in s.get("device_adapters", [])
+    ]
+    assert len(holders) == 2
+
+
+def test_one_object_store_put_per_adapter(cluster):
+    """Both replicas hold adapter-05 now, yet every registration put its weights once:
+    the preloads plus the one runtime load; refused loads put nothing."""
+    store = _stats(cluster)["store"]
+    assert store["num_puts"] == len(PRELOADED) + 1
+    assert store["num_ref_requests"] > store["num_puts"]
+
+
+# -- operations -------------------------------------------------------------------------------
+
+
+def _replica_actor_ids() -> set[str]:
+    """Serve names each replica's actor after its replica id."""
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"] for a in actors if "LoRAReplica" in a["name"]}
+
+
+def test_redeploy_with_edited_autoscaling_keeps_replicas(cluster, client, assets):
+    before = _replica_actor_ids()
+    assert len(before) == 2
+    stream = client.completions.create(
+        model="adapter-01",
+        prompt="long",
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(stream))
+    serving.deploy(_config(assets, cluster["port"], max_replicas=3, target=16), timeout_s=120)
+    rest = list(stream)  # the request in flight finishes across the redeploy
+    assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] == "length"
+    assert _replica_actor_ids() == before
+    config = serve.status().applications["lorafleet"].deployments["LoRAReplica"]
+    assert config.status == "HEALTHY"

@@ -1,0 +1,357 @@
+"""The OpenAI protocol models: what we refuse, what we default, what the openai SDK parses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import ValidationError
+
+from router.protocol import (
+    SSE_DONE,
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+    UsageInfo,
+    error_body,
+    format_validation_errors,
+    sse_event,
+)
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest(**{"model": "base", "prompt": "hi", **fields})
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"model": "base", "messages": CHAT, **fields})
+
+
+def refusal(make, **fields) -> str:
+    with pytest.raises(ValidationError) as info:
+        make(**fields)
+    return format_validation_errors(info.value.errors())
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"echo": True}, "echo: echo is not supported"),
+        ({"logprobs": 0}, "logprobs: logprobs is not supported"),
+        ({"logprobs": 5}, "logprobs is not supported"),
+        ({"best_of": 2}, "best_of: best_of is not supported"),
+        ({"suffix": "tail"}, "suffix: suffix is not supported"),
+        ({"n": 2}, "n: only n=1 is supported"),
+        ({"prompt": ["a", "b"]}, "only one prompt per request is supported"),
+        ({"prompt": [[1, 2], [3]]}, "only one prompt per request is supported"),
+        ({"prompt": ""}, "prompt must not be empty"),
+        ({"prompt": []}, "prompt must not be empty"),
+        ({"prompt": [1, -2]}, "greater than or equal to 0"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4 stop strings"),
+        ({"stop": ["a", ""]}, "stop strings must not be empty"),
+        ({"stop": ""}, "stop strings must not be empty"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "only allowed with stream=true"),
+    ],
+)
+def test_completion_refuses(fields, message):
+    assert message in refusal(completion, **fields)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
+        ({"logprobs": True}, "logprobs: logprobs is not supported"),
+        ({"top_logprobs": 3}, "top_logprobs: top_logprobs is not supported"),
+        ({"n": 3}, "only n=1 is supported"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"stop": ["1", "2", "3", "4", "5"]}, "at most 4 stop strings"),
+    ],
+)
+def test_chat_refuses(fields, message):
+    assert message in refusal(chat, **fields)
+
+
+def test_accepted_spellings_of_defaults():
+    req = completion(
+        echo=False, logprobs=None, best_of=1, suffix=None, n=1, top_k=-1, prompt=["one"]
+    )
+    assert (req.top_k, req.prompt) == (0, "one")
+    assert completion(prompt=[[5, 6]]).prompt == [5, 6]
+    assert chat(logprobs=False, top_logprobs=0).n == 1
+
+
+def test_unknown_fields_are_ignored():
+    req = completion(frequency_penalty=0.5, extra_body={"x": 1}, metadata={"a": "b"})
+    assert not hasattr(req, "frequency_penalty")
+    assert chat(tools=None, response_format={"type": "text"}).model == "base"
+
+
+def test_sampling_kwargs_defaults():
+    assert completion().sampling_kwargs(default_max_tokens=100) == {
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": None,
+        "stop_token_ids": (),
+        "ignore_eos": False,
+    }
+    assert completion(max_tokens=None).sampling_kwargs(100)["max_tokens"] == 100
+    assert chat().sampling_kwargs(100)["max_tokens"] == 100
+    assert chat(max_tokens=7).sampling_kwargs(100)["max_tokens"] == 7
+    assert chat(max_tokens=7, max_completion_tokens=9).sampling_kwargs(100)["max_tokens"] == 9
+
+
+def test_sampling_kwargs_carry_every_field():
+    req = chat(temperature=0, top_p=0.5, top_k=40, seed=3, stop_token_ids=[7, 9], ignore_eos=True)
+    assert req.sampling_kwargs(10) == {
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "top_k": 40,
+        "seed": 3,
+        "stop_token_ids": (7, 9),
+        "ignore_eos": True,
+    }
+
+
+def test_sampling_kwargs_build_the_engine_params():
+    from replica.sampling import SamplingParams
+
+    params = SamplingParams(**completion(stop_token_ids=[2], seed=1).sampling_kwargs(8))
+    assert (params.max_tokens, params.stop_token_ids, params.seed) == (16, (2,), 1)
+
+
+def test_stop_strings_and_stream_options():
+    assert completion().stop_strings() == []
+    assert completion(stop="\n").stop_strings() == ["\n"]
+    assert chat(stop=["a", "b"]).stop_strings() == ["a", "b"]
+    assert not completion(stream=True).include_usage()
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage()
+
+
+def test_chat_message_text():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert ChatMessage(role="user", content=parts).text() == "a\nb"
+    assert ChatMessage(role="assistant", content=None).text() == ""
+    req = chat(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": parts}])
+    assert req.chat_messages() == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a\nb"},
+    ]
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "../x", "has space", "x" * 129, "ünï"])
+def test_lora_name_rule(name):
+    message = refusal(LoadLoRAAdapterRequest, lora_name=name, lora_path="/p")
+    assert "letter, digit, '.', '_' or '-'" in message
+    assert "lora_name" in refusal(UnloadLoRAAdapterRequest, lora_name=name)
+
+
+def test_load_adapter_request():
+    req = LoadLoRAAdapterRequest(lora_name="sql-v1.2_x", lora_path="/a/b", extra=1)
+    assert (req.lora_name, req.lora_path) == ("sql-v1.2_x", "/a/b")
+    assert "lora_path" in refusal(LoadLoRAAdapterRequest, lora_name="ok", lora_path="")
+    assert UnloadLoRAAdapterRequest(lora_name="x" * 128).lora_name == "x" * 128
+
+
+def test_completion_response_parses_in_openai_sdk():
+    resp = CompletionResponse(
+        model="sql",
+        choices=[CompletionChoice(text="SELECT 1", finish_reason="stop", stop_reason=";")],
+        usage=UsageInfo.of(5, 3),
+    )
+    parsed = Completion.model_validate(json.loads(resp.model_dump_json()))
+    assert parsed.id.startswith("cmpl-") and parsed.object == "text_completion"
+    assert parsed.choices[0].text == "SELECT 1" and parsed.choices[0].finish_reason == "stop"
+    assert parsed.usage.total_tokens == 8
+
+
+def test_chat_response_parses_in_openai_sdk():
+    resp = ChatCompletionResponse(
+        model="base",
+        choices=[
+            ChatCompletionChoice(message=AssistantMessage(content="hi"), finish_reason="length")
+        ],
+        usage=UsageInfo.of(4, 1),
+    )
+    parsed = ChatCompletion.model_validate(json.loads(resp.model_dump_json()))
+    assert parsed.id.startswith("chatcmpl-") and parsed.object == "chat.completion"
+    assert parsed.choices[0].message.role == "assistant"
+    assert parsed.choices[0].message.content == "hi"
+    assert parsed.usage.prompt_tokens == 4
+
+
+def chat_stream() -> list[ChatCompletionStreamResponse]:
+    first = ChatCompletionStreamResponse(
+        model="base", choices=[ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant"))]
+    )
+
+    def chunk(**fields) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=first.id, created=first.created, **fields)
+
+    return [
+        first,
+        chunk(model="base", choices=[ChatCompletionStreamChoice(delta=DeltaMessage(content="h"))]),
+        chunk(
+            model="base",
+            choices=[ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason="stop")],
+        ),
+        chunk(model="base", choices=[], usage=UsageInfo.of(3, 2)),
+    ]
+
+
+def test_chat_stream_chunks_parse_in_openai_sdk():
+    chunks = chat_stream()
+    parsed = [ChatCompletionChunk.model_validate(json.loads(c.model_dump_json())) for c in chunks]
+    assert {p.id for p in parsed} == {chunks[0].id}
+    assert all(p.object == "chat.completion.chunk" for p in parsed)
+    assert parsed[0].choices[0].delta.role == "assistant"
+    assert parsed[1].choices[0].delta.content == "h"
+    assert parsed[2].choices[0].finish_reason == "stop"
+    assert parsed[3].choices == [] and parsed[3].usage.completion_tokens == 2
+
+
+def test_completion_stream_last_chunk_parses_in_openai_sdk():
+    chunk = CompletionStreamResponse(
+        model="base", choices=[CompletionStreamChoice(text="x", finish_reason="length")]
+    )
+    parsed = Completion.model_validate(json.loads(chunk.model_dump_json()))
+    assert parsed.choices[0].text == "x" and parsed.usage is None
+
+
+def sdk_client(routes: dict[str, tuple[int, str, str]]) -> openai.OpenAI:
+    """An openai client whose HTTP requests are answered from `routes`, without a server."""
+    httpx2 = pytest.importorskip("httpx2")  # the HTTP library of openai 3.x
+
+    def answer(request):
+        status, content_type, body = routes[request.url.path]
+        return httpx2.Response(status, headers={"content-type": content_type}, text=body)
+
+    return openai.OpenAI(
+        base_url="http://lorafleet.test/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(transport=httpx2.MockTransport(answer)),
+    )
+
+
+def test_openai_sdk_reads_our_sse_streams_and_errors():
+    texts = ["he", "llo", ""]
+    completion_chunks = [
+        CompletionStreamResponse(
+            id="cmpl-1",
+            created=1,
+            model="base",
+            choices=[CompletionStreamChoice(text=t, finish_reason="stop" if not t else None)],
+        )
+        for t in texts
+    ]
+    sse = "text/event-stream"
+    client = sdk_client(
+        {
+            "/v1/completions": (200, sse, "".join(map(sse_event, completion_chunks)) + SSE_DONE),
+            "/v1/chat/completions": (200, sse, "".join(map(sse_event, chat_stream())) + SSE_DONE),
+            "/v1/models": (
+                200,
+                "application/json",
+                ModelList(
+                    data=[ModelCard(id="base", root="/m"), ModelCard(id="a", parent="base")]
+                ).model_dump_json(),
+            ),
+            "/v1/load_lora_adapter": (
+                400,
+                "application/json",
+                json.dumps(error_body(400, "rank 128 > max_lora_rank 64", param="lora_path")),
+            ),
+        }
+    )
+    stream = client.completions.create(model="base", prompt="hi", stream=True)
+    assert "".join(c.choices[0].text for c in stream) == "hello"
+    chunks = list(client.chat.completions.create(model="base", messages=CHAT, stream=True))
+    assert [c.choices[0].delta.content for c in chunks[:2]] == [None, "h"]
+    assert chunks[-1].usage.total_tokens == 5
+    models = client.models.list().data
+    assert [(m.id, m.owned_by) for m in models] == [("base", "lorafleet"), ("a", "lorafleet")]
+    assert all(isinstance(m, Model) for m in models)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/load_lora_adapter", body={"lora_name": "a"}, cast_to=object)
+    err = info.value
+    assert err.message.endswith("rank 128 > max_lora_rank 64")
+    assert (err.type, err.param, err.body["code"]) == ("invalid_request_error", "lora_path", 400)
+
+
+@pytest.mark.parametrize(
+    "status, type_",
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (404, "not_found_error"),
+        (429, "rate_limit_error"),
+        (500, "internal_error"),
+        (503, "service_unavailable_error"),
+        (418, "invalid_request_error"),
+        (502, "internal_error"),
+    ],
+)
+def test_error_body_types(status, type_):
+    assert error_body(status, "boom") == {
+        "error": {"message": "boom", "type": type_, "param": None, "code": status}
+    }
+
+
+def test_error_body_explicit_type():
+    assert error_body(400, "x", type_="BadRequestError")["error"]["type"] == "BadRequestError"
+
+
+def test_model_card_fields():
+    card = ModelCard(id="sql", root="/adapters/sql", parent="base").model_dump()
+    assert card["object"] == "model" and card["owned_by"] == "lorafleet"
+    assert isinstance(card["created"], int)
+    assert ModelList().model_dump() == {"object": "list", "data": []}
+
+
+def test_ids_are_unique():
+    assert CompletionResponse(model="m", choices=[], usage=UsageInfo.of(0, 0)).id != (
+        CompletionResponse(model="m", choices=[], usage=UsageInfo.of(0, 0)).id
+    )
+
+
+def test_router_modules_import_neither_torch_nor_ray():
+    code = (
+        "import sys, router.protocol, router.detokenize; "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
