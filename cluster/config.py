@@ -73,7 +73,8 @@ class AppConfig(BaseModel):
             if adapters == DEMO:
                 adapters = {n: str(p) for n, p in assets.adapters.items()}
                 roots.append(str(assets.root / "adapters"))
-        name = self.served_model_name or Path(engine.model).name
+        default_name = "demo-base" if self.engine.model == DEMO else Path(engine.model).name
+        name = self.served_model_name or default_name
         return self.model_copy(
             update={
                 "engine": engine,

@@ -45,11 +45,25 @@ def apply_overrides(
     replicas: int | None = None,
     port: int | None = None,
     host: str | None = None,
+    settings: list[str] = (),
 ) -> dict[str, Any]:
-    """The config with the command line's values in place of the file's (first app)."""
+    """The config with the command line's values in place of the file's (first app).
+    `settings` are KEY=VALUE strings on the app's args (AppConfig), dotted keys for nested
+    fields, YAML values: "routing=default", "engine.num_slots=4", "demo_adapters=32"."""
     config = copy.deepcopy(config)
     app = config["applications"][0]
     args = app.setdefault("args", {})
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise ServeConfigError(f"--set {setting!r}: expected KEY=VALUE")
+        *parents, leaf = key.split(".")
+        node = args
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ServeConfigError(f"--set {setting!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(value)
     if model is not None:
         args.setdefault("engine", {})["model"] = str(Path(model).resolve())
         if loras is None and args.get("adapters") == "demo":

@@ -14,8 +14,10 @@ The floor keeps affinity when queues are short: a replica batches a few requests
 at no cost, while moving them means loading the adapter somewhere else.
 Base-model requests need no adapter: least loaded of two random replicas.
 
-Replicas publish residency and queue length through `record_routing_stats`;
-loads prefer Serve's fresher queue-length cache when it has an entry.
+Replicas publish residency and queue length through `record_routing_stats`
+(up to one period stale); the router also counts the requests it has routed and
+not yet seen complete, so a burst sees its own earlier placements. A replica's
+load is the larger of the two.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,16 @@ class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, load_bound_epsilon: float = 0.25, load_bound_floor: int = 4) -> None:
         self.epsilon = load_bound_epsilon
         self.floor = load_bound_floor
+        self._in_flight: dict[str, set[str]] = {}  # replica id -> internal request ids
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        self._in_flight.setdefault(replica_id.unique_id, set()).add(request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
 
     async def choose_replicas(
         self,
@@ -96,10 +109,10 @@ class AdapterAffinityRouter(RequestRouter):
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         stats = replica.routing_stats or {}
-        cached = self._replica_queue_len_cache.get(replica.replica_id)
-        load = cached if cached is not None else int(stats.get("queue_len", 0))
+        rid = replica.replica_id.unique_id
+        load = max(len(self._in_flight.get(rid, ())), int(stats.get("queue_len", 0)))
         return ReplicaView(
-            replica.replica_id.unique_id,
+            rid,
             load,
             frozenset(stats.get("device_adapters", ())),
             frozenset(stats.get("host_adapters", ())),
