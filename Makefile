@@ -11,7 +11,7 @@ QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 .PHONY: run test lint install clean
 
 run: $(STAMP)
-	$(VENV)/bin/lorafleet demo
+	$(VENV)/bin/lorafleet up
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

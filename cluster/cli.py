@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import pydantic
 
 from cluster import demo_assets
 from cluster.engine_args import add_engine_arguments, engine_config_from_args
+from cluster.serving import ServeConfigError
 from replica.adapter_format import AdapterFormatError
 from replica.engine import RequestError
 from replica.model_config import ModelConfigError
@@ -23,6 +25,7 @@ USER_ERRORS = (
     RequestError,
     WeightLoadError,
     pydantic.ValidationError,
+    ServeConfigError,
 )
 
 
@@ -59,8 +62,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.set_defaults(func=_demo)
 
+    p = sub.add_parser("up", help="Serve over HTTP on a local (or running) Ray cluster.")
+    p.add_argument(
+        "--config", default=None, help="Serve config file (default: configs/serve.yaml)."
+    )
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: demo).")
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                   help="Register a PEFT adapter at start (repeatable); its parent directory "
+                        "becomes an adapter root.")  # fmt: skip
+    p.add_argument("--replicas", type=int, default=None, help="Fixed replica count.")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="Override an app setting (AppConfig), e.g. routing=default, "
+                        "engine.num_slots=4, demo_adapters=32 (repeatable).")  # fmt: skip
+    p.add_argument("--host", default=None, help="HTTP bind address (default: the config's).")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's).")
+    p.add_argument("--address", default=None, help="Join this Ray cluster ('auto': the local one).")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a Ray started here.")
+    p.add_argument("--no-demo-requests", action="store_true",
+                   help="Skip the one-request-per-adapter showcase after start.")  # fmt: skip
+    p.set_defaults(func=_up)
+
+    p = sub.add_parser("deploy", help="Deploy a Serve config to a running Ray cluster.")
+    p.add_argument("config", help="Serve config file, e.g. configs/serve.yaml.")
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: auto).")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.set_defaults(func=_deploy)
+
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
-    from cluster import bench_engine, bench_kernels
+    from cluster import bench_engine, bench_http, bench_kernels
+
+    p = bench.add_parser("http", help="HTTP load against a running server (OpenAI API).")
+    bench_http.add_arguments(p)
+    p.set_defaults(func=bench_http.run)
 
     p = bench.add_parser("engine", help="The replica engine in-process: scenarios, ablations.")
     bench_engine.add_arguments(p)
@@ -131,6 +164,49 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"one batch of {len(results)} requests, prompt {prompt!r}:")
     for r in results:
         print(f"  {r.adapter or 'base':>10} | {r.text!r}")
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from cluster import serving, showcase
+
+    loras = dict(_parse_lora(s) for s in args.lora) if args.lora is not None else None
+    config = serving.apply_overrides(
+        serving.load_config(args.config or serving.DEFAULT_CONFIG),
+        model=args.model,
+        loras=loras,
+        replicas=args.replicas,
+        port=args.port,
+        host=args.host,
+        settings=args.set,
+    )
+    serving.connect(args.address, args.num_cpus)
+    serving.deploy(config)
+    http = config.get("http_options", {})
+    host = http.get("host", "127.0.0.1")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
+    print(f"lorafleet is serving at {url}  (Ctrl-C stops it)")
+    if not args.no_demo_requests:
+        showcase.show(url)
+    print(showcase.try_it(url))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from cluster import serving
+
+    config = serving.load_config(args.config)
+    serving.connect(args.address)
+    serving.deploy(config, args.timeout_s)
+    names = ", ".join(a["name"] for a in config["applications"])
+    print(f"deployed {names} from {args.config}")
     return 0
 
 
