@@ -53,8 +53,8 @@ def paged_attention(
     out = torch.empty_like(q)
     d = meta.num_decode
     if d:
-        keys = k_cache[:, meta.decode_slots].transpose(0, 1)  # [D, KVH, L, hd]
-        values = v_cache[:, meta.decode_slots].transpose(0, 1)
+        keys = _gather(k_cache, meta.decode_slots).transpose(0, 1)  # [D, KVH, L, hd]
+        values = _gather(v_cache, meta.decode_slots).transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q[:d].unsqueeze(2),  # [D, H, 1, hd]
             keys,
@@ -71,9 +71,17 @@ def paged_attention(
         if ctx == n:  # whole prompt in this step: use the fresh K/V, skip the gather
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            keys, values = k_cache[:, slots], v_cache[:, slots]  # [KVH, ctx, hd]
+            keys, values = _gather(k_cache, slots), _gather(v_cache, slots)  # [KVH, ctx, hd]
         out[rows] = _prefill(q[rows], keys, values, ctx, scale, sliding_window)
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[:, slots] for a [KVH, slots, hd] cache and slots of any shape. index_select
+    over the flattened slots: on CPU ~50x faster than advanced indexing (measured 0.17 ms
+    vs 8.9 ms for 32 sequences x 208 positions)."""
+    out = cache.index_select(1, slots.reshape(-1))
+    return out.view(cache.shape[0], *slots.shape, cache.shape[2])
 
 
 def _prefill(q, keys, values, ctx, scale, window) -> torch.Tensor:
