@@ -71,7 +71,7 @@ class LLMEngine:
         )
         self.source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {})
         self.host_cache = HostCache(_WithBase(self.source), c.host_cache_bytes)
-        self.pool = AdapterSlotPool(c.num_slots, make_policy(c.eviction_policy))
+        self.pool = AdapterSlotPool(c.num_slots, make_policy(c.eviction_policy), c.max_lora_rank)
         sync = c.adapter_loading == "sync"
         self.loader = InlineLoader(self.device) if sync else SideStreamLoader(self.device)
         window = c.max_loras_per_batch if sync else c.prefetch_window

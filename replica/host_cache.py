@@ -67,6 +67,12 @@ class HostCache:
             self._shrink()
         return adapter
 
+    def rank_of(self, name: str) -> int | None:
+        """The rank of a staged adapter (None if not in host memory); no fetch, no LRU touch."""
+        with self._lock:
+            hit = self._items.get(name)
+        return None if hit is None else hit.rank
+
     def drop(self, name: str) -> None:
         with self._lock:
             self._items.pop(name, None)

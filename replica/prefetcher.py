@@ -99,7 +99,7 @@ class Prefetcher:
                 return  # no slot can be freed now; try again next step
 
     def start(self, name: str, protected: set[str] = frozenset()) -> bool:
-        slot = self.pool.reserve(name, protected)
+        slot = self.pool.reserve(name, protected, self.host_cache.rank_of(name))
         if slot is None:
             return False
         self.buffers.clear(slot)

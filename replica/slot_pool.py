@@ -10,6 +10,7 @@ running batch uses it) and unpinned; LOADING slots are never touched.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from replica.eviction import EvictionPolicy
@@ -31,12 +32,12 @@ class Slot:
 
 
 class AdapterSlotPool:
-    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+    def __init__(self, num_slots: int, policy: EvictionPolicy, max_rank: int = 64) -> None:
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2: slot 0 is the base model, adapters need one")
         self.slots = [Slot(i) for i in range(num_slots)]
         self.slots[0] = Slot(0, None, SlotState.READY, pinned=True)
-        self.policy = policy
+        self.policy, self.max_rank = policy, max_rank
         self._by_name: dict[str, int] = {}
         self.num_evictions = 0
 
@@ -57,13 +58,16 @@ class AdapterSlotPool:
 
     # -- transitions ---------------------------------------------------------------------------
 
-    def reserve(self, name: str, protected: set[str] = frozenset()) -> int | None:
+    def reserve(
+        self, name: str, protected: set[str] = frozenset(), rank: int | None = None
+    ) -> int | None:
         """A slot for `name` to be loaded into (marked LOADING), evicting if needed.
 
-        Adapters in `protected` (wanted by requests about to run) are not evicted."""
+        Adapters in `protected` (wanted by requests about to run) are not evicted.
+        `rank`, when known, places the adapter among free slots (see _free_slot)."""
         if name in self._by_name:
             raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
-        slot = next((s for s in self.slots if s.state is SlotState.FREE), None)
+        slot = self._free_slot(rank)
         if slot is None:
             victim = self._victim(protected)
             if victim is None:
@@ -125,6 +129,17 @@ class AdapterSlotPool:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _free_slot(self, rank: int | None) -> Slot | None:
+        """A FREE slot; for a known rank the one nearest that rank's home. Homes spread
+        rank classes (powers of two) over the slot range, so adapters of one class sit in
+        adjacent slots and the CPU LoRA ops read them as one run (one matmul over a view of
+        the buffers) with little padding to a larger rank. Eviction is the policy's alone."""
+        free = [s for s in self.slots if s.state is SlotState.FREE]
+        if not free or rank is None:
+            return free[0] if free else None
+        home = rank_home(rank, self.max_rank, len(self.slots))
+        return min(free, key=lambda s: (abs(s.index - home), s.index))
+
     def _victim(self, protected: set[str] = frozenset()) -> Slot | None:
         candidates = {
             s.adapter: s
@@ -139,3 +154,11 @@ class AdapterSlotPool:
         self._by_name.pop(slot.adapter, None)
         self.policy.remove(slot.adapter)
         slot.adapter, slot.state = None, SlotState.FREE
+
+
+def rank_home(rank: int, max_rank: int, num_slots: int) -> float:
+    """Preferred slot of a rank-`rank` adapter: the centre of its rank class's share of
+    slots 1..num_slots-1, classes being powers of two from 8 (and below) to max_rank."""
+    num_classes = max(math.ceil(math.log2(max(max_rank, 8))) - 2, 1)
+    cls = min(max(math.ceil(math.log2(max(rank, 1))) - 3, 0), num_classes - 1)
+    return 1 + (cls + 0.5) / num_classes * (num_slots - 1) - 0.5

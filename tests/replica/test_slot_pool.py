@@ -63,3 +63,21 @@ def test_failed_load_frees_the_slot():
     pool.cancel(slot)
     pool.check_integrity()
     assert pool.num_free == 1 and pool.state("a") is None
+
+
+def test_free_slots_are_placed_by_rank_class():
+    """Adapters of one rank class land in adjacent slots whatever their arrival order, so
+    the CPU LoRA ops read each class as one run; unknown ranks take the first free slot."""
+    pool = AdapterSlotPool(17, LRUPolicy(), max_rank=64)
+    ranks = [8, 16, 32, 64] * 4  # the order the demo adapters arrive in
+    placed: dict[int, list[int]] = {}
+    for i, r in enumerate(ranks):
+        slot = pool.reserve(f"a{i}", rank=r)
+        pool.check_integrity()
+        placed.setdefault(r, []).append(slot)
+    for lo, r in zip((1, 5, 9, 13), (8, 16, 32, 64)):
+        assert sorted(placed[r]) == list(range(lo, lo + 4))
+    other = AdapterSlotPool(5, LRUPolicy(), max_rank=64)
+    assert other.reserve("x", rank=None) == 1
+    assert other.reserve("y", rank=64) == 4
+    assert other.reserve("z", rank=4) == 2  # below the smallest class: with rank 8
