@@ -45,6 +45,9 @@ class LoRASlotBuffers:
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         self.ranks: dict[str, list[int]] = {g: [0] * num_slots for g in MODULE_GROUPS}
         self.scalings = [0.0] * num_slots
+        # Rows at or past a slot's dirty rank are zero in every buffer: loads zero only
+        # the rows a previous, larger adapter left behind, not the whole slot.
+        self._dirty_rank = [0] * num_slots
 
     def write(self, slot: int, adapter: LoRAAdapterWeights) -> None:
         """Copy `adapter` into `slot` (zero-padding past its rank and untargeted modules).
@@ -56,20 +59,22 @@ class LoRASlotBuffers:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
         if adapter.rank > self.max_rank:
             raise ValueError(f"{adapter.name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
-        r = adapter.rank
+        r, dirty = adapter.rank, self._dirty_rank[slot]
+        self._dirty_rank[slot] = max(dirty, r)  # holds even if a copy below fails
         for layer, groups in enumerate(self.layers):
             for buf in groups.values():
-                dst_a, dst_b = buf.a[slot], buf.b[slot]
-                _fill(dst_a, None)
-                _fill(dst_b, None)
                 for j, module in enumerate(buf.slice_names):
                     ab = adapter.weights.get((layer, module))
-                    if ab is None:
-                        continue
-                    a, b = ab
+                    r_j = 0 if ab is None else r  # rows of this slice the adapter fills
+                    row0 = j * self.max_rank
                     c0, c1 = buf.slice_offsets[j], buf.slice_offsets[j + 1]
-                    _fill(dst_a[j * self.max_rank : j * self.max_rank + r], a)
-                    _fill(dst_b[c0:c1, :r], b)
+                    if dirty > r_j:  # what a larger earlier adapter left past our rank
+                        _fill(buf.a[slot, row0 + r_j : row0 + dirty], None)
+                        _fill(buf.b[slot, c0:c1, r_j:dirty], None)
+                    if ab is not None:
+                        _fill(buf.a[slot, row0 : row0 + r], ab[0])
+                        _fill(buf.b[slot, c0:c1, :r], ab[1])
+        self._dirty_rank[slot] = r
 
     def activate(self, slot: int, adapter: LoRAAdapterWeights) -> None:
         """Make a written slot visible to batches (main thread, once its copies are done)."""
