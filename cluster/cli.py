@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -189,6 +190,8 @@ def _up(args: argparse.Namespace) -> int:
     if not args.no_demo_requests:
         showcase.show(url)
     print(showcase.try_it(url))
+    # SIGTERM (a supervisor, `kill`, a job launched with &) stops it like Ctrl-C does
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         while True:
             time.sleep(3600)
