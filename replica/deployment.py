@@ -19,6 +19,7 @@ from ray import serve
 from replica.async_engine import AsyncLLMEngine, TokenEvent
 from replica.config import EngineConfig
 from replica.engine import LLMEngine, RequestError
+from replica.metrics import ReplicaMetrics
 from replica.object_store_source import ObjectStoreSource, adapter_key, adapter_name
 from replica.sampling import SamplingParams
 
@@ -37,6 +38,7 @@ class LoRAReplica:
         self.store = store
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.metrics = ReplicaMetrics(self.replica_id)
         self._fetching: dict[str, asyncio.Future] = {}
 
     async def generate(
@@ -67,8 +69,10 @@ class LoRAReplica:
                 self.aengine.abort(stream.request_id)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Published to the request router every `request_routing_stats_period_s`."""
+        """Published to the request router every `request_routing_stats_period_s`; the
+        same snapshot updates the replica's Prometheus metrics."""
         snapshot = await self.aengine.call(self.engine.residency)
+        self.metrics.update(snapshot)
         stats = {
             "device_adapters": sorted({adapter_name(k) for k in snapshot["device_adapters"]}),
             "host_adapters": sorted({adapter_name(k) for k in snapshot["host_adapters"]}),

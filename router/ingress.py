@@ -8,6 +8,7 @@ detokenization, stop strings, SSE chunks. No tensors here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -15,13 +16,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from transformers import AutoTokenizer
 
 from router import protocol as p
 from router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from router.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+from router.metrics import PROMETHEUS_TEXT, IngressMetrics, export_urls, scrape
 
 app = FastAPI(title="lorafleet", description="Multi-LoRA serving, OpenAI-compatible API.")
 
@@ -43,18 +45,22 @@ async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
 class _Output:
     """One request's text so far: detokenized incrementally, cut at a stop string."""
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str], start: float) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopStringMatcher(stop)
         self.num_tokens = 0
         self.num_prompt_tokens = 0
         self.finish_reason: str | None = None
+        self.start = start  # time.perf_counter() at the request's arrival
+        self.ttft_s: float | None = None
 
     def add(self, message: dict[str, Any]) -> str:
         """New text from one replica message; sets finish_reason when the request ends."""
         if message.get("error") and message.get("finish_reason") == "error":
             raise ServiceUnavailableError(f"generation failed: {message['error']}")
         self.num_prompt_tokens = message["num_prompt_tokens"] or self.num_prompt_tokens
+        if message["token_ids"] and self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.start
         text = ""
         for token in message["token_ids"]:
             self.num_tokens += 1
@@ -155,6 +161,7 @@ class Ingress:
         self.default_max_tokens = default_max_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.created = int(time.time())
+        self.metrics = IngressMetrics()
 
     # -- service -------------------------------------------------------------------------------
 
@@ -179,6 +186,13 @@ class Ingress:
             "store": await self.store.stats.remote(),
         }
 
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def export_metrics(self) -> PlainTextResponse:
+        """The lorafleet metrics of every node (ingress and replicas), Prometheus text, as
+        Ray's metrics agents export them."""
+        urls = await asyncio.to_thread(export_urls)
+        return PlainTextResponse(await scrape(urls), media_type=PROMETHEUS_TEXT)
+
     # -- adapters (vLLM's endpoints) -----------------------------------------------------------
 
     @app.post("/v1/load_lora_adapter")
@@ -197,14 +211,16 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, body: p.CompletionRequest) -> Any:
+        start = time.perf_counter()
         if isinstance(body.prompt, str):
             prompt_ids = self.tokenizer(body.prompt)["input_ids"]
         else:
             prompt_ids = list(body.prompt)
-        return await self._serve(body, prompt_ids, chat=False)
+        return await self._serve(body, prompt_ids, False, start)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: p.ChatCompletionRequest) -> Any:
+        start = time.perf_counter()
         messages = body.chat_messages()
         try:
             text = self.tokenizer.apply_chat_template(
@@ -213,29 +229,46 @@ class Ingress:
         except Exception as e:  # a template may reject a conversation (roles, order)
             raise BadRequestError(f"chat template: {e}") from None
         prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return await self._serve(body, prompt_ids, chat=True)
+        return await self._serve(body, prompt_ids, True, start)
 
-    async def _serve(self, body: Any, prompt_ids: list[int], chat: bool) -> Any:
-        if not prompt_ids:
-            raise BadRequestError("the prompt is empty")
-        adapter, version = await self._resolve(body.model)
-        request_id = p.chat_completion_id() if chat else p.completion_id()
-        stream = self.replicas.generate.remote(
-            adapter, version, prompt_ids, body.sampling_kwargs(self.default_max_tokens), request_id
-        )
-        first = await _first_message(stream)
-        if first.get("status") and first["finished"] and not first["token_ids"]:
-            raise _status_error(first["status"], first["error"])
-        output = _Output(self.tokenizer, body.stop_strings())
-        if body.stream:
-            chunks = self._sse(
-                stream, first, output, body.model, request_id, chat, body.include_usage()
+    async def _serve(self, body: Any, prompt_ids: list[int], chat: bool, start: float) -> Any:
+        output = _Output(self.tokenizer, body.stop_strings(), start)
+        # "abort" unless set below: the task was cancelled, the client went away
+        kind, model, outcome, streaming = "unknown", "unknown", "abort", False
+        try:
+            adapter, version = await self._resolve(body.model)
+            kind, model = ("base" if adapter is None else "adapter"), body.model
+            if not prompt_ids:
+                raise BadRequestError("the prompt is empty")
+            request_id = p.chat_completion_id() if chat else p.completion_id()
+            sampling = body.sampling_kwargs(self.default_max_tokens)
+            stream = self.replicas.generate.remote(
+                adapter, version, prompt_ids, sampling, request_id
             )
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        text = output.add(first)
-        async for message in _until_done(stream, output):
-            text += output.add(message)
-        return _response(chat, request_id, body.model, text, output)
+            first = await _first_message(stream)
+            if first.get("status") and first["finished"] and not first["token_ids"]:
+                raise _status_error(first["status"], first["error"])
+            if body.stream:
+                chunks = self._sse(
+                    stream, first, output, model, kind, request_id, chat, body.include_usage()
+                )
+                streaming = True  # _sse records the request when the stream ends
+                return StreamingResponse(chunks, media_type="text/event-stream")
+            text = output.add(first)
+            async for message in _until_done(stream, output):
+                text += output.add(message)
+            outcome = output.finish_reason
+            return _response(chat, request_id, model, text, output)
+        except Exception as e:
+            outcome = str(getattr(e, "status", 500))
+            raise
+        finally:
+            if not streaming:
+                self._record(kind, model, outcome, output)
+
+    def _record(self, kind: str, model: str, outcome: str, output: _Output) -> None:
+        elapsed = time.perf_counter() - output.start
+        self.metrics.record(kind, model, outcome, output.ttft_s, elapsed, output.num_tokens)
 
     async def _resolve(self, model: str) -> tuple[str | None, int | None]:
         if model == self.model_name:
@@ -255,6 +288,7 @@ class Ingress:
         first: dict[str, Any],
         output: _Output,
         model: str,
+        kind: str,
         request_id: str,
         chat: bool,
         include_usage: bool,
@@ -272,6 +306,7 @@ class Ingress:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish}
             return p.sse_event(chunk(id=request_id, created=created, model=model, choices=[choice]))
 
+        outcome = "abort"  # unless the stream ends below: the client went away
         try:
             if chat:
                 yield event("", None, role=True)
@@ -282,6 +317,7 @@ class Ingress:
                 text = output.add(message)
                 if text or output.finish_reason:
                     yield event(text, output.finish_reason)
+            outcome = output.finish_reason
             if include_usage:
                 yield p.sse_event(
                     chunk(
@@ -293,5 +329,8 @@ class Ingress:
                     )
                 )
         except APIError as e:  # after the 200 header only an error event can tell the client
+            outcome = str(e.status)
             yield f"data: {json.dumps(p.error_body(e.status, e.message))}\n\n"
+        finally:
+            self._record(kind, model, outcome, output)
         yield p.SSE_DONE

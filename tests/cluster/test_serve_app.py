@@ -8,6 +8,7 @@ transformers + PEFT in tests/replica.
 from __future__ import annotations
 
 import asyncio
+import collections
 import shutil
 import socket
 import time
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from transformers import AutoTokenizer
 
@@ -84,7 +86,14 @@ def assets():
 
 @pytest.fixture(scope="module")
 def cluster(assets):
-    ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        namespace="serve",
+        log_to_driver=False,
+        # metrics reach the export port every 0.5 s instead of 10 s: GET /metrics tests wait less
+        _system_config={"metrics_report_interval_ms": 500},
+    )
     port = _free_port()
     config = _config(assets, port)
     try:
@@ -325,6 +334,65 @@ def test_bad_requests_are_400(cluster):
     assert r.status_code == 400 and "maximum model length" in r.json()["error"]["message"]
     r = _post(cluster, "/v1/completions", {"model": "tiny-base", "prompt": ""})
     assert r.status_code == 400
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+REQUESTS = "ray_lorafleet_requests_total"
+TTFT_COUNT = "ray_lorafleet_time_to_first_token_seconds_count"
+
+
+def _metrics(cluster) -> tuple[dict, dict]:
+    """GET /metrics, parsed: totals by (sample name, kind), and samples by name."""
+    r = httpx.get(cluster["url"] + "/metrics", timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    totals, samples = collections.defaultdict(float), collections.defaultdict(list)
+    for family in text_string_to_metric_families(r.text):  # raises on an invalid page
+        assert family.name.startswith("ray_lorafleet_")
+        for sample in family.samples:
+            totals[(sample.name, sample.labels.get("kind"))] += sample.value
+            samples[sample.name].append(sample)
+    return totals, samples
+
+
+def test_metrics_count_requests_ttft_and_replica_state(cluster, client):
+    time.sleep(1.5)  # earlier tests' metrics reach the export (every 0.5 s here) first
+    before, _ = _metrics(cluster)
+    for model in ["tiny-base", "adapter-00"]:
+        client.completions.create(
+            model=model, prompt="metrics", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+
+    def moved(after: dict, samples: dict) -> bool:
+        counted = all(
+            after[(name, kind)] >= before[(name, kind)] + 1
+            for name in (REQUESTS, TTFT_COUNT)
+            for kind in ("base", "adapter")
+        )
+        replicas = {
+            s.labels["replica"] for s in samples["ray_lorafleet_replica_free_adapter_slots"]
+        }
+        loads = after[("ray_lorafleet_replica_adapter_loads_total", None)]
+        return counted and len(replicas) == 2 and loads >= 1
+
+    deadline = time.monotonic() + 30  # Ray exports metrics with a delay
+    while not moved(*(state := _metrics(cluster))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    after, samples = state
+    assert moved(after, samples), dict(after)
+    assert any(
+        s.labels["model"] == "adapter-00" and s.labels["outcome"] == "length"
+        for s in samples[REQUESTS]
+    )
+    assert after[("ray_lorafleet_output_tokens_total", "adapter")] >= (
+        before[("ray_lorafleet_output_tokens_total", "adapter")] + 3
+    )
+    assert after[("ray_lorafleet_e2e_latency_seconds_count", "base")] >= (
+        before[("ray_lorafleet_e2e_latency_seconds_count", "base")] + 1
+    )
+    for name in ["waiting_requests", "running_requests"]:
+        assert samples[f"ray_lorafleet_replica_{name}"]
 
 
 # -- placement --------------------------------------------------------------------------------
