@@ -1,0 +1,37 @@
+"""`lorafleet bench engine --quick`: every scenario runs and every headline figure is written."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from cluster.cli import main
+
+HEADLINE = (
+    "speedup_vs_hf_peft",
+    "speedup_ceiling_estimate",
+    "load_stall_ratio_overlap_on_vs_off",
+    "base_ttft_p50_ratio_churn_vs_base_only",
+    "decode_step_ratio_16_adapters_vs_base",
+    "decode_bytes_ratio_16_adapters_vs_base",
+    "decode_step_overhead_vs_bytes",
+)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_figure(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for key in HEADLINE:
+        assert isinstance(report[key], float) and report[key] > 0, key
+    assert report["speedup_ceiling_estimate"] > 1  # batching must beat one request at a time
+    scenarios = report["scenarios"]
+    for name in ("uniform", "zipf", "distinct", "mixed", "base_only", "all_resident_uniform"):
+        assert scenarios[name]["tok_per_s"] > 0
+    assert scenarios["distinct"]["adapter_loads"] >= 4  # more adapters than slots: churn
+    assert not math.isnan(report["load_stall_ratio_overlap_on_vs_off"])
+    printed = capsys.readouterr().out
+    assert "speedup_vs_hf_peft" in printed and "decode_step_overhead_vs_bytes" in printed
