@@ -18,13 +18,25 @@ from replica.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter
 from router.ingress import Ingress
 
+# Serve's default max_ongoing_requests is 5 per replica. The Ingress and the AdapterStore
+# only await other actors, so 5 would cap the whole application at 5 requests in flight
+# (the proxy queues the rest), whatever the LoRAReplicas could batch. The Serve config's
+# `deployments:` section can still set other values.
+INGRESS_MAX_ONGOING_REQUESTS = 1024
+STORE_MAX_ONGOING_REQUESTS = 1024
+
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args).resolved()
     engine = config.engine
     store = (
         serve.deployment(AdapterStore)
-        .options(name="AdapterStore", num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .options(
+            name="AdapterStore",
+            num_replicas=1,
+            max_ongoing_requests=STORE_MAX_ONGOING_REQUESTS,
+            ray_actor_options={"num_cpus": 0},
+        )
         .bind(
             engine.model,
             engine.max_lora_rank,
@@ -49,7 +61,9 @@ def build_app(args: dict[str, Any]) -> Application:
         ray_actor_options={"num_cpus": 1},
         max_ongoing_requests=engine.max_num_seqs * 2,
     ).bind(engine.model_dump(), store)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(
+    return Ingress.options(
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
+    ).bind(
         replicas,
         store,
         engine.model,
