@@ -17,7 +17,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -54,6 +54,7 @@ class LoadOptions:
     rate: float | None = None  # Poisson arrivals per second; None: closed loop at `concurrency`
     concurrency: int = 16
     num_requests: int | None = 256
+    warmup_requests: int = 0  # sent first, same scenario; not measured, loads not counted
     duration_s: float | None = None  # stop issuing after this long
     grace_s: float = 10.0  # after duration_s, requests still running get this long, then cancel
     prompt_tokens: int = 128
@@ -74,6 +75,8 @@ class LoadOptions:
             raise BenchError(f"rate {self.rate} must be positive")
         if self.concurrency < 1 or self.max_tokens < 1 or self.prompt_tokens < 1:
             raise BenchError("concurrency, max_tokens and prompt_tokens must be at least 1")
+        if self.warmup_requests < 0:
+            raise BenchError(f"warmup_requests {self.warmup_requests} must not be negative")
         if self.adapters is not None and self.adapters < 0:
             raise BenchError(f"adapters {self.adapters} must not be negative")
 
@@ -106,6 +109,7 @@ class LoadResult:
     records: list[RequestRecord]
     wall_s: float
     adapter_loads: dict[str, int] | None  # per replica, during the run; None: unknown
+    warmup: list[RequestRecord] = field(default_factory=list)  # before the counters were read
 
     def summary(self) -> dict:
         """Every figure, JSON-ready: metrics under "all", "base" and "adapter"."""
@@ -116,6 +120,7 @@ class LoadResult:
             "base_model": self.base_model,
             "adapters": self.adapters,
             "wall_s": self.wall_s,
+            "warmup": {"requests": len(self.warmup), "ok": sum(r.ok for r in self.warmup)},
             "requests_per_model": dict(Counter(r.model for r in self.records)),
             "errors": self.first_errors(),
             "all": _group(self.records, self.wall_s),
@@ -163,6 +168,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Requests to send (default {d.num_requests}; unbounded when only "
                         "--duration-s is given).")  # fmt: skip
     p.add_argument("--duration-s", type=float, help="Stop issuing requests after this long.")
+    p.add_argument("--warmup-requests", type=int,
+                   help="Send this many requests of the same scenario first, unmeasured: adapter "
+                        "loads are counted after them, so a run measures the steady state, not "
+                        "the cold start (default 0).")  # fmt: skip
     p.add_argument("--grace-s", type=float,
                    help=f"After --duration-s, cancel requests still running after this long "
                         f"(default {d.grace_s}).")  # fmt: skip
@@ -225,9 +234,14 @@ async def run_load(options: LoadOptions) -> LoadResult:
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         base, adapters = await discover_models(client, url, options.adapters)
         pick = request_picker(options, base, adapters)
+        warmup: list[RequestRecord] = []
+        if options.warmup_requests:
+            warm = replace(options, num_requests=options.warmup_requests, duration_s=None)
+            warmup = await _drive(client, url, warm, pick, base)
+            await asyncio.sleep(options.stats_settle_s)  # the warm-up's loads reach the counters
         loads_before = await read_adapter_loads(client, url)
         start = time.perf_counter()
-        records = await _drive(client, url, options, pick, base)
+        records = await _drive(client, url, options, pick, base, first_index=len(warmup))
         wall = time.perf_counter() - start
         loads = None
         if loads_before is not None:
@@ -235,7 +249,7 @@ async def run_load(options: LoadOptions) -> LoadResult:
             loads_after = await read_adapter_loads(client, url)
             if loads_after is not None:
                 loads = {r: n - loads_before.get(r, 0) for r, n in loads_after.items()}
-    return LoadResult(options, base, adapters, records, wall, loads)
+    return LoadResult(options, base, adapters, records, wall, loads, warmup)
 
 
 async def discover_models(
@@ -297,8 +311,10 @@ async def _drive(
     options: LoadOptions,
     pick: Callable[[int], str],
     base: str,
+    first_index: int = 0,
 ) -> list[RequestRecord]:
-    """Issue requests (Poisson or closed loop) until a bound, then wind down."""
+    """Issue requests (Poisson or closed loop) until a bound, then wind down. Request
+    indices (which seed prompts and models) start at first_index."""
     start = time.perf_counter()
     deadline = start + options.duration_s if options.duration_s is not None else float("inf")
     slots = asyncio.Semaphore(options.concurrency) if options.rate is None else None
@@ -306,7 +322,7 @@ async def _drive(
     next_at = start
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
-    for i in _indices(options.num_requests):  # bounded by the count or by the deadline
+    for i in _indices(first_index, options.num_requests):  # bounded by count or deadline
         if slots is not None:
             if not await _acquire(slots, deadline):
                 break
@@ -328,8 +344,10 @@ async def _drive(
     return records
 
 
-def _indices(num_requests: int | None) -> Iterator[int]:
-    return iter(range(num_requests)) if num_requests is not None else itertools.count()
+def _indices(first: int, num_requests: int | None) -> Iterator[int]:
+    if num_requests is None:
+        return itertools.count(first)
+    return iter(range(first, first + num_requests))
 
 
 async def _acquire(slots: asyncio.Semaphore, deadline: float) -> bool:
@@ -452,9 +470,10 @@ def _header(o: LoadOptions) -> str:
     bounds = [f"{o.num_requests} requests"] if o.num_requests is not None else []
     bounds += [f"{o.duration_s} s"] if o.duration_s is not None else []
     name = f" [{o.label}]" if o.label else ""
+    warmup = f" after {o.warmup_requests} warm-up requests" if o.warmup_requests else ""
     return (
         f"http bench{name}: {o.url}, scenario {o.scenario}, {arrivals}, "
-        f"{' or '.join(bounds)}, ~{o.prompt_tokens}+{o.max_tokens} tokens"
+        f"{' or '.join(bounds)}{warmup}, ~{o.prompt_tokens}+{o.max_tokens} tokens"
     )
 
 

@@ -198,6 +198,20 @@ def test_counts_latencies_and_load_deltas(fake):
     assert s["adapter_loads"] == {"total": 4, "per_replica": {"r0": 2, "r1": 2}}
 
 
+def test_warmup_requests_are_not_measured(fake):
+    """distinct over 4 adapters: the 4 warm-up requests load every adapter, so the measured
+    run finds them all loaded and its prompts continue after the warm-up's."""
+    url, state = fake
+    options = _options(url, adapters=4, scenario="distinct", warmup_requests=4, stats_settle_s=0)
+    result = asyncio.run(run_load(options))
+    s = result.summary()
+    assert s["warmup"] == {"requests": 4, "ok": 4}
+    assert s["all"]["requests"] == s["all"]["ok"] == 12
+    assert len(state.received) == 16
+    assert s["adapter_loads"]["total"] == 0
+    assert sorted(r.index for r in result.records) == list(range(4, 16))
+
+
 def test_mixed_base_splits_base_and_adapter(fake):
     url, _ = fake
     options = _options(url, num_requests=40, scenario="mixed-base", base_fraction=0.5, rate=400)
