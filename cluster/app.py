@@ -54,6 +54,8 @@ def build_app(args: dict[str, Any]) -> Application:
         routing["request_router_kwargs"] = {
             "load_bound_epsilon": config.load_bound_epsilon,
             "load_bound_floor": config.load_bound_floor,
+            # stats reach the router within a period or two: remember placements that long
+            "placement_memory_s": 2 * config.routing_stats_period_s,
         }
     router_config = RequestRouterConfig(**routing)
     replicas = LoRAReplica.options(

@@ -1,18 +1,23 @@
 """AdapterAffinityRouter: send each request where its adapter already is, within a load bound.
 
-Ranking for an adapter request (each rank is tried in order; Serve picks the
-least-loaded replica of a rank that accepts, and moves on if none does):
-  1. replicas holding the adapter in a device slot,
-  2. replicas holding it in host memory,
-  3. the adapter's rendezvous-hash (HRW) order: its home first, then the next,
-     stable across calls and reshuffling only the adapters of a replica that
-     comes or goes,
-  4. every replica (so a request is always routable).
-Ranks 1-3 admit only replicas under the load bound of consistent hashing with
+Ranking for an adapter request (Serve takes the first rank with a replica that
+accepts, the least loaded if a rank holds several):
+  1. every replica holding the adapter in a device slot, as one rank;
+  2. then, one replica per rank, those holding it in host memory, then all others,
+     each group in the adapter's rendezvous-hash (HRW) order: its home first, stable
+     across calls and reshuffling only the adapters of a replica that comes or goes;
+  3. a last rank of every replica, so a request is always routable.
+Ranks 1-2 admit only replicas under the load bound of consistent hashing with
 bounded loads: load + 1 <= max(floor, ceil((1 + epsilon) * (total load + 1) / replicas)).
-The floor keeps affinity when queues are short: a replica batches a few requests
-at no cost, while moving them means loading the adapter somewhere else.
-Base-model requests need no adapter: least loaded of two random replicas.
+
+Why the tiers differ: a device copy is what saves a load, and an adapter hot enough to
+have spilled to a second replica is worth a slot on both, so its device holders share
+its requests by load. Host memory is large (on CPU every replica soon holds most
+adapters there), so host holders are taken in hash order: by load they would scatter
+every cold adapter over every replica's slots. The floor keeps affinity when queues
+are short: a replica batches a few requests at no cost, while moving them means
+loading the adapter somewhere else. Base-model requests need no adapter: least loaded
+of two random replicas.
 
 Replicas publish residency and queue length through `record_routing_stats`
 (up to one period stale); the router also counts the requests it has routed and
@@ -25,8 +30,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -40,6 +46,7 @@ class ReplicaView:
     load: int
     device_adapters: frozenset[str] = frozenset()
     host_adapters: frozenset[str] = frozenset()
+    free_slots: int = 0  # adapter slots holding nothing: a load there evicts no one
 
 
 def hrw_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
@@ -61,33 +68,81 @@ def rank_for_adapter(
     total = sum(r.load for r in replicas)
     bound = max(floor, math.ceil((1 + epsilon) * (total + 1) / len(replicas)))
     ok = {r.id: r for r in replicas if r.load + 1 <= bound}
-
-    def by_load(views: list[ReplicaView]) -> list[str]:
-        return [r.id for r in sorted(views, key=lambda r: r.load)]
-
-    ranks = [
-        by_load([r for r in ok.values() if adapter in r.device_adapters]),
-        by_load([r for r in ok.values() if adapter in r.host_adapters]),
-        *([rid] for rid in hrw_order(adapter, list(ok))),
-        by_load(list(replicas)),
+    device = [
+        r.id for r in sorted(ok.values(), key=lambda r: r.load) if adapter in r.device_adapters
     ]
-    return [rank for rank in ranks if rank]
+    home = {rid: i for i, rid in enumerate(hrw_order(adapter, list(ok)))}
+
+    def cost(rid: str) -> tuple[bool, bool, int]:  # what a load there costs, then HRW order
+        r = ok[rid]
+        return r.free_slots <= 0, adapter not in r.host_adapters, home[rid]
+
+    others = sorted((rid for rid in ok if rid not in device), key=cost)
+    everyone = [r.id for r in sorted(replicas, key=lambda r: r.load)]
+    return [rank for rank in [device, *([rid] for rid in others), everyone] if rank]
+
+
+class PlacementMemory:
+    """Where this router sent each adapter in the last `memory_s` seconds.
+
+    Replica stats are up to a period old. Until they show it, an adapter just sent to a
+    replica counts as on its device there (it is being loaded), and as taking one of the
+    free slots the stats reported, so a burst neither scatters one adapter's requests
+    nor sends more new adapters to a replica than it has free slots."""
+
+    def __init__(self, memory_s: float) -> None:
+        self.memory_s = memory_s
+        self._sent: dict[str, dict[str, float]] = {}  # replica id -> adapter -> when
+
+    def record(self, replica_id: str, adapter: str, now: float) -> None:
+        self._sent.setdefault(replica_id, {})[adapter] = now
+
+    def forget(self, replica_id: str) -> None:
+        self._sent.pop(replica_id, None)
+
+    def view(self, stats: ReplicaView, now: float) -> ReplicaView:
+        """The stats' view of a replica with recent placements added."""
+        sent = self._sent.get(stats.id, {})
+        for adapter in [a for a, t in sent.items() if now - t > self.memory_s]:
+            del sent[adapter]  # the stats have had time to show it (or its eviction)
+        new = sent.keys() - stats.device_adapters
+        if not new:
+            return stats
+        return replace(
+            stats,
+            device_adapters=stats.device_adapters | new,
+            free_slots=max(0, stats.free_slots - len(new)),
+        )
 
 
 class AdapterAffinityRouter(RequestRouter):
-    def initialize_state(self, load_bound_epsilon: float = 0.25, load_bound_floor: int = 4) -> None:
+    def initialize_state(
+        self,
+        load_bound_epsilon: float = 0.25,
+        load_bound_floor: int = 4,
+        placement_memory_s: float = 2.0,
+    ) -> None:
         self.epsilon = load_bound_epsilon
         self.floor = load_bound_floor
         self._in_flight: dict[str, set[str]] = {}  # replica id -> internal request ids
+        self._placed = PlacementMemory(placement_memory_s)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         request_id = pending_request.metadata.internal_request_id
         self._in_flight.setdefault(replica_id.unique_id, set()).add(request_id)
+        adapter = pending_request.args[0] if pending_request.args else None
+        if adapter is not None:
+            self._placed.record(replica_id.unique_id, adapter, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._in_flight.pop(replica_id.unique_id, None)
+        self._placed.forget(replica_id.unique_id)
 
     async def choose_replicas(
         self,
@@ -101,7 +156,8 @@ class AdapterAffinityRouter(RequestRouter):
         if adapter is None:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        views = [self._view(r) for r in candidate_replicas]
+        now = time.monotonic()
+        views = [self._placed.view(self._view(r), now) for r in candidate_replicas]
         return [
             [by_id[i] for i in rank]
             for rank in rank_for_adapter(adapter, views, self.epsilon, self.floor)
@@ -116,4 +172,5 @@ class AdapterAffinityRouter(RequestRouter):
             load,
             frozenset(stats.get("device_adapters", ())),
             frozenset(stats.get("host_adapters", ())),
+            int(stats.get("free_slots", 0)),
         )

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import collections
 
-from router.affinity import ReplicaView, hrw_order, rank_for_adapter
+from router.affinity import PlacementMemory, ReplicaView, hrw_order, rank_for_adapter
 
 IDS = [f"r{i}" for i in range(4)]
 
 
-def views(loads=(0, 0, 0, 0), device=None, host=None) -> list[ReplicaView]:
-    device, host = device or {}, host or {}
+def views(loads=(0, 0, 0, 0), device=None, host=None, free=None) -> list[ReplicaView]:
+    device, host, free = device or {}, host or {}, free or {}
     return [
-        ReplicaView(rid, load, frozenset(device.get(rid, ())), frozenset(host.get(rid, ())))
+        ReplicaView(
+            rid,
+            load,
+            frozenset(device.get(rid, ())),
+            frozenset(host.get(rid, ())),
+            free.get(rid, 0),
+        )
         for rid, load in zip(IDS, loads)
     ]
 
@@ -21,7 +27,8 @@ def test_device_resident_first_then_host_then_hash_home() -> None:
     ranks = rank_for_adapter("a", views(device={"r2": {"a"}}, host={"r1": {"a"}}), 0.25)
     assert ranks[0] == ["r2"]
     assert ranks[1] == ["r1"]
-    assert ranks[2] == [hrw_order("a", IDS)[0]]
+    rest = [rid for rid in hrw_order("a", IDS) if rid not in ("r1", "r2")]
+    assert ranks[2:4] == [[rid] for rid in rest]  # then the others, home first
     assert sorted(ranks[-1]) == IDS  # the last rank always holds every replica
 
 
@@ -56,11 +63,48 @@ def test_short_queues_stay_with_the_adapter() -> None:
     assert rank_for_adapter("a", busy, 0.25, floor=4)[0] != ["r0"]
 
 
-def test_resident_ranks_order_by_load() -> None:
+def test_device_resident_replicas_share_by_load() -> None:
+    """An adapter hot enough to have spilled is on two replicas' devices: both copies serve
+    it, least loaded first (Serve picks within the rank), so neither has to be reloaded."""
     ranks = rank_for_adapter(
         "a", views(loads=(2, 1, 0, 0), device={"r0": {"a"}, "r1": {"a"}}), 0.25, 4
     )
     assert ranks[0] == ["r1", "r0"]
+
+
+def test_host_resident_replicas_follow_the_hash_order() -> None:
+    """Host caches are large, so after a while every replica holds most adapters there:
+    those must not scatter an adapter's requests over all of them."""
+    everywhere = views(host={r: {"a"} for r in IDS})
+    assert [rank[0] for rank in rank_for_adapter("a", everywhere, 0.25)[:4]] == hrw_order("a", IDS)
+
+
+def test_a_free_slot_beats_the_hash_home() -> None:
+    """A home whose slots are all taken would evict a resident adapter; a replica with a
+    free slot takes the new adapter at no such cost (homes are uneven: HRW splits 32
+    adapters 19/13 as easily as 16/16)."""
+    home, second, third, _ = hrw_order("a", IDS)
+    ranks = rank_for_adapter("a", views(free={third: 2}), 0.25)
+    assert ranks[:3] == [[third], [home], [second]]
+    # with no free slot anywhere, the hash order stands
+    assert [r[0] for r in rank_for_adapter("a", views(), 0.25)[:4]] == hrw_order("a", IDS)
+
+
+def test_placement_memory_bridges_stale_stats() -> None:
+    memory = PlacementMemory(memory_s=2.0)
+    stale = ReplicaView("r0", 0, frozenset({"b"}), frozenset(), free_slots=2)
+    memory.record("r0", "a", now=10.0)
+    memory.record("r0", "b", now=10.0)  # already resident: takes no free slot
+    seen = memory.view(stale, now=11.0)
+    assert seen.device_adapters == {"a", "b"} and seen.free_slots == 1
+    # a second request for "a" now goes where the first went, not to its hash home
+    other = ReplicaView("r1", 0, free_slots=2)
+    assert rank_for_adapter("a", [seen, other], 0.25, 4)[0] == ["r0"]
+    # after memory_s the stats speak alone; a replica that died is forgotten
+    assert memory.view(stale, now=12.5) == stale
+    memory.record("r0", "c", now=20.0)
+    memory.forget("r0")
+    assert memory.view(stale, now=20.5) == stale
 
 
 def test_no_replicas() -> None:
