@@ -71,15 +71,18 @@ class LoRAReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Published to the request router every `request_routing_stats_period_s`; the
         same snapshot updates the replica's Prometheus metrics."""
-        snapshot = await self.aengine.call(self.engine.residency)
-        self.metrics.update(snapshot)
+        snapshot, telemetry = await self.aengine.call(
+            lambda: (self.engine.residency(), self.engine.drain_telemetry())
+        )
+        self.metrics.update(snapshot, telemetry)
         stats = {
             "device_adapters": sorted({adapter_name(k) for k in snapshot["device_adapters"]}),
             "host_adapters": sorted({adapter_name(k) for k in snapshot["host_adapters"]}),
             "queue_len": snapshot["num_waiting"] + snapshot["num_running"],
             "free_slots": snapshot["free_slots"],
         }
-        await self._report({**snapshot, **stats})
+        counters = {k: v for k, v in telemetry.items() if k != "load_latencies_s"}
+        await self._report({**snapshot, **stats, "telemetry": counters})
         return stats
 
     def check_health(self) -> None:

@@ -47,6 +47,12 @@ class StepOutput:
 class EngineStats:
     idle_on_loads_seconds: float = 0.0  # step loop idle: nothing runnable, loads in flight
     prefetch_seconds: float = 0.0  # step loop bookkeeping: polling, planning, submitting
+    steps: int = 0  # steps that ran a batch
+    # Where an adapter request's adapter was when it arrived: in a device slot (ready or
+    # loading), only in host memory, or neither (fetched from the source).
+    lookups_device: int = 0
+    lookups_host: int = 0
+    lookups_miss: int = 0
 
 
 class LLMEngine:
@@ -134,6 +140,28 @@ class LLMEngine:
             "adapter_loads": self.prefetcher.loads_started,
         }
 
+    def drain_telemetry(self) -> dict:
+        """Cumulative counters and current gauges for metrics, plus the latencies of the
+        loads finished since the last call (drained: one consumer, the metrics exporter)."""
+        pf, stats = self.prefetcher, self.stats
+        latencies = list(pf.recent_load_seconds)
+        pf.recent_load_seconds.clear()
+        return {
+            "slots": self.pool.occupancy(),
+            "lookups": {
+                "device": stats.lookups_device,
+                "host": stats.lookups_host,
+                "miss": stats.lookups_miss,
+            },
+            "loads_started": pf.loads_started,
+            "loads_done": pf.loads_done,
+            "loads_used": self.pool.num_used_loads,
+            "load_wait_seconds": self.load_wait_seconds,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": stats.steps,
+            "load_latencies_s": latencies,
+        }
+
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(
@@ -164,7 +192,17 @@ class LLMEngine:
             request_id or f"req-{arrival}", list(prompt_ids), sampling, adapter, arrival, key
         )
         self.scheduler.add(seq)
+        if adapter is not None:
+            self._count_lookup(adapter)
         return seq
+
+    def _count_lookup(self, adapter: str) -> None:
+        if self.pool.state(adapter) is not None:
+            self.stats.lookups_device += 1
+        elif self.host_cache.rank_of(adapter) is not None:
+            self.stats.lookups_host += 1
+        else:
+            self.stats.lookups_miss += 1
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """End a sequence now; frees its KV blocks and slot reference."""
@@ -191,6 +229,7 @@ class LLMEngine:
                 self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands
                 self.stats.idle_on_loads_seconds += time.perf_counter() - loaded
             return outputs
+        self.stats.steps += 1
         work = scheduled.ordered()
         batch, logit_rows, sampled = prepare_batch(
             work, self.config.block_size, self.lora.ranks, self.lora.scalings, self.device

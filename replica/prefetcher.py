@@ -8,6 +8,7 @@ poll before the scheduler looks at slot readiness.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class Prefetcher:
         self.loads_started = 0
         self.loads_done = 0
         self.load_seconds = 0.0  # summed start->ready latency
+        self.recent_load_seconds: deque[float] = deque(maxlen=4096)  # drained by telemetry
         self.blocked_seconds = 0.0  # caller time inside loader.submit (the whole load if inline)
 
     @property
@@ -76,8 +78,10 @@ class Prefetcher:
                 continue
             self.buffers.activate(job.slot, job.meta["adapter"])
             self.pool.mark_ready(job.slot)
+            latency = time.perf_counter() - job.started
             self.loads_done += 1
-            self.load_seconds += time.perf_counter() - job.started
+            self.load_seconds += latency
+            self.recent_load_seconds.append(latency)
         return failures
 
     def prefetch(self, wanted: Iterable[str]) -> None:

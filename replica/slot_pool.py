@@ -29,6 +29,7 @@ class Slot:
     state: SlotState = SlotState.FREE
     refs: int = 0  # sequences in the running batch using this slot
     pinned: bool = False
+    used: bool = False  # some sequence ran on this load of the slot (a useful prefetch)
 
 
 class AdapterSlotPool:
@@ -40,6 +41,7 @@ class AdapterSlotPool:
         self.policy, self.max_rank = policy, max_rank
         self._by_name: dict[str, int] = {}
         self.num_evictions = 0
+        self.num_used_loads = 0  # loads that some sequence ran on before they were evicted
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -55,6 +57,13 @@ class AdapterSlotPool:
     @property
     def num_free(self) -> int:
         return sum(1 for s in self.slots if s.state is SlotState.FREE)
+
+    def occupancy(self) -> dict[str, int]:
+        """Adapter slots (slot 0 aside) by state: free, loading, ready."""
+        counts = {state.value: 0 for state in SlotState}
+        for s in self.slots[1:]:
+            counts[s.state.value] += 1
+        return counts
 
     # -- transitions ---------------------------------------------------------------------------
 
@@ -75,7 +84,7 @@ class AdapterSlotPool:
             self._drop(victim)
             self.num_evictions += 1
             slot = victim
-        slot.adapter, slot.state = name, SlotState.LOADING
+        slot.adapter, slot.state, slot.used = name, SlotState.LOADING, False
         self._by_name[name] = slot.index
         return slot.index
 
@@ -109,6 +118,9 @@ class AdapterSlotPool:
         slot.refs += 1
         if slot.adapter is not None:
             self.policy.touch(slot.adapter)
+            if not slot.used:
+                slot.used = True
+                self.num_used_loads += 1
 
     def release(self, index: int) -> None:
         slot = self.slots[index]

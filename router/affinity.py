@@ -31,11 +31,15 @@ import hashlib
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.util.metrics import Counter
+
+MAX_REMEMBERED_DECISIONS = 10_000
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,25 @@ def rank_for_adapter(
     return [rank for rank in [device, *([rid] for rid in others), everyone] if rank]
 
 
+def routing_reason(adapter: str | None, views: Sequence[ReplicaView], chosen: str) -> str:
+    """Why a request went to `chosen`, as the views at decision time show it: base,
+    device (resident in a slot), host (in host memory), free_slot (a slot holding nothing),
+    home (its hash home), or spill (anywhere else: its better choices were over the bound)."""
+    if adapter is None:
+        return "base"
+    by_id = {v.id: v for v in views}
+    view = by_id.get(chosen)
+    if view is None:
+        return "spill"
+    if adapter in view.device_adapters:
+        return "device"
+    if adapter in view.host_adapters:
+        return "host"
+    if view.free_slots > 0:
+        return "free_slot"
+    return "home" if hrw_order(adapter, list(by_id))[0] == chosen else "spill"
+
+
 class PlacementMemory:
     """Where this router sent each adapter in the last `memory_s` seconds.
 
@@ -126,15 +149,25 @@ class AdapterAffinityRouter(RequestRouter):
         self.floor = load_bound_floor
         self._in_flight: dict[str, set[str]] = {}  # replica id -> internal request ids
         self._placed = PlacementMemory(placement_memory_s)
+        # internal request id -> (adapter, views) of its latest ranking, until it is routed
+        self._decisions: OrderedDict[str, tuple[str | None, list[ReplicaView]]] = OrderedDict()
+        self._reasons = Counter(
+            "lorafleet_routing_decisions",
+            "Requests routed, by reason: base, device, host, free_slot, home, spill "
+            "(see router.affinity.routing_reason).",
+            tag_keys=("reason",),
+        )
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         request_id = pending_request.metadata.internal_request_id
-        self._in_flight.setdefault(replica_id.unique_id, set()).add(request_id)
-        adapter = pending_request.args[0] if pending_request.args else None
+        rid = replica_id.unique_id
+        self._in_flight.setdefault(rid, set()).add(request_id)
+        adapter, views = self._decisions.pop(request_id, (None, []))
+        self._reasons.inc(tags={"reason": routing_reason(adapter, views, rid)})
         if adapter is not None:
-            self._placed.record(replica_id.unique_id, adapter, time.monotonic())
+            self._placed.record(rid, adapter, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
@@ -158,10 +191,21 @@ class AdapterAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         now = time.monotonic()
         views = [self._placed.view(self._view(r), now) for r in candidate_replicas]
+        self._remember(pending_request, adapter, views)
         return [
             [by_id[i] for i in rank]
             for rank in rank_for_adapter(adapter, views, self.epsilon, self.floor)
         ]
+
+    def _remember(
+        self, pending: PendingRequest | None, adapter: str, views: list[ReplicaView]
+    ) -> None:
+        """Keep the ranking's inputs until the request is routed (to count its reason)."""
+        if pending is None:
+            return
+        self._decisions[pending.metadata.internal_request_id] = (adapter, views)
+        while len(self._decisions) > MAX_REMEMBERED_DECISIONS:  # requests cancelled unrouted
+            self._decisions.popitem(last=False)
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         stats = replica.routing_stats or {}

@@ -53,14 +53,24 @@ class _Output:
         self.finish_reason: str | None = None
         self.start = start  # time.perf_counter() at the request's arrival
         self.ttft_s: float | None = None
+        self.itl_s: list[float] = []  # one per token after the first
+        self._last_reply = start
 
     def add(self, message: dict[str, Any]) -> str:
         """New text from one replica message; sets finish_reason when the request ends."""
         if message.get("error") and message.get("finish_reason") == "error":
             raise ServiceUnavailableError(f"generation failed: {message['error']}")
         self.num_prompt_tokens = message["num_prompt_tokens"] or self.num_prompt_tokens
-        if message["token_ids"] and self.ttft_s is None:
-            self.ttft_s = time.perf_counter() - self.start
+        if n := len(message["token_ids"]):
+            # A reply carries the tokens made since the last one: they share its gap (the
+            # first reply's extra tokens came with the first token: gap 0).
+            now = time.perf_counter()
+            if self.ttft_s is None:
+                self.ttft_s = now - self.start
+                self.itl_s += [0.0] * (n - 1)
+            else:
+                self.itl_s += [(now - self._last_reply) / n] * n
+            self._last_reply = now
         text = ""
         for token in message["token_ids"]:
             self.num_tokens += 1
@@ -268,7 +278,9 @@ class Ingress:
 
     def _record(self, kind: str, model: str, outcome: str, output: _Output) -> None:
         elapsed = time.perf_counter() - output.start
-        self.metrics.record(kind, model, outcome, output.ttft_s, elapsed, output.num_tokens)
+        self.metrics.record(
+            kind, model, outcome, output.ttft_s, elapsed, output.num_tokens, output.itl_s
+        )
 
     async def _resolve(self, model: str) -> tuple[str | None, int | None]:
         if model == self.model_name:

@@ -25,6 +25,8 @@ SCRAPE_TIMEOUT_S = 2.0
 LATENCY_BUCKETS_S = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ]  # fmt: skip
+# Seconds between two tokens: a GPU decode step to a CPU step stalled behind long prefills.
+ITL_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 FINISH_REASONS = ("stop", "length")
 
 _SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -52,6 +54,12 @@ class IngressMetrics:
             boundaries=LATENCY_BUCKETS_S,
             tag_keys=("kind",),
         )
+        self.itl = Histogram(
+            "lorafleet_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+            boundaries=ITL_BUCKETS_S,
+            tag_keys=("kind",),
+        )
         self.e2e = Histogram(
             "lorafleet_e2e_latency_seconds",
             "From the request's arrival to its last token, for requests that finished.",
@@ -67,12 +75,15 @@ class IngressMetrics:
         ttft_s: float | None,
         e2e_s: float,
         num_tokens: int,
+        itl_s: Iterable[float] = (),
     ) -> None:
         self.requests.inc(tags={"kind": kind, "model": model, "outcome": outcome})
         if num_tokens:
             self.output_tokens.inc(num_tokens, tags={"kind": kind, "model": model})
         if ttft_s is not None:
             self.ttft.observe(ttft_s, tags={"kind": kind})
+        for gap in itl_s:
+            self.itl.observe(gap, tags={"kind": kind})
         if outcome in FINISH_REASONS:  # errors and aborts would skew the latency
             self.e2e.observe(e2e_s, tags={"kind": kind})
 

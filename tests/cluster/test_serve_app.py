@@ -340,6 +340,7 @@ def test_bad_requests_are_400(cluster):
 
 REQUESTS = "ray_lorafleet_requests_total"
 TTFT_COUNT = "ray_lorafleet_time_to_first_token_seconds_count"
+ITL_COUNT = "ray_lorafleet_inter_token_latency_seconds_count"
 
 
 def _metrics(cluster) -> tuple[dict, dict]:
@@ -356,7 +357,7 @@ def _metrics(cluster) -> tuple[dict, dict]:
     return totals, samples
 
 
-def test_metrics_count_requests_ttft_and_replica_state(cluster, client):
+def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, client):
     time.sleep(1.5)  # earlier tests' metrics reach the export (every 0.5 s here) first
     before, _ = _metrics(cluster)
     for model in ["tiny-base", "adapter-00"]:
@@ -364,17 +365,26 @@ def test_metrics_count_requests_ttft_and_replica_state(cluster, client):
             model=model, prompt="metrics", max_tokens=3, extra_body={"ignore_eos": True}
         )
 
+    def grew(after: dict, name: str, kind: str | None, by: float) -> bool:
+        return after[(name, kind)] >= before[(name, kind)] + by
+
     def moved(after: dict, samples: dict) -> bool:
         counted = all(
-            after[(name, kind)] >= before[(name, kind)] + 1
-            for name in (REQUESTS, TTFT_COUNT)
+            grew(after, name, kind, 1)
+            for name in (REQUESTS, TTFT_COUNT, ITL_COUNT)
             for kind in ("base", "adapter")
         )
-        replicas = {
-            s.labels["replica"] for s in samples["ray_lorafleet_replica_free_adapter_slots"]
-        }
-        loads = after[("ray_lorafleet_replica_adapter_loads_total", None)]
-        return counted and len(replicas) == 2 and loads >= 1
+        replicas = {s.labels["replica"] for s in samples["ray_lorafleet_replica_adapter_slots"]}
+        reasons = {s.labels["reason"] for s in samples["ray_lorafleet_routing_decisions_total"]}
+        return (
+            counted
+            and len(replicas) == 2
+            and grew(after, "ray_lorafleet_replica_adapter_lookups_total", None, 1)
+            and after[("ray_lorafleet_replica_adapter_loads_total", None)] >= 1
+            and after[("ray_lorafleet_replica_adapter_load_seconds_count", None)] >= 1
+            and "base" in reasons
+            and reasons & {"device", "host", "free_slot", "home", "spill"}
+        )
 
     deadline = time.monotonic() + 30  # Ray exports metrics with a delay
     while not moved(*(state := _metrics(cluster))) and time.monotonic() < deadline:
@@ -385,13 +395,14 @@ def test_metrics_count_requests_ttft_and_replica_state(cluster, client):
         s.labels["model"] == "adapter-00" and s.labels["outcome"] == "length"
         for s in samples[REQUESTS]
     )
-    assert after[("ray_lorafleet_output_tokens_total", "adapter")] >= (
-        before[("ray_lorafleet_output_tokens_total", "adapter")] + 3
-    )
-    assert after[("ray_lorafleet_e2e_latency_seconds_count", "base")] >= (
-        before[("ray_lorafleet_e2e_latency_seconds_count", "base")] + 1
-    )
-    for name in ["waiting_requests", "running_requests"]:
+    assert grew(after, "ray_lorafleet_output_tokens_total", "adapter", 3)
+    assert grew(after, "ray_lorafleet_e2e_latency_seconds_count", "base", 1)
+    assert grew(after, "ray_lorafleet_inter_token_latency_seconds_count", "adapter", 2)
+    states = {s.labels["state"] for s in samples["ray_lorafleet_replica_adapter_slots"]}
+    assert states == {"free", "loading", "ready"}
+    tiers = {s.labels["tier"] for s in samples["ray_lorafleet_replica_adapter_lookups_total"]}
+    assert tiers <= {"device", "host", "miss"} and tiers
+    for name in ["waiting_requests", "running_requests", "steps_total"]:
         assert samples[f"ray_lorafleet_replica_{name}"]
 
 

@@ -218,3 +218,29 @@ def test_more_waiting_requests_than_the_window_do_not_livelock(tiny):
     seqs = [eng.add_request(prompt(i), GREEDY, names[i % 4]) for i in range(24)]
     run(eng, max_steps=3000)
     assert all(s.finish_reason == "length" for s in seqs)
+
+
+def test_telemetry_counts_lookups_useful_loads_and_load_latencies(tiny):
+    eng = engine(tiny, num_slots=2)  # one adapter slot
+    a, b, c = list(tiny.adapters)[:3]
+    for i, name in enumerate([a, a, b, a]):  # miss, device, miss (evicts a), host
+        eng.add_request(prompt(i), GREEDY, name)
+        run(eng)
+    wasted = eng.add_request(prompt(9), GREEDY, c)  # loaded, but aborted before it runs
+    eng.step()
+    assert eng.prefetcher.is_loading(c)
+    eng.abort(wasted)
+    for _ in range(2000):  # bounded: the load lands in milliseconds
+        if not eng.prefetcher.num_inflight:
+            break
+        eng.prefetcher.wait_any(0.01)
+        eng.step()
+    t = eng.drain_telemetry()
+    assert t["lookups"] == {"device": 1, "host": 1, "miss": 3}
+    assert t["loads_started"] == t["loads_done"] == 4
+    assert t["loads_used"] == 3  # c's load served no request
+    assert len(t["load_latencies_s"]) == 4 and all(s > 0 for s in t["load_latencies_s"])
+    assert t["slots"] == {"free": 0, "loading": 0, "ready": 1}
+    assert t["steps"] > 0 and t["preemptions"] == 0
+    assert eng.drain_telemetry()["load_latencies_s"] == []  # drained once
+    eng.shutdown()

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import collections
 
-from router.affinity import PlacementMemory, ReplicaView, hrw_order, rank_for_adapter
+from router.affinity import (
+    PlacementMemory,
+    ReplicaView,
+    hrw_order,
+    rank_for_adapter,
+    routing_reason,
+)
 
 IDS = [f"r{i}" for i in range(4)]
 
@@ -105,6 +111,19 @@ def test_placement_memory_bridges_stale_stats() -> None:
     memory.record("r0", "c", now=20.0)
     memory.forget("r0")
     assert memory.view(stale, now=20.5) == stale
+
+
+def test_routing_reasons() -> None:
+    home, other = hrw_order("a", IDS)[:2]
+    state = views(device={"r0": {"a"}}, host={"r1": {"a"}}, free={"r2": 1})
+    assert routing_reason(None, state, "r3") == "base"
+    assert routing_reason("a", state, "r0") == "device"
+    assert routing_reason("a", state, "r1") == "host"
+    assert routing_reason("a", state, "r2") == "free_slot"
+    plain = views()
+    assert routing_reason("a", plain, home) == "home"
+    assert routing_reason("a", plain, other) == "spill"
+    assert routing_reason("a", [], "r0") == "spill"  # nothing was known of it
 
 
 def test_no_replicas() -> None:
