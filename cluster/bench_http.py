@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-SCENARIOS = ("uniform", "zipf", "distinct", "mixed-base")
+SCENARIOS = ("uniform", "zipf", "distinct", "bursty", "mixed-base")
 PERCENTILES = (50, 95, 99)
 MAX_ERRORS_SHOWN = 5
 
@@ -51,6 +51,8 @@ class LoadOptions:
     scenario: str = "uniform"
     base_fraction: float = 0.5  # mixed-base only
     zipf_alpha: float = 1.0  # zipf only
+    phases: int = 4  # bursty only: the adapters split into this many disjoint sets
+    phase_requests: int = 32  # bursty only: requests in a row drawn from one set
     rate: float | None = None  # Poisson arrivals per second; None: closed loop at `concurrency`
     concurrency: int = 16
     num_requests: int | None = 256
@@ -75,6 +77,8 @@ class LoadOptions:
             raise BenchError(f"rate {self.rate} must be positive")
         if self.concurrency < 1 or self.max_tokens < 1 or self.prompt_tokens < 1:
             raise BenchError("concurrency, max_tokens and prompt_tokens must be at least 1")
+        if self.phases < 1 or self.phase_requests < 1:
+            raise BenchError("phases and phase_requests must be at least 1")
         if self.warmup_requests < 0:
             raise BenchError(f"warmup_requests {self.warmup_requests} must not be negative")
         if self.adapters is not None and self.adapters < 0:
@@ -108,12 +112,11 @@ class LoadResult:
     adapters: list[str]
     records: list[RequestRecord]
     wall_s: float
-    adapter_loads: dict[str, int] | None  # per replica, during the run; None: unknown
+    counters: dict[str, dict[str, float]] | None  # per replica, during the run; None: unknown
     warmup: list[RequestRecord] = field(default_factory=list)  # before the counters were read
 
     def summary(self) -> dict:
         """Every figure, JSON-ready: metrics under "all", "base" and "adapter"."""
-        loads = self.adapter_loads
         return {
             "label": self.options.label,
             "options": asdict(self.options),
@@ -126,15 +129,32 @@ class LoadResult:
             "all": _group(self.records, self.wall_s),
             "base": _group([r for r in self.records if r.is_base], self.wall_s),
             "adapter": _group([r for r in self.records if not r.is_base], self.wall_s),
-            "adapter_loads": {
-                "total": None if loads is None else sum(loads.values()),
-                "per_replica": loads,
-            },
+            **_server_side(self.counters),
         }
 
     def first_errors(self) -> list[str]:
         messages = dict.fromkeys(r.error for r in self.records if r.error is not None)
         return list(messages)[:MAX_ERRORS_SHOWN]
+
+
+def _server_side(counters: dict[str, dict[str, float]] | None) -> dict:
+    """Adapter loads per replica and in all; the shares of adapter requests that found their
+    adapter in a device slot or in host memory on arrival; step time blocked on loads."""
+    if counters is None:
+        return {"adapter_loads": {"total": None, "per_replica": None}, "server": None}
+    loads = {rid: int(c["adapter_loads"]) for rid, c in counters.items()}
+    total = {
+        k: sum(c.get(k, 0) for c in counters.values()) for k in next(iter(counters.values()), {})
+    }
+    lookups = sum(total.get(f"lookups_{t}", 0) for t in ("device", "host", "miss"))
+    return {
+        "adapter_loads": {"total": sum(loads.values()), "per_replica": loads},
+        "server": {
+            "device_hit_rate": total.get("lookups_device", 0) / lookups if lookups else None,
+            "host_hit_rate": total.get("lookups_host", 0) / lookups if lookups else None,
+            "load_wait_s": total.get("load_wait_s", 0.0),
+        },
+    }
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -149,8 +169,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Use the first N registered adapters by name (default: all).")  # fmt: skip
     p.add_argument("--scenario", choices=SCENARIOS,
                    help="Which model each request names: uniform over adapters, zipf-skewed, "
-                        "distinct (round-robin), or mixed-base "
-                        f"(default {d.scenario}).")  # fmt: skip
+                        "distinct (round-robin), bursty (phases of disjoint adapter sets), or "
+                        f"mixed-base (default {d.scenario}).")  # fmt: skip
+    p.add_argument("--phases", type=int,
+                   help=f"bursty: disjoint adapter sets (default {d.phases}).")  # fmt: skip
+    p.add_argument("--phase-requests", type=int,
+                   help=f"bursty: requests per phase (default {d.phase_requests}).")  # fmt: skip
     p.add_argument("--base-fraction", type=float,
                    help=f"mixed-base: share of requests to the base model (default "
                         f"{d.base_fraction}).")  # fmt: skip
@@ -239,17 +263,17 @@ async def run_load(options: LoadOptions) -> LoadResult:
             warm = replace(options, num_requests=options.warmup_requests, duration_s=None)
             warmup = await _drive(client, url, warm, pick, base)
             await asyncio.sleep(options.stats_settle_s)  # the warm-up's loads reach the counters
-        loads_before = await read_adapter_loads(client, url)
+        before = await read_replica_counters(client, url)
         start = time.perf_counter()
         records = await _drive(client, url, options, pick, base, first_index=len(warmup))
         wall = time.perf_counter() - start
-        loads = None
-        if loads_before is not None:
+        counters = None
+        if before is not None:
             await asyncio.sleep(options.stats_settle_s)
-            loads_after = await read_adapter_loads(client, url)
-            if loads_after is not None:
-                loads = {r: n - loads_before.get(r, 0) for r, n in loads_after.items()}
-    return LoadResult(options, base, adapters, records, wall, loads, warmup)
+            after = await read_replica_counters(client, url)
+            if after is not None:
+                counters = counter_deltas(before, after)
+    return LoadResult(options, base, adapters, records, wall, counters, warmup)
 
 
 async def discover_models(
@@ -272,15 +296,37 @@ async def discover_models(
     return bases[0], adapters[:n]
 
 
-async def read_adapter_loads(client: httpx.AsyncClient, url: str) -> dict[str, int] | None:
-    """Cumulative adapter loads per replica; None where the server does not expose them."""
+async def read_replica_counters(
+    client: httpx.AsyncClient, url: str
+) -> dict[str, dict[str, float]] | None:
+    """Cumulative counters per replica (adapter loads; where arriving adapter requests found
+    their adapter; step time blocked on loads); None where the server does not expose them."""
     try:
         r = await client.get(f"{url}/v1/lorafleet/stats")
         if r.status_code != 200:
             return None
-        return {rid: int(s.get("adapter_loads", 0)) for rid, s in r.json()["replicas"].items()}
+        counters = {}
+        for rid, s in r.json()["replicas"].items():
+            t = s.get("telemetry", {})
+            lookups = t.get("lookups", {})
+            counters[rid] = {
+                "adapter_loads": int(s.get("adapter_loads", 0)),
+                **{f"lookups_{tier}": lookups.get(tier, 0) for tier in ("device", "host", "miss")},
+                "load_wait_s": t.get("load_wait_seconds", 0.0),
+            }
+        return counters
     except (httpx.HTTPError, ValueError, KeyError, AttributeError):
         return None
+
+
+def counter_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """after - before per replica and counter (a replica new since `before` counts from 0)."""
+    return {
+        rid: {k: v - before.get(rid, {}).get(k, 0) for k, v in counts.items()}
+        for rid, counts in after.items()
+    }
 
 
 def request_picker(options: LoadOptions, base: str, adapters: list[str]) -> Callable[[int], str]:
@@ -296,6 +342,9 @@ def request_picker(options: LoadOptions, base: str, adapters: list[str]) -> Call
         return lambda i: rng.choices(adapters, weights)[0]
     if scenario == "distinct":
         return lambda i: adapters[i % len(adapters)]
+    if scenario == "bursty":  # the working set moves: phase k draws from set k mod phases only
+        sets = [s for s in (adapters[k :: options.phases] for k in range(options.phases)) if s]
+        return lambda i: rng.choice(sets[(i // options.phase_requests) % len(sets)])
     return lambda i: base if rng.random() < options.base_fraction else rng.choice(adapters)
 
 
@@ -494,6 +543,13 @@ def _print_report(report: dict) -> None:
     else:
         per = ", ".join(f"{r} {n}" for r, n in sorted(loads["per_replica"].items()))
         print(f"adapter loads: {loads['total']} ({per})")
+        server = report["server"]
+        if server["device_hit_rate"] is not None:
+            print(
+                f"adapter found on arrival: in a device slot {server['device_hit_rate']:.0%}, "
+                f"in host memory only {server['host_hit_rate']:.0%}; step time blocked on "
+                f"loads {server['load_wait_s']:.3f} s"
+            )
     for message in report["errors"]:
         print(f"error: {message}")
 

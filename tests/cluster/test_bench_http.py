@@ -38,6 +38,7 @@ class FakeState:
     token_delay_s: float = 0.002
     loads: dict[str, int] = field(default_factory=lambda: {"r0": 5, "r1": 3})
     seen: set[str] = field(default_factory=set)  # adapters loaded on their home replica
+    hits: dict[str, int] = field(default_factory=lambda: {"r0": 0, "r1": 0})  # found resident
     received: list[str] = field(default_factory=list)
 
 
@@ -54,7 +55,17 @@ def _fake_app(state: FakeState) -> FastAPI:
     async def stats() -> JSONResponse:
         if not state.stats:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
-        replicas = {r: {"adapter_loads": n, "num_waiting": 0} for r, n in state.loads.items()}
+        replicas = {
+            r: {
+                "adapter_loads": n,
+                "num_waiting": 0,
+                "telemetry": {
+                    "lookups": {"device": state.hits[r], "host": 0, "miss": n},
+                    "load_wait_seconds": 0.01 * n,
+                },
+            }
+            for r, n in state.loads.items()
+        }
         return JSONResponse({"replicas": replicas, "store": {}})
 
     @app.post("/v1/completions")
@@ -64,9 +75,13 @@ def _fake_app(state: FakeState) -> FastAPI:
         if model in state.missing:
             message = f"model {model!r} does not exist"
             return JSONResponse({"error": {"message": message}}, status_code=404)
-        if model != BASE and model not in state.seen:  # home replica: by position in ADAPTERS
-            state.seen.add(model)
-            state.loads[REPLICAS[ADAPTERS.index(model) % 2]] += 1
+        if model != BASE:  # home replica: by position in ADAPTERS
+            home = REPLICAS[ADAPTERS.index(model) % 2]
+            if model in state.seen:
+                state.hits[home] += 1
+            else:
+                state.seen.add(model)
+                state.loads[home] += 1
         return StreamingResponse(_words(body, state.token_delay_s), media_type="text/event-stream")
 
     return app
@@ -139,6 +154,16 @@ def test_zipf_skews_toward_the_first_adapters():
     assert c[0] / c[3] == pytest.approx(4.0, rel=0.25)  # weights 1, 1/2, 1/3, 1/4
 
 
+def test_bursty_moves_through_disjoint_adapter_sets():
+    options = LoadOptions(scenario="bursty", phases=3, phase_requests=10, num_requests=60)
+    pick = request_picker(options, BASE, ADAPTERS)
+    phases = [{pick(i) for i in range(k * 10, k * 10 + 10)} for k in range(6)]
+    assert all(phases)  # every phase drew something
+    for k in range(3):
+        assert phases[k] <= set(ADAPTERS[k::3]) and phases[k + 3] <= set(ADAPTERS[k::3])
+    assert not phases[0] & phases[1] and not phases[1] & phases[2]
+
+
 def test_uniform_covers_adapters_evenly_and_never_base():
     counts = Counter(_picks(4000, scenario="uniform"))
     assert set(counts) == set(ADAPTERS[:4])
@@ -196,6 +221,9 @@ def test_counts_latencies_and_load_deltas(fake):
     assert s["base"]["ttft_p50_s"] is None
     # a-00 and a-02 live on r0, a-01 and a-03 on r1; counters started at 5 and 3
     assert s["adapter_loads"] == {"total": 4, "per_replica": {"r0": 2, "r1": 2}}
+    # 4 first requests missed, 8 found their adapter loaded
+    assert s["server"]["device_hit_rate"] == pytest.approx(8 / 12)
+    assert s["server"]["host_hit_rate"] == 0 and s["server"]["load_wait_s"] == pytest.approx(0.04)
 
 
 def test_warmup_requests_are_not_measured(fake):
@@ -242,7 +270,7 @@ def test_missing_stats_endpoint_means_unknown_loads(fake):
     state.stats = False
     s = asyncio.run(run_load(_options(url, num_requests=4))).summary()
     assert s["all"]["ok"] == 4
-    assert s["adapter_loads"] == {"total": None, "per_replica": None}
+    assert s["adapter_loads"] == {"total": None, "per_replica": None} and s["server"] is None
 
 
 def test_duration_bounds_the_run(fake):
