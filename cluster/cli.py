@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_deploy)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
-    from cluster import bench_engine, bench_http, bench_kernels
+    from cluster import bench_engine, bench_http, bench_kernels, bench_suite
 
     p = bench.add_parser("http", help="HTTP load against a running server (OpenAI API).")
     bench_http.add_arguments(p)
@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     p = bench.add_parser("engine", help="The replica engine in-process: scenarios, ablations.")
     bench_engine.add_arguments(p)
     p.set_defaults(func=bench_engine.run)
+
+    p = bench.add_parser(
+        "suite", help="Start the demo cluster; every scenario and ablation; JSON, table, plots."
+    )
+    bench_suite.add_arguments(p)
+    p.set_defaults(func=bench_suite.run)
 
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)

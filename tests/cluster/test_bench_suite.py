@@ -1,0 +1,103 @@
+"""`lorafleet bench suite`: its plan, its outputs, and one reduced run end to end (real Ray)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+
+import pytest
+
+from cluster import bench_suite
+from cluster.bench_suite import (
+    ALL_SCENARIOS,
+    CDF_SCENARIOS,
+    QUICK,
+    RESULTS_BEGIN,
+    RESULTS_END,
+    VARIANTS,
+    Run,
+    RunResult,
+    markdown,
+    plan,
+    update_readme,
+)
+
+
+def test_plan_covers_every_variant_scenario_and_rate():
+    runs = plan(QUICK)
+    by_variant = {v.name: {(r.scenario, r.rate) for r in runs if r.variant == v} for v in VARIANTS}
+    assert {s for s, rate in by_variant["lorafleet"] if rate is None} == set(ALL_SCENARIOS)
+    for name in ("default-routing", "no-prefetch", "unpinned-base"):
+        assert {s for s, rate in by_variant[name] if rate is None} == set(CDF_SCENARIOS)
+    for name in ("lorafleet", "default-routing"):
+        assert {rate for _, rate in by_variant[name] if rate is not None} == set(QUICK.rates)
+    # runs are grouped by variant: one deployment each
+    order = [r.variant.name for r in runs]
+    assert order == sorted(order, key=[v.name for v in VARIANTS].index)
+
+
+def _summary(loads: int, hit: float | None) -> dict:
+    figures = dict(ok=4, requests=4, output_tok_per_s=12.5, ttft_p50_s=0.1, ttft_p95_s=0.2,
+                   itl_p50_s=0.01, e2e_p95_s=0.5)  # fmt: skip
+    server = None if hit is None else {"device_hit_rate": hit, "load_wait_s": 0.25}
+    return {"all": figures, "adapter_loads": {"total": loads}, "server": server}
+
+
+def test_markdown_has_a_row_per_run_and_the_plots():
+    meta = bench_suite._meta(QUICK, quick=True)
+    results = [
+        RunResult(Run(VARIANTS[0], "zipf"), _summary(3, 0.75)),
+        RunResult(Run(VARIANTS[1], "zipf", rate=2.0), _summary(9, None)),
+    ]
+    text = markdown(results, meta, image_dir="cluster/results")
+    rows = [line for line in text.splitlines() if line.startswith("| lorafleet") or
+            line.startswith("| default-routing")]  # fmt: skip
+    assert rows == [
+        "| lorafleet | zipf | 4 conc. | 4/4 | 12.5 | 100 / 200 | 10 | 500 | 3 | 75% | 0.250 |",
+        "| default-routing | zipf | 2 req/s | 4/4 | 12.5 | 100 / 200 | 10 | 500 | 9 | - | - |",
+    ]
+    assert "![TTFT CDF per variant](cluster/results/ttft_cdf.png)" in text
+    assert meta["date"] in text and "bench suite --quick" in text
+
+
+def test_readme_block_is_replaced_and_nothing_else(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# top\n\n{RESULTS_BEGIN}\nold table\n{RESULTS_END}\n\n## after\n")
+    update_readme(readme, "new table\n")
+    assert (
+        readme.read_text() == f"# top\n\n{RESULTS_BEGIN}\nnew table\n\n{RESULTS_END}\n\n## after\n"
+    )
+    (tmp_path / "plain.md").write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="RESULTS"):
+        update_readme(tmp_path / "plain.md", "x")
+
+
+@pytest.mark.serve
+def test_quick_suite_runs_end_to_end(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{RESULTS_BEGIN}\n{RESULTS_END}\n")
+    out = tmp_path / "results"
+    parser = argparse.ArgumentParser()
+    bench_suite.add_arguments(parser)
+    args = parser.parse_args(
+        ["--quick", "--out", str(out), "--readme", str(readme), "--port", str(port)]
+    )
+    assert bench_suite.run(args) == 0
+
+    report = json.loads((out / "results.json").read_text())
+    assert len(report["runs"]) == len(plan(QUICK))
+    for run in report["runs"]:
+        figures = run["summary"]["all"]
+        assert figures["ok"] == figures["requests"] == QUICK.requests, run["summary"]["errors"]
+        assert len(run["ttfts_s"]) == QUICK.requests
+        assert run["summary"]["adapter_loads"]["total"] is not None
+    for name in ("ttft_cdf.png", "throughput_vs_rate.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+    text = readme.read_text()
+    assert text.count("| lorafleet |") == len(ALL_SCENARIOS) + len(QUICK.rates)
+    assert "(results/ttft_cdf.png)" in text
