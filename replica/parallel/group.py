@@ -4,7 +4,8 @@ Placement. In a Serve replica deployed with placement_group_bundles (cluster/app
 derives N bundles from tp_size), the replica is rank 0 in bundle 0 and rank i an
 actor in bundle i, taking that bundle's resources. Anywhere else (lorafleet
 generate, the bench, tests) the group reserves a placement group of its own with
-one bundle per rank 1..N-1; rank 0 uses the engine's own device.
+one bundle per rank 1..N-1 (starting a local Ray if none runs); rank 0 uses the
+engine's own device.
 
 Failure. A rank that dies closes its sockets, so rank 0's next collective fails at
 once; one whose step raises is killed for the same effect. A watcher thread names
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 600.0  # ranks loading their shards of a large model
+RESERVE_TIMEOUT_S = 60.0  # devices for the ranks of a group outside Serve
 COLLECTIVE_TIMEOUT_S = 300.0  # one collective of a live but stuck peer
 LOAD_TIMEOUT_S = 120.0  # one adapter shard into one slot
 FAILURE_GRACE_S = 5.0  # after a failed collective, for the watcher to name the rank
@@ -59,78 +61,54 @@ class TPRankError(RuntimeError):
 
 
 class TPGroup:
-    def __init__(
-        self, config: EngineConfig, device: torch.device, pg: PlacementGroup, own_pg: bool
-    ) -> None:
-        """Use launch()."""
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        """Use start()."""
         self.size = n = config.tp_size
+        # a model that N ranks cannot split fails here, before anything starts
         self.rank = TPRank(TPShard(load_model_spec(config.model), 0, n), TPComm(0, n, device))
-        self._pg, self._own_pg = pg, own_pg
         self.workers: list = []
+        self._pg: PlacementGroup | None = None
+        self._own_pg = False
         self._runs: list[ray.ObjectRef] = []
         self._failure: str | None = None
         self._closed = False
-        self._watcher: threading.Thread | None = None
 
     @classmethod
     def start(
         cls, config: EngineConfig, device: torch.device, build: Callable[[TPRank], T]
     ) -> tuple[TPGroup, T]:
         """Start ranks 1..N-1, `build` rank 0's part meanwhile, then connect them all."""
-        group = cls.launch(config, device)
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a tensor-parallel rank")
+        group = cls(config, device)
         try:
+            group._launch(config, device)
             built = build(group.rank)
-            group.connect()
+            group._connect()
         except BaseException:
             group.shutdown()
             raise
         return group, built
 
-    @classmethod
-    def launch(cls, config: EngineConfig, device: torch.device) -> TPGroup:
-        """Start ranks 1..N-1 (building their shards); connect() joins them once rank 0
-        has built its own."""
-        n = config.tp_size
-        TPShard(load_model_spec(config.model), 0, n)  # a model N cannot split fails here
-        if dist.is_initialized():
-            raise RuntimeError("this process already holds a tensor-parallel rank")
+    def _launch(self, config: EngineConfig, device: torch.device) -> None:
+        """Start the actors of ranks 1..N-1, which build their shards."""
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
-        pg = get_current_placement_group()
-        if pg is not None:  # a Serve replica: ranks 1..N-1 in bundles 1..N-1
-            if pg.bundle_count < n:
-                raise ValueError(
-                    f"tp_size={n} needs a placement group of {n} bundles (one per rank); "
-                    f"this replica's has {pg.bundle_count}"
-                )
-            group = cls(config, device, pg, own_pg=False)
-            placements = [(i, pg.bundle_specs[i]) for i in range(1, n)]
-        else:
-            bundle = {"CPU": 1.0, **({"GPU": 1.0} if device.type == "cuda" else {})}
-            pg = placement_group([bundle] * (n - 1), strategy="PACK")
-            if not pg.wait(STARTUP_TIMEOUT_S):
-                remove_placement_group(pg)
-                raise TimeoutError(
-                    f"could not reserve {n - 1} x {bundle} for tensor-parallel ranks 1..{n - 1} "
-                    f"within {STARTUP_TIMEOUT_S:.0f}s; available: {ray.available_resources()}"
-                )
-            group = cls(config, device, pg, own_pg=True)
-            placements = [(i - 1, bundle) for i in range(1, n)]
+        self._pg, self._own_pg, placements = _reserve(self.size, device)
         name = f"{RANK_ACTOR_PREFIX}{uuid.uuid4().hex[:8]}-rank"  # findable in `ray list actors`
-        group.workers = [
+        self.workers = [
             TPWorker.options(
                 name=f"{name}{rank}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=index
+                    self._pg, placement_group_bundle_index=index
                 ),
                 num_cpus=resources.get("CPU", 0),
                 num_gpus=resources.get("GPU", 0),
-            ).remote(config.model_dump(), rank, n)
+            ).remote(config.model_dump(), rank, self.size)
             for rank, (index, resources) in enumerate(placements, start=1)
         ]
-        return group
 
-    def connect(self) -> None:
+    def _connect(self) -> None:
         """Wait for every rank's shard, form the process group, start the ranks' step loops."""
         try:
             ray.get([w.ready.remote() for w in self.workers], timeout=STARTUP_TIMEOUT_S)
@@ -140,11 +118,9 @@ class TPGroup:
             self.rank.comm.join(host, port, COLLECTIVE_TIMEOUT_S)
             ray.get(joins, timeout=STARTUP_TIMEOUT_S)
         except Exception as e:
-            self.shutdown()
             raise TPRankError(f"tensor-parallel ranks failed to start: {e}") from e
         self._runs = [w.serve_steps.remote() for w in self.workers]
-        self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
-        self._watcher.start()
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -176,7 +152,9 @@ class TPGroup:
         try:
             ray.get(pending, timeout=LOAD_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"ranks did not load the adapter within {LOAD_TIMEOUT_S}s") from None
+            # the late rank may still write into the slot after rank 0 reuses it
+            late = TimeoutError(f"a rank did not load an adapter within {LOAD_TIMEOUT_S:.0f}s")
+            raise self._failed(late) from None
         except ray.exceptions.RayActorError as e:  # the rank is gone, not just this load
             raise self._failed(e) from e
 
@@ -200,7 +178,7 @@ class TPGroup:
         self.rank.comm.close()
         for w in self.workers:
             ray.kill(w)
-        if self._own_pg:
+        if self._own_pg and self._pg is not None:
             remove_placement_group(self._pg)
 
     def _watch(self) -> None:
@@ -229,6 +207,30 @@ class TPGroup:
         if self._failure is None:
             self._failure = f"tensor-parallel group failed: {_first_line(error)}"
         return TPRankError(self._failure)
+
+
+def _reserve(
+    size: int, device: torch.device
+) -> tuple[PlacementGroup, bool, list[tuple[int, dict[str, float]]]]:
+    """The placement group of ranks 1..N-1, whether we created it, and each rank's
+    (bundle index, resources)."""
+    pg = get_current_placement_group()
+    if pg is not None:  # a Serve replica, rank 0 in bundle 0: ranks 1..N-1 in bundles 1..N-1
+        if pg.bundle_count < size:
+            raise ValueError(
+                f"tp_size={size} needs a placement group of {size} bundles (one per rank); "
+                f"this replica's has {pg.bundle_count}"
+            )
+        return pg, False, [(i, pg.bundle_specs[i]) for i in range(1, size)]
+    bundle = {"CPU": 1.0, **({"GPU": 1.0} if device.type == "cuda" else {})}
+    pg = placement_group([bundle] * (size - 1), strategy="PACK")
+    if not pg.wait(RESERVE_TIMEOUT_S):
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"could not reserve {size - 1} x {bundle} for tensor-parallel ranks 1..{size - 1} "
+            f"within {RESERVE_TIMEOUT_S:.0f}s; available: {ray.available_resources()}"
+        )
+    return pg, True, [(i - 1, bundle) for i in range(1, size)]
 
 
 def _first_line(error: Exception) -> str:
