@@ -320,9 +320,6 @@ class _WithBase:
     def locate(self, name: str) -> AdapterLocator:
         return _BaseLocator() if name == BASE_KEY else self.source.locate(name)
 
-    def remove(self, name: str) -> None:
-        self.source.remove(name)
-
 
 class _BaseLocator:
     """The base model as an adapter: rank 0, no weights."""

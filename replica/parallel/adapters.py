@@ -24,19 +24,13 @@ if TYPE_CHECKING:
 
 
 class ShardedSource:
-    """An adapter source whose fetch returns only this rank's shard of each adapter."""
+    """What a rank's HostCache fetches from: only this rank's shard of each adapter."""
 
     def __init__(self, source, shard: TPShard) -> None:
-        self.source, self.shard = source, shard  # source: has locate(), names(), remove()
+        self.source, self.shard = source, shard  # source: anything with locate(name)
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
         return self.source.locate(name).fetch(name, self.shard.slice_lora)
-
-    def names(self) -> list[str]:
-        return self.source.names()
-
-    def remove(self, name: str) -> None:
-        self.source.remove(name)
 
 
 class LocatorRegistry:
@@ -53,12 +47,6 @@ class LocatorRegistry:
 
     def locate(self, name: str) -> AdapterLocator:
         return self._locators[name]
-
-    def names(self) -> list[str]:
-        return list(self._locators)
-
-    def remove(self, name: str) -> None:
-        self._locators.pop(name, None)
 
 
 class ShardedSlotWriter:

@@ -85,6 +85,3 @@ class TPWorker:
     def staged_bytes(self) -> dict[str, int]:
         """Bytes of each adapter shard staged in this rank's host memory."""
         return {n: self.host_cache.get(n).nbytes for n in self.host_cache.names()}
-
-    def comm_bytes(self) -> dict[str, int]:
-        return dict(self.tp.comm.bytes)
