@@ -14,6 +14,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.adapter_store import AdapterStore
 from cluster.config import AppConfig
+from replica.config import EngineConfig
 from replica.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter
 from router.ingress import Ingress
@@ -60,8 +61,8 @@ def build_app(args: dict[str, Any]) -> Application:
     router_config = RequestRouterConfig(**routing)
     replicas = LoRAReplica.options(
         request_router_config=router_config,
-        ray_actor_options={"num_cpus": 1},
         max_ongoing_requests=engine.max_num_seqs * 2,
+        **replica_resources(engine),
     ).bind(engine.model_dump(), store)
     return Ingress.options(
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
@@ -72,3 +73,18 @@ def build_app(args: dict[str, Any]) -> Application:
         config.served_model_name,
         config.default_max_tokens,
     )
+
+
+def replica_resources(engine: EngineConfig) -> dict[str, Any]:
+    """A LoRAReplica's resources: one CPU; with tp_size N, a placement group of N bundles,
+    one per rank (one CPU, and one GPU when the engine runs on CUDA), all on one node. The
+    replica is rank 0 in bundle 0; the Serve config's `deployments:` section may override."""
+    if engine.tp_size == 1:
+        return {"ray_actor_options": {"num_cpus": 1}}
+    gpu = engine.device.startswith("cuda")
+    bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
+    return {
+        "ray_actor_options": {"num_cpus": 1, **({"num_gpus": 1} if gpu else {})},
+        "placement_group_bundles": [dict(bundle) for _ in range(engine.tp_size)],
+        "placement_group_strategy": "STRICT_PACK",
+    }

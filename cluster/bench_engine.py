@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
 import torch
 
 from cluster.demo_assets import DemoSpec, cached_demo_assets
@@ -71,12 +72,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zipf-alpha", type=float, default=1.0)
     p.add_argument("--baseline-requests", type=int, default=32,
                    help="Requests timed through transformers + PEFT.")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="Tensor-parallel ranks of every engine (a local Ray starts for N > 1); "
+                        "adds the per-step communication volume.")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="A few-second smoke run.")
     p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
     p.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
+    owns_ray = args.tp > 1 and not ray.is_initialized()
+    if owns_ray:  # for the rank actors; a Ray started here stops with the bench
+        ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        return _bench(args)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+
+
+def _bench(args: argparse.Namespace) -> int:
     if args.quick:
         args.adapters, args.requests, args.concurrency = 4, 8, 4
         args.prompt_len, args.output_len, args.slots, args.baseline_requests = 16, 8, 3, 2
@@ -102,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         "base_only": workload("base_only", lambda i: None),
     }
     base_cfg = dict(model=str(assets.model_dir), device="auto", max_num_seqs=args.concurrency,
-                    kv_cache_bytes=_kv_bytes(args), max_loras_per_batch=args.adapters)  # fmt: skip
+                    kv_cache_bytes=_kv_bytes(args), max_loras_per_batch=args.adapters,
+                    tp_size=args.tp)  # fmt: skip
     churn = dict(base_cfg, num_slots=args.slots + 1, max_loras_per_batch=args.slots)
     fits = dict(base_cfg, num_slots=args.adapters + 1)
     report: dict = {"machine": _machine(), "args": _jsonable(vars(args)), "scenarios": {}}
@@ -110,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"engine bench: {args.requests} requests x {args.prompt_len}+{args.output_len} tokens, "
         f"{args.concurrency} concurrent, {args.adapters} adapters, {args.slots} slots in churn"
+        + (f", tp_size {args.tp}" if args.tp > 1 else "")
     )
     results = {}
     for name, wl in scenarios.items():
@@ -150,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
     )
     report.update(_decode_step(assets, min(16, args.adapters), args))
     _print_headline(report)
+    if args.tp > 1:
+        report["tp_comm"] = _tp_comm(assets, min(16, args.adapters), args)
+        _print_tp_comm(report["tp_comm"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
@@ -258,7 +278,7 @@ def _ceiling(baseline: dict, wl: Workload, batch_step_s: float) -> float:
 
 def _base_decode_step(assets, args: argparse.Namespace) -> float:
     """Median base-only decode step with `concurrency` sequences in the batch."""
-    cfg = EngineConfig(model=str(assets.model_dir), device="auto",
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", tp_size=args.tp,
                        max_num_seqs=args.concurrency, kv_cache_bytes=_kv_bytes(args))  # fmt: skip
     eng = LLMEngine(cfg)
     try:
@@ -282,7 +302,7 @@ def _decode_step(assets, n_adapters: int, args: argparse.Namespace) -> dict:
     names = list(assets.adapters)[:n_adapters]
     cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
                        max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=_kv_bytes(args))  # fmt: skip
+                       kv_cache_bytes=_kv_bytes(args), tp_size=args.tp)  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         for name in names:
@@ -326,6 +346,60 @@ def _steady_decode_step(eng: LLMEngine, prompts, adapters, steps: int = 12) -> f
     for s in seqs:
         eng.abort(s)
     return statistics.median(times)
+
+
+# -- tensor parallelism: what one decode step sends ------------------------------------------------
+
+
+def _tp_comm(assets, n_adapters: int, args: argparse.Namespace) -> dict:
+    """Payload bytes rank 0 sends in one decode step of n sequences, by collective, with
+    a base-only batch and with n distinct adapters; per decoder layer, the base model
+    all-reduces [T, hidden] after o_proj and down_proj, and LoRA adds the [T, R] all-reduce
+    of those two row-parallel layers' shrink (R = max_lora_rank, fp32)."""
+    names = list(assets.adapters)[:n_adapters]
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
+                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
+                       kv_cache_bytes=_kv_bytes(args), tp_size=args.tp)  # fmt: skip
+    eng = LLMEngine(cfg)
+    try:
+        for name in names:
+            eng.load_adapter(name, assets.adapters[name])
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
+        steps = {
+            "base": _decode_step_bytes(eng, prompts, [None] * len(names)),
+            "lora": _decode_step_bytes(eng, prompts, names),
+        }
+        layers, hidden = eng.spec.num_layers, eng.spec.hidden_size
+    finally:
+        eng.shutdown()
+    per_layer = {k: (v.get("layer", 0) + v.get("lora", 0)) / layers for k, v in steps.items()}
+    return {
+        "tp_size": args.tp,
+        "decode_tokens": len(names),
+        "hidden_size": hidden,
+        "max_lora_rank": cfg.max_lora_rank,
+        "bytes_per_step_by_collective": steps,
+        "bytes_per_layer_base": per_layer["base"],
+        "bytes_per_layer_lora": per_layer["lora"],
+        "lora_extra_bytes_per_layer": per_layer["lora"] - per_layer["base"],
+    }
+
+
+def _decode_step_bytes(eng: LLMEngine, prompts, adapters) -> dict[str, int]:
+    """Bytes rank 0 sends, by collective, in one decode-only step of every sequence."""
+    comm = eng.tp.rank.comm
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True), a)
+            for p, a in zip(prompts, adapters)]  # fmt: skip
+    for _ in range(10_000):  # prefill everything, wait for loads
+        if all(s.output_ids for s in seqs):
+            break
+        eng.step()
+    before = dict(comm.bytes)
+    eng.step()
+    for s in seqs:
+        eng.abort(s)
+    return {tag: n - before.get(tag, 0) for tag, n in comm.bytes.items() if n > before.get(tag, 0)}
 
 
 def _base_weights(eng: LLMEngine) -> list[torch.Tensor]:
@@ -382,6 +456,19 @@ def _print_headline(r: dict) -> None:
           f" vs bytes ratio {r['decode_bytes_ratio_16_adapters_vs_base']:.3f} -> "
           f"decode_step_overhead_vs_bytes {r['decode_step_overhead_vs_bytes']:.3f} "
           "(ceiling 1.0; target <= 1.15)")  # fmt: skip
+
+
+def _print_tp_comm(c: dict) -> None:
+    t, r, h = c["decode_tokens"], c["max_lora_rank"], c["hidden_size"]
+    base, lora, extra = (
+        c["bytes_per_layer_base"], c["bytes_per_layer_lora"], c["lora_extra_bytes_per_layer"]
+    )  # fmt: skip
+    print(f"\ntensor parallelism, tp_size {c['tp_size']}: payload bytes rank 0 sends in one "
+          f"decode step of {t} tokens")  # fmt: skip
+    print(f"  per layer, base only:     {base:>10,.0f}  (o and down all-reduce [T, {h}])")
+    print(f"  per layer, with adapters: {lora:>10,.0f}  (+{extra:,.0f}: [T, {r}] shrink of each)")
+    for label, tags in c["bytes_per_step_by_collective"].items():
+        print(f"  per step, {label:<5} " + ", ".join(f"{k} {v:,}" for k, v in tags.items()))
 
 
 def _kv_bytes(args: argparse.Namespace) -> int:

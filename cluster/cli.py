@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="Register a PEFT adapter at start (repeatable); its parent directory "
                         "becomes an adapter root.")  # fmt: skip
     p.add_argument("--replicas", type=int, default=None, help="Fixed replica count.")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="Tensor-parallel ranks per replica (engine.tp_size): each replica "
+                        "reserves N placement-group bundles (devices).")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="Override an app setting (AppConfig), e.g. routing=default, "
                         "engine.num_slots=4, demo_adapters=32 (repeatable).")  # fmt: skip
@@ -142,7 +145,11 @@ def _generate(args: argparse.Namespace) -> int:
     )
     config = engine_config_from_args(args, model=args.model, num_slots=max(2, len(loras) + 1))
     gen = OfflineGenerator(config, loras)
-    results = gen.generate([GenerateRequest(p, a, sampling) for p, a in zip(args.prompt, adapters)])
+    try:
+        requests = [GenerateRequest(p, a, sampling) for p, a in zip(args.prompt, adapters)]
+        results = gen.generate(requests)
+    finally:
+        gen.close()
     for r in results:
         if args.json:
             print(json.dumps(r.to_json()))
@@ -183,6 +190,7 @@ def _up(args: argparse.Namespace) -> int:
         model=args.model,
         loras=loras,
         replicas=args.replicas,
+        tp=args.tp,
         port=args.port,
         host=args.host,
         settings=args.set,

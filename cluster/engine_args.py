@@ -7,6 +7,8 @@ from typing import Any
 
 from replica.config import EngineConfig
 
+SHORT_FLAGS = {"tp_size": ("--tp",)}  # the short spelling users type, besides --tp-size
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
     group = parser.add_argument_group("engine")
@@ -15,6 +17,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, skip: set[str] = froze
             continue
         group.add_argument(
             "--" + name.replace("_", "-"),
+            *SHORT_FLAGS.get(name, ()),
             dest=f"engine_{name}",
             default=None,
             help=f"{field.description} (default: {field.default})",

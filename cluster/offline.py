@@ -42,8 +42,16 @@ class OfflineGenerator:
     def __init__(self, config: EngineConfig, loras: dict[str, str]) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.engine = LLMEngine(config)
-        for name, path in loras.items():
-            self.engine.load_adapter(name, path)
+        try:
+            for name, path in loras.items():
+                self.engine.load_adapter(name, path)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+
+    def close(self) -> None:
+        """Stop the engine's loader and any tensor-parallel ranks."""
+        self.engine.shutdown()
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """All requests run as one continuous batch; results in request order."""

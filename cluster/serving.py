@@ -43,6 +43,7 @@ def apply_overrides(
     model: str | None = None,
     loras: dict[str, str] | None = None,
     replicas: int | None = None,
+    tp: int | None = None,
     port: int | None = None,
     host: str | None = None,
     settings: list[str] = (),
@@ -76,6 +77,8 @@ def apply_overrides(
         deployment = _deployment(app, REPLICA_DEPLOYMENT)
         deployment.pop("autoscaling_config", None)
         deployment["num_replicas"] = replicas
+    if tp is not None:
+        _set_tp_size(args, _deployment(app, REPLICA_DEPLOYMENT), tp)
     http = config.setdefault("http_options", {})
     if port is not None:
         http["port"] = port
@@ -125,6 +128,28 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         ray.init(address=address, namespace="serve")
     else:
         ray.init(num_cpus=num_cpus, namespace="serve", include_dashboard=False)
+
+
+def _set_tp_size(args: dict[str, Any], deployment: dict[str, Any], tp: int) -> None:
+    """engine.tp_size = tp, and one placement-group bundle per rank where the file sizes the
+    replica itself (otherwise build_app derives the bundles from tp_size): each bundle as
+    large as the file's first bundle, or as its ray_actor_options."""
+    args.setdefault("engine", {})["tp_size"] = tp
+    bundles, actor = deployment.get("placement_group_bundles"), deployment.get("ray_actor_options")
+    if bundles:
+        bundle = dict(bundles[0])
+    elif actor:
+        bundle = {"CPU": actor.get("num_cpus", 1)}
+        if actor.get("num_gpus"):
+            bundle["GPU"] = actor["num_gpus"]
+    else:
+        return
+    if tp == 1:
+        deployment.pop("placement_group_bundles", None)
+        deployment.pop("placement_group_strategy", None)
+    else:
+        deployment["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
+        deployment.setdefault("placement_group_strategy", "STRICT_PACK")
 
 
 def _deployment(app: dict[str, Any], name: str) -> dict[str, Any]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -22,6 +24,11 @@ _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$"
 )
+
+
+# (module, A [r, in], B [out, r]) -> the part of (A, B) to keep, as views: how a
+# tensor-parallel rank keeps only its shard (TPShard.slice_lora).
+SelectLoRA = Callable[[str, Any, Any], tuple[Any, Any]]
 
 
 class AdapterFormatError(ValueError):
@@ -42,6 +49,19 @@ class LoRAAdapterWeights:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def select(self, select: SelectLoRA) -> LoRAAdapterWeights:
+        """A copy keeping only the part `select` picks of each module's weights (the
+        rest is not referenced afterwards, so it can be freed)."""
+        weights = {}
+        for (layer, module), (a, b) in self.weights.items():
+            a, b = select(module, a, b)
+            weights[(layer, module)] = (_own(a), _own(b))
+        return LoRAAdapterWeights(self.name, self.rank, self.scaling, self.target_modules, weights)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def load_peft_adapter(

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replica.adapter_format import LoRAAdapterWeights
+from replica.adapter_format import LoRAAdapterWeights, SelectLoRA
 
 _BITS = {torch.bfloat16: np.int16}
 
@@ -34,13 +34,18 @@ def pack_adapter(adapter: LoRAAdapterWeights) -> dict[str, Any]:
     }
 
 
-def unpack_adapter(payload: dict[str, Any], name: str | None = None) -> LoRAAdapterWeights:
+def unpack_adapter(
+    payload: dict[str, Any], name: str | None = None, select: SelectLoRA | None = None
+) -> LoRAAdapterWeights:
     """Host tensors from a payload. Copies: the arrays may be read-only shared memory that
-    lives only as long as the ObjectRef does."""
+    lives only as long as the ObjectRef does. With `select`, only the part it picks of
+    each module's arrays is copied (a tensor-parallel rank's shard)."""
     dtype = getattr(torch, payload["dtype"])
     weights = {}
     for key, (a, b) in payload["weights"].items():
         layer, module = key.split(".", 1)
+        if select is not None:
+            a, b = select(module, a, b)  # numpy views: nothing copied yet
         weights[(int(layer), module)] = (_to_torch(a, dtype), _to_torch(b, dtype))
     return LoRAAdapterWeights(
         name or payload["name"],
@@ -58,5 +63,5 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.array(a, copy=True))  # own, writable memory
+    t = torch.from_numpy(np.array(a, copy=True, order="C"))  # own, writable, contiguous
     return t.view(dtype) if dtype in _BITS else t

@@ -59,3 +59,9 @@ class EngineConfig(BaseModel):
     aging_steps: int = Field(
         32, ge=1, description="Skips after which a request's adapter is given priority."
     )
+    tp_size: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel ranks (devices) per replica: rank 0 drives, ranks 1..N-1 "
+        "are Ray actors in the replica's placement group. 1 = no tensor parallelism.",
+    )

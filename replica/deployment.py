@@ -86,9 +86,10 @@ class LoRAReplica:
         return stats
 
     def check_health(self) -> None:
-        """Serve restarts a replica whose engine loop has died."""
+        """Serve restarts a replica whose engine loop or a tensor-parallel rank has died."""
         if not self.aengine.is_alive():
             raise RuntimeError("engine loop is not running")
+        self.engine.check_health()
 
     async def residency(self) -> dict[str, Any]:
         return await self.aengine.call(self.engine.residency)

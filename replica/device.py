@@ -31,6 +31,11 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return pinned(host).to(device, non_blocking=True)
 
 
+def collective_backend(device: torch.device) -> str:
+    """The torch.distributed backend for tensors on `device`."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,6 +71,12 @@ class LoadHandle:
     def result(self) -> None:
         """Re-raise the load's exception, if any. Call only once done()."""
         self._future.result()
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the load's copies are complete on the device; re-raise its error."""
+        event = self._future.result(timeout_s)
+        if event is not None:
+            event.synchronize()
 
 
 def wait_any(handles: list[LoadHandle], timeout_s: float) -> None:

@@ -13,16 +13,18 @@ from pathlib import Path
 
 import torch
 
-from replica.adapter_format import LoRAAdapterWeights
-from replica.batch import prepare_batch
+from replica.adapter_format import LoRAAdapterWeights, SelectLoRA
+from replica.batch import plan_batch
 from replica.config import EngineConfig
 from replica.device import InlineLoader, SideStreamLoader, resolve_device, resolve_dtype
 from replica.eviction import make_policy
-from replica.host_cache import AdapterSource, HostCache, PeftDirectorySource
-from replica.kv_cache import BlockAllocator, KVCache, blocks_needed
-from replica.lora_slots import LoRASlotBuffers
-from replica.model import LlamaForCausalLM
+from replica.host_cache import AdapterLocator, AdapterSource, HostCache, PeftDirectorySource
+from replica.kv_cache import BlockAllocator, blocks_needed
 from replica.model_config import load_model_spec
+from replica.model_runner import ModelRunner
+from replica.parallel.adapters import ShardedSlotWriter, ShardedSource
+from replica.parallel.group import TPExecutor, TPGroup
+from replica.parallel.layers import TPRank
 from replica.prefetcher import Prefetcher
 from replica.sampling import Sampler, SamplingParams
 from replica.scheduler import Scheduler
@@ -61,28 +63,35 @@ class LLMEngine:
         self.device = resolve_device(c.device)
         self.dtype = resolve_dtype(c.dtype, self.device)
         self.spec = load_model_spec(c.model)
-        self.lora = LoRASlotBuffers(
-            self.spec, c.num_slots, c.max_lora_rank, self.device, self.dtype
-        )
-        self.model = LlamaForCausalLM(c.model, self.device, self.dtype, self.lora, self.spec)
-        per_block = KVCache.bytes_per_block(self.spec, c.block_size, self.dtype)
-        num_blocks = c.kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} is below one block ({per_block})")
-        self.kv = KVCache(self.spec, num_blocks, c.block_size, self.device, self.dtype)
+
+        def runner(rank: TPRank | None = None) -> ModelRunner:
+            return ModelRunner(c, self.spec, self.device, self.dtype, rank)
+
+        if c.tp_size == 1:
+            self.tp, self.runner = None, runner()
+        else:  # this engine is rank 0; ranks 1..N-1 are actors that build their shards meanwhile
+            self.tp, self.runner = TPGroup.start(c, self.device, runner)
+        self.lora, self.model, self.kv = self.runner.lora, self.runner.model, self.runner.kv
+        num_blocks = self.runner.num_blocks
         self.max_model_len = min(
             c.max_model_len or self.spec.max_position_embeddings,
             self.spec.max_position_embeddings,
             num_blocks * c.block_size,
         )
         self.source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {})
-        self.host_cache = HostCache(_WithBase(self.source), c.host_cache_bytes)
+        adapters = _WithBase(self.source)
+        staged, slots, self.executor = adapters, self.lora, self.runner
+        if self.tp is not None:  # each rank stages its own shard, into the slots rank 0 picks
+            staged = ShardedSource(adapters, self.tp.rank.shard)
+            slots = ShardedSlotWriter(self.lora, self.tp, adapters.locate)
+            self.executor = TPExecutor(self.tp, self.runner)
+        self.host_cache = HostCache(staged, c.host_cache_bytes)
         self.pool = AdapterSlotPool(c.num_slots, make_policy(c.eviction_policy), c.max_lora_rank)
         sync = c.adapter_loading == "sync"
         self.loader = InlineLoader(self.device) if sync else SideStreamLoader(self.device)
         window = c.max_loras_per_batch if sync else c.prefetch_window
         self.prefetcher = Prefetcher(
-            self.pool, self.lora, self.host_cache, self.loader, window, c.max_loads_in_flight
+            self.pool, slots, self.host_cache, self.loader, window, c.max_loads_in_flight
         )
         self.scheduler = Scheduler(
             BlockAllocator(num_blocks),
@@ -231,10 +240,8 @@ class LLMEngine:
             return outputs
         self.stats.steps += 1
         work = scheduled.ordered()
-        batch, logit_rows, sampled = prepare_batch(
-            work, self.config.block_size, self.lora.ranks, self.lora.scalings, self.device
-        )
-        logits = self.model.forward(batch, self.kv, logit_rows)
+        plan, sampled = plan_batch(work, self.config.block_size)
+        logits = self.executor.execute(plan, self.lora.ranks, self.lora.scalings)
         tokens = self.sampler.sample(
             logits, [s.sampling for s in sampled], [s.request_id for s in sampled]
         )
@@ -292,14 +299,8 @@ class LLMEngine:
         allocator = self.scheduler.allocator
         seq.blocks = allocator.allocate(blocks_needed(len(prompt_ids), self.config.block_size))
         try:
-            batch, _, _ = prepare_batch(
-                [(seq, len(prompt_ids))],
-                self.config.block_size,
-                self.lora.ranks,
-                self.lora.scalings,
-                self.device,
-            )
-            return self.model.forward(batch, self.kv)
+            plan, _ = plan_batch([(seq, len(prompt_ids))], self.config.block_size)
+            return self.executor.execute(plan, self.lora.ranks, self.lora.scalings, all_rows=True)
         finally:
             allocator.free(seq.blocks)
 
@@ -330,8 +331,15 @@ class LLMEngine:
                     raise RequestError(str(failure.error))
         raise TimeoutError(f"adapter {key!r} did not load within {timeout_s}s")
 
+    def check_health(self) -> None:
+        """Raise if the engine cannot serve any more (a tensor-parallel rank has failed)."""
+        if self.tp is not None:
+            self.tp.check()
+
     def shutdown(self) -> None:
         self.loader.shutdown()
+        if self.tp is not None:
+            self.tp.shutdown()
 
 
 class _WithBase:
@@ -345,5 +353,15 @@ class _WithBase:
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
         if name == BASE_KEY:
-            return LoRAAdapterWeights(BASE_KEY, 0, 0.0, (), {})
+            return _BaseLocator().fetch(name)
         return self.source.fetch(name)
+
+    def locate(self, name: str) -> AdapterLocator:
+        return _BaseLocator() if name == BASE_KEY else self.source.locate(name)
+
+
+class _BaseLocator:
+    """The base model as an adapter: rank 0, no weights."""
+
+    def fetch(self, name: str, select: SelectLoRA | None = None) -> LoRAAdapterWeights:
+        return LoRAAdapterWeights(BASE_KEY, 0, 0.0, (), {})

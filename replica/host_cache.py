@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from replica.adapter_format import LoRAAdapterWeights, load_peft_adapter
+from replica.adapter_format import LoRAAdapterWeights, SelectLoRA, load_peft_adapter
 from replica.device import pinned
 from replica.model_config import ModelSpec
+
+
+class AdapterLocator(Protocol):
+    """Where one adapter's weights are, in a form another process can read them from
+    (picklable): tensor-parallel ranks each fetch their own shard through it."""
+
+    def fetch(self, name: str, select: SelectLoRA | None = None) -> LoRAAdapterWeights:
+        """The converted weights, only the part `select` picks if given."""
 
 
 class AdapterSource(Protocol):
@@ -18,11 +28,26 @@ class AdapterSource(Protocol):
     def fetch(self, name: str) -> LoRAAdapterWeights:
         """Converted weights of `name`; raises KeyError if unknown."""
 
+    def locate(self, name: str) -> AdapterLocator:
+        """Where `name`'s weights are; raises KeyError if unknown."""
+
     def names(self) -> list[str]:
         """Every adapter the source can provide."""
 
     def remove(self, name: str) -> None:
         """Forget `name` (unloaded)."""
+
+
+@dataclass(frozen=True)
+class PeftDirectoryLocator:
+    path: str
+    spec: ModelSpec
+    max_lora_rank: int
+    generation: int  # changes when the name is registered again: other ranks re-read it
+
+    def fetch(self, name: str, select: SelectLoRA | None = None) -> LoRAAdapterWeights:
+        adapter = load_peft_adapter(self.path, self.spec, self.max_lora_rank, name)
+        return adapter if select is None else adapter.select(select)
 
 
 class PeftDirectorySource:
@@ -31,9 +56,12 @@ class PeftDirectorySource:
     def __init__(self, spec: ModelSpec, max_lora_rank: int, paths: dict[str, str | Path]) -> None:
         self.spec, self.max_lora_rank = spec, max_lora_rank
         self.paths = dict(paths)
+        self._generations = itertools.count(1)
+        self._generation: dict[str, int] = {}
 
     def add(self, name: str, path: str | Path) -> None:
         self.paths[name] = path
+        self._generation[name] = next(self._generations)
 
     def remove(self, name: str) -> None:
         self.paths.pop(name, None)
@@ -43,6 +71,12 @@ class PeftDirectorySource:
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
         return load_peft_adapter(self.paths[name], self.spec, self.max_lora_rank, name)
+
+    def locate(self, name: str) -> PeftDirectoryLocator:
+        path = str(self.paths[name])
+        return PeftDirectoryLocator(
+            path, self.spec, self.max_lora_rank, self._generation.get(name, 0)
+        )
 
 
 class HostCache:

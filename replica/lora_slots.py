@@ -23,11 +23,14 @@ class LoRASlotBuffers:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        shapes: dict[str, tuple[int, int]] | None = None,
     ) -> None:
+        """`shapes`: (in, out) of A [r, in] and B [out, r] per module, when not the whole
+        model's (a tensor-parallel rank's share, TPShard.lora_shapes())."""
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1 (slot 0 is the base model)")
         self.spec, self.num_slots, self.max_rank = spec, num_slots, max_rank
-        shapes = spec.module_shapes()
+        shapes = shapes or spec.module_shapes()
         # layers[i][group] -> LoRABuffers
         self.layers: list[dict[str, LoRABuffers]] = []
         for _ in range(spec.num_layers):

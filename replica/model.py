@@ -19,6 +19,8 @@ from replica.kv_cache import KVCache
 from replica.lora_layers import LoRALinear
 from replica.lora_slots import LoRASlotBuffers
 from replica.model_config import ModelSpec, load_model_spec
+from replica.parallel.layers import TPRank
+from replica.parallel.shard import ShardedCheckpoint
 from replica.rope import RotaryEmbedding
 from replica.weights import Checkpoint
 
@@ -44,12 +46,13 @@ class RMSNorm:
 class DecoderLayer:
     def __init__(
         self,
-        spec: ModelSpec,
-        ckpt: Checkpoint,
+        spec: ModelSpec,  # this rank's shapes (a tensor-parallel rank's share of heads, MLP)
+        ckpt: Checkpoint | ShardedCheckpoint,
         index: int,
         lora: LoRASlotBuffers | None,
         device: torch.device,
         dtype: torch.dtype,
+        tp: TPRank | None = None,
     ) -> None:
         self.spec = spec
         p = f"model.layers.{index}."
@@ -69,9 +72,14 @@ class DecoderLayer:
         gate_up_w = torch.cat([w("mlp.gate_proj.weight", (i, h)), w("mlp.up_proj.weight", (i, h))])
         bufs = lora.layers[index] if lora is not None else {}
         self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
-        self.o_proj = LoRALinear(w("self_attn.o_proj.weight", (h, q)), None, bufs.get("o_proj"))
+        o_w, down_w = w("self_attn.o_proj.weight", (h, q)), w("mlp.down_proj.weight", (h, i))
         self.gate_up_proj = LoRALinear(gate_up_w, None, bufs.get("gate_up_proj"))
-        self.down_proj = LoRALinear(w("mlp.down_proj.weight", (h, i)), None, bufs.get("down_proj"))
+        if tp is None:
+            self.o_proj = LoRALinear(o_w, None, bufs.get("o_proj"))
+            self.down_proj = LoRALinear(down_w, None, bufs.get("down_proj"))
+        else:  # input-split: partial outputs summed across ranks
+            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"))
+            self.down_proj = tp.row_linear(down_w, bufs.get("down_proj"))
         self.input_norm = RMSNorm(w("input_layernorm.weight", (h,)), spec.rms_norm_eps)
         self.post_attn_norm = RMSNorm(w("post_attention_layernorm.weight", (h,)), spec.rms_norm_eps)
         self.index = index
@@ -98,7 +106,8 @@ class DecoderLayer:
 
 
 class LlamaForCausalLM:
-    """Weights and forward of one model replica (tp_size 1)."""
+    """Weights and forward of one model replica, or of one rank's shard of it when `tp`
+    is given (tensor parallelism: see replica/parallel/shard.py for who holds what)."""
 
     def __init__(
         self,
@@ -107,14 +116,19 @@ class LlamaForCausalLM:
         dtype: torch.dtype = torch.float32,
         lora: LoRASlotBuffers | None = None,
         spec: ModelSpec | None = None,
+        tp: TPRank | None = None,
     ) -> None:
         self.spec = spec = spec or load_model_spec(model_dir)
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype, self.tp = torch.device(device), dtype, tp
         ckpt = Checkpoint(model_dir)
-        h, vocab = spec.hidden_size, spec.vocab_size
+        h, vocab, layer_spec = spec.hidden_size, spec.vocab_size, spec
+        if tp is not None:
+            ckpt = ShardedCheckpoint(ckpt, tp.shard)
+            vocab, layer_spec = tp.shard.vocab_rows, tp.shard.local_spec
         self.embed = ckpt.get("model.embed_tokens.weight", (vocab, h)).to(self.device, dtype)
         self.layers = [
-            DecoderLayer(spec, ckpt, i, lora, self.device, dtype) for i in range(spec.num_layers)
+            DecoderLayer(layer_spec, ckpt, i, lora, self.device, dtype, tp)
+            for i in range(spec.num_layers)
         ]
         self.norm = RMSNorm(
             ckpt.get("model.norm.weight", (h,)).to(self.device, dtype), spec.rms_norm_eps
@@ -133,9 +147,14 @@ class LlamaForCausalLM:
         self, batch: ForwardBatch, kv: KVCache, logit_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Run the batch; returns float32 logits [len(logit_rows), vocab] (all rows if None)."""
-        x = F.embedding(batch.input_ids, self.embed)
+        tp = self.tp
+        if tp is None:
+            x = F.embedding(batch.input_ids, self.embed)
+        else:  # vocab-parallel: each rank embeds its ids, an all-reduce sums the parts
+            x = tp.embed(batch.input_ids, self.embed)
         for layer in self.layers:
             x = layer(x, batch, self.rope, kv)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
-        return F.linear(self.norm(x), self.lm_head).float()
+        logits = F.linear(self.norm(x), self.lm_head)
+        return (logits if tp is None else tp.gather_logits(logits)).float()

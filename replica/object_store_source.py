@@ -10,10 +10,11 @@ stale weights from a slot or the host cache.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import ray
 
-from replica.adapter_format import LoRAAdapterWeights
+from replica.adapter_format import LoRAAdapterWeights, SelectLoRA
 from replica.adapter_packing import unpack_adapter
 
 
@@ -24,6 +25,15 @@ def adapter_key(name: str, version: int) -> str:
 
 def adapter_name(key: str) -> str:
     return key.rsplit("@v", 1)[0]
+
+
+@dataclass(frozen=True)
+class ObjectRefLocator:
+    ref: ray.ObjectRef  # a packed adapter (adapter_packing)
+
+    def fetch(self, name: str, select: SelectLoRA | None = None) -> LoRAAdapterWeights:
+        """Maps the arrays zero-copy (same node) and copies only what `select` keeps."""
+        return unpack_adapter(ray.get(self.ref), name, select)
 
 
 class ObjectStoreSource:
@@ -51,6 +61,8 @@ class ObjectStoreSource:
             return list(self._refs)
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
+        return self.locate(name).fetch(name)
+
+    def locate(self, name: str) -> ObjectRefLocator:
         with self._lock:
-            ref = self._refs[name]
-        return unpack_adapter(ray.get(ref), name)
+            return ObjectRefLocator(self._refs[name])

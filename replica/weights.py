@@ -23,18 +23,33 @@ class Checkpoint:
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name`, checked against the shape the model config implies."""
+        tensor = self._handle(name, shape).get_tensor(name)
+        self._check(name, tuple(tensor.shape), shape)
+        return tensor
+
+    def get_part(
+        self, name: str, shape: tuple[int, ...], dim: int, start: int, stop: int
+    ) -> torch.Tensor:
+        """`name`[start:stop] along `dim` (0 or 1), reading only that slice from disk;
+        the whole tensor's shape is checked against `shape`."""
+        part = self._handle(name, shape).get_slice(name)
+        self._check(name, tuple(part.get_shape()), shape)
+        return part[start:stop] if dim == 0 else part[:, start:stop]
+
+    def _handle(self, name: str, shape: tuple[int, ...]):
         if name not in self._files:
             raise WeightLoadError(f"{self.dir}: missing weight {name!r} (expected shape {shape})")
         f = self._files[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        tensor = self._handles[f].get_tensor(name)
-        if tuple(tensor.shape) != tuple(shape):
+        return self._handles[f]
+
+    def _check(self, name: str, found: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        if found != tuple(shape):
             raise WeightLoadError(
-                f"{self.dir}: weight {name!r} has shape {tuple(tensor.shape)}, "
+                f"{self.dir}: weight {name!r} has shape {found}, "
                 f"but config.json implies {tuple(shape)}"
             )
-        return tensor
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from cluster.cli import main
 from replica.config import EngineConfig
@@ -34,6 +38,30 @@ def test_generate_json_mixed_batch_matches_engine(tiny, capsys):
         seq = eng.generate([(r["prompt_token_ids"], SamplingParams(max_tokens=8), r["adapter"])])[0]
         assert r["output_token_ids"] == seq.output_ids
         assert r["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_generate_with_tp_2_prints_what_tp_1_prints(tiny, capsys):
+    """--tp 2: rank 0 in the command's process, rank 1 an actor of the local Ray it starts
+    (run as its own process, so that Ray and its rank leave with it)."""
+    args = [
+        "generate", "--model", str(tiny.model_dir), "--device", "cpu",
+        f"--lora=a1={tiny.adapters['adapter-01']}", f"--lora=a3={tiny.adapters['adapter-03']}",
+        "--prompt", "hello world", "--adapter", "base",
+        "--prompt", "the cat sat", "--adapter", "a1",
+        "--prompt", "the cat sat", "--adapter", "a3",
+        "--max-tokens", "8", "--json",
+    ]  # fmt: skip
+    code, single, _ = run_cli(capsys, *args)
+    assert code == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args, "--tp", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows == [json.loads(line) for line in single.splitlines()]
+    assert len({tuple(r["output_token_ids"]) for r in rows[1:]}) == 2
 
 
 def test_generate_plain_text(tiny, capsys):

@@ -35,3 +35,18 @@ def test_quick_run_writes_every_figure(tmp_path, capsys):
     assert not math.isnan(report["load_stall_ratio_overlap_on_vs_off"])
     printed = capsys.readouterr().out
     assert "speedup_vs_hf_peft" in printed and "decode_step_overhead_vs_bytes" in printed
+
+
+@pytest.mark.slow
+def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
+    out = tmp_path / "engine-tp.json"
+    assert main(["bench", "engine", "--quick", "--tp", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["scenarios"]["distinct"]["tok_per_s"] > 0
+    c = report["tp_comm"]
+    t, h, r = c["decode_tokens"], c["hidden_size"], c["max_lora_rank"]
+    assert c["bytes_per_layer_base"] == 2 * t * h * 4  # o and down: all-reduce [T, h] fp32
+    assert c["lora_extra_bytes_per_layer"] == 2 * t * r * 4  # LoRA: [T, R] fp32 each
+    steps = c["bytes_per_step_by_collective"]
+    assert "lora" not in steps["base"] and steps["lora"]["lora"] > 0
+    assert "tensor parallelism, tp_size 2" in capsys.readouterr().out

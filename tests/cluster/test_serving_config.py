@@ -22,13 +22,37 @@ def test_default_config_is_valid_for_serve_and_for_the_app():
     assert "autoscaling_config" in replica
 
 
-@pytest.mark.parametrize("name", ["gpu-1.yaml", "gpu-autoscale.yaml"])
+@pytest.mark.parametrize("name", ["gpu-1.yaml", "gpu-autoscale.yaml", "gpu-tp2.yaml"])
 def test_gpu_examples_are_valid(name):
     from ray.serve.schema import ServeDeploySchema
 
     config = serving.load_config(serving.DEFAULT_CONFIG.parent / name)
     ServeDeploySchema.model_validate(config)
-    AppConfig.model_validate(config["applications"][0]["args"])
+    app = AppConfig.model_validate(config["applications"][0]["args"])
+    replica = _replica_deployment(config)
+    assert len(replica.get("placement_group_bundles", [{}])) == app.engine.tp_size
+
+
+def _replica_deployment(config: dict) -> dict:
+    deployments = config["applications"][0]["deployments"]
+    return next(d for d in deployments if d["name"] == serving.REPLICA_DEPLOYMENT)
+
+
+def test_tp_override_reserves_one_bundle_per_rank():
+    from ray.serve.schema import ServeDeploySchema
+
+    cpu = serving.apply_overrides(serving.load_config(serving.DEFAULT_CONFIG), tp=2)
+    assert cpu["applications"][0]["args"]["engine"]["tp_size"] == 2
+    assert _replica_deployment(cpu)["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
+    gpu = serving.load_config(serving.DEFAULT_CONFIG.parent / "gpu-1.yaml")
+    gpu = serving.apply_overrides(gpu, tp=4)
+    assert _replica_deployment(gpu)["placement_group_bundles"] == [{"CPU": 4, "GPU": 1}] * 4
+    one = serving.load_config(serving.DEFAULT_CONFIG.parent / "gpu-tp2.yaml")
+    one = serving.apply_overrides(one, tp=1)
+    assert "placement_group_bundles" not in _replica_deployment(one)
+    for config in (cpu, gpu, one):
+        ServeDeploySchema.model_validate(config)
+        AppConfig.model_validate(config["applications"][0]["args"])
 
 
 def test_overrides_replace_the_files_values(tmp_path):
@@ -90,6 +114,23 @@ def test_demo_resolves_to_built_assets(demo):
     assert config.adapters == {n: str(p) for n, p in demo.adapters.items()}
     assert str(demo.root / "adapters") in config.adapter_roots
     assert config.served_model_name == "demo-base"
+
+
+def _replica_config(app):
+    replica = app._bound_deployment.init_args[0]  # Ingress(replicas, store, ...)
+    return replica._bound_deployment._replica_config
+
+
+@pytest.mark.parametrize("device,bundle", [("cpu", {"CPU": 1}), ("cuda", {"CPU": 1, "GPU": 1})])
+def test_build_app_gives_a_tp_replica_one_bundle_per_rank(tiny, device, bundle):
+    engine = {"model": str(tiny.model_dir), "device": device}
+    single = _replica_config(build_app({"engine": engine}))
+    assert single.placement_group_bundles is None
+    assert single.ray_actor_options["num_cpus"] == 1
+    tp = _replica_config(build_app({"engine": {**engine, "tp_size": 3}}))
+    assert tp.placement_group_bundles == [bundle] * 3
+    assert tp.placement_group_strategy == "STRICT_PACK"
+    assert tp.ray_actor_options.get("num_gpus", 0) == bundle.get("GPU", 0)
 
 
 def _router_class(app) -> str:

@@ -1,0 +1,52 @@
+"""One rank's device state (weights, adapter slot buffers, paged KV cache) and its forward.
+
+The engine owns one; under tensor parallelism every other rank's actor owns one too,
+built from the same config, and runs the plans rank 0 sends it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.batch import BatchPlan, build_batch
+from replica.config import EngineConfig
+from replica.kv_cache import KVCache
+from replica.lora_slots import LoRASlotBuffers
+from replica.model import LlamaForCausalLM
+from replica.model_config import ModelSpec
+from replica.parallel.layers import TPRank
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPRank | None = None,
+    ) -> None:
+        c = config
+        self.block_size, self.device = c.block_size, device
+        local = spec if tp is None else tp.shard.local_spec  # this rank's heads and KV heads
+        shapes = None if tp is None else tp.shard.lora_shapes()
+        self.lora = LoRASlotBuffers(spec, c.num_slots, c.max_lora_rank, device, dtype, shapes)
+        self.model = LlamaForCausalLM(c.model, device, dtype, self.lora, spec, tp)
+        per_block = KVCache.bytes_per_block(local, c.block_size, dtype)
+        self.num_blocks = c.kv_cache_bytes // per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} is below one block ({per_block})")
+        self.kv = KVCache(local, self.num_blocks, c.block_size, device, dtype)
+
+    def execute(
+        self,
+        plan: BatchPlan,
+        slot_ranks: dict[str, list[int]],
+        slot_scalings: list[float],
+        all_rows: bool = False,
+    ) -> torch.Tensor:
+        """float32 logits of the plan's sampled rows (of every row if all_rows)."""
+        batch, logit_rows = build_batch(
+            plan, self.block_size, slot_ranks, slot_scalings, self.device
+        )
+        return self.model.forward(batch, self.kv, None if all_rows else logit_rows)

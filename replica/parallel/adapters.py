@@ -1,0 +1,74 @@
+"""Adapters under tensor parallelism: each rank stages only its own shard, in the slot
+rank 0 chose.
+
+Rank 0's slot pool decides everything (which adapter goes into which slot, what is
+evicted, the pinned base slot), exactly as with one rank. ShardedSlotWriter then has
+every other rank copy its shard of the same adapter into the same slot and reports the
+load done only once all ranks are, so no step ever reads a slot some rank is still
+writing. Each rank fetches its shard itself, through the locator rank 0 sends along (a
+PEFT directory, or an object-store reference whose arrays are sliced before copying).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from replica.adapter_format import LoRAAdapterWeights
+from replica.host_cache import AdapterLocator
+from replica.lora_slots import LoRASlotBuffers
+from replica.parallel.shard import TPShard
+
+if TYPE_CHECKING:
+    from replica.parallel.group import TPGroup
+
+
+class ShardedSource:
+    """What a rank's HostCache fetches from: only this rank's shard of each adapter."""
+
+    def __init__(self, source, shard: TPShard) -> None:
+        self.source, self.shard = source, shard  # source: anything with locate(name)
+
+    def fetch(self, name: str) -> LoRAAdapterWeights:
+        return self.source.locate(name).fetch(name, self.shard.slice_lora)
+
+
+class LocatorRegistry:
+    """A rank > 0's view of the adapters: the locators rank 0 sent with its loads."""
+
+    def __init__(self) -> None:
+        self._locators: dict[str, AdapterLocator] = {}
+
+    def update(self, name: str, locator: AdapterLocator) -> bool:
+        """Record where `name` is; True if that changed (a staged copy is stale)."""
+        changed = self._locators.get(name) != locator
+        self._locators[name] = locator
+        return changed
+
+    def locate(self, name: str) -> AdapterLocator:
+        return self._locators[name]
+
+
+class ShardedSlotWriter:
+    """Rank 0's slot buffers, as the prefetcher uses them, with writes fanned out: each
+    other rank loads its own shard of the adapter into the same slot."""
+
+    def __init__(
+        self,
+        local: LoRASlotBuffers,
+        group: TPGroup,
+        locate: Callable[[str], AdapterLocator],
+    ) -> None:
+        self.local, self.group, self.locate = local, group, locate
+
+    def write(self, slot: int, adapter: LoRAAdapterWeights) -> None:
+        """Runs on rank 0's loader thread; returns once every rank holds the adapter."""
+        pending = self.group.load_on_ranks(slot, adapter.name, self.locate(adapter.name))
+        self.local.write(slot, adapter)
+        self.group.wait_loads(pending)
+
+    def activate(self, slot: int, adapter: LoRAAdapterWeights) -> None:
+        self.local.activate(slot, adapter)  # host state: only rank 0 plans batches
+
+    def clear(self, slot: int) -> None:
+        self.local.clear(slot)

@@ -1,0 +1,242 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks): a TP=2 engine gives what a TP=1 engine gives.
+
+The oracle is TP=1, itself checked against transformers + PEFT (test_model_vs_hf.py).
+Rank 0 is this process, rank 1 a Ray actor. A process holds one tensor-parallel rank at
+a time, so every test (or class) builds its own TP=2 engine and shuts it down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from replica.adapter_format import load_peft_adapter
+from replica.config import EngineConfig
+from replica.engine import LLMEngine, RequestError
+from replica.parallel.group import TPRankError
+from replica.parallel.shard import TPShard
+from replica.sampling import SamplingParams
+from tests.conftest import tiny_assets
+
+pytestmark = pytest.mark.slow
+
+LOGIT_ATOL = 2e-4  # the bar TP=1 meets against transformers
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def engine(assets, tp_size: int = 1, **kw) -> LLMEngine:
+    kw.setdefault("num_slots", len(assets.adapters) + 1)
+    kw.setdefault("kv_cache_bytes", 32 << 20)
+    cfg = EngineConfig(model=str(assets.model_dir), device="cpu", tp_size=tp_size, **kw)
+    eng = LLMEngine(cfg)
+    for name, path in assets.adapters.items():
+        eng.load_adapter(name, path)
+    return eng
+
+
+def prompts(vocab: int, lengths=(5, 23)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def mixed(assets, vocab: int) -> list[tuple[list[int], SamplingParams, str | None]]:
+    names = [None, *assets.adapters, None, list(assets.adapters)[1]]
+    lengths = [3, 17, 9, 30, 1, 12, 25, 6, 14, 8, 21][: len(names)]
+    ps = prompts(vocab, lengths)
+    return [(p, GREEDY, a) for p, a in zip(ps, names)]
+
+
+def staggered(eng: LLMEngine, requests) -> list[list[int]]:
+    """One request arrives per step, so prefills share steps with decodes."""
+    seqs = []
+    for r in requests:
+        seqs.append(eng.add_request(*r))
+        eng.step()
+    for _ in range(1000):
+        if not eng.has_work():
+            return [s.output_ids for s in seqs]
+        eng.step()
+    raise AssertionError("engine did not drain")
+
+
+def worker(eng: LLMEngine):
+    [w] = eng.tp.workers
+    return w
+
+
+def expected_shard(eng: LLMEngine, adapter: str, rank: int):
+    path = eng.source.paths[adapter]
+    whole = load_peft_adapter(path, eng.spec, eng.config.max_lora_rank, adapter)
+    return whole, whole.select(TPShard(eng.spec, rank, 2).slice_lora)
+
+
+def check_rank1_slots(eng: LLMEngine) -> None:
+    """Every READY adapter slot holds, on rank 1, rank 1's shard of rank 0's adapter there."""
+    for slot in eng.pool.slots[1:]:
+        if slot.state.value != "ready":
+            continue
+        _, shard = expected_shard(eng, slot.adapter, 1)
+        a, b = ray.get(worker(eng).slot_weights.remote(0, "o_proj", slot.index))
+        want = shard.weights.get((0, "o_proj"))
+        if want is None:
+            continue
+        r = shard.rank
+        assert np.array_equal(a[:r], want[0].numpy()), f"slot {slot.index} A on rank 1"
+        assert np.array_equal(b[:, :r], want[1].numpy()), f"slot {slot.index} B on rank 1"
+
+
+@pytest.fixture(scope="class")
+def engines(demo):
+    """TP=1 and TP=2 engines of the demo model with its 8 adapters, for one class."""
+    one, two = engine(demo), engine(demo, tp_size=2)
+    yield one, two
+    two.shutdown()
+    one.shutdown()
+
+
+class TestDemoModel:
+    """The demo model (hidden 512, 8 layers, 8 heads / 2 KV heads) and its 8 adapters."""
+
+    @pytest.mark.parametrize("index", range(9))
+    def test_logits_equal_tp1(self, demo, engines, index):
+        one, two = engines
+        adapter = [None, *demo.adapters][index]
+        for p in prompts(one.spec.vocab_size):
+            diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
+            assert diff < LOGIT_ATOL, f"{adapter}: max |TP2 - TP1 logit| {diff}"
+
+    def test_greedy_mixed_batch_equals_tp1(self, demo, engines):
+        one, two = engines
+        reqs = mixed(demo, one.spec.vocab_size)
+        out = staggered(two, reqs)
+        assert out == staggered(one, reqs)
+        assert len({tuple(o) for o in out}) > 6, "adapters should give distinct outputs"
+
+    def test_each_rank_stages_and_holds_only_its_shard(self, demo, engines):
+        _, two = engines
+        one_token = SamplingParams(max_tokens=1)
+        two.generate([(p, one_token, a) for p, a in zip(prompts(2000, [4] * 8), demo.adapters)])
+        staged = ray.get(worker(two).staged_bytes.remote())
+        for name in demo.adapters:
+            whole, rank0 = expected_shard(two, name, 0)
+            _, rank1 = expected_shard(two, name, 1)
+            assert two.host_cache.get(name).nbytes == rank0.nbytes < whole.nbytes
+            assert staged[name] == rank1.nbytes < whole.nbytes
+        check_rank1_slots(two)
+
+    def test_one_message_per_step_and_lora_adds_only_rank_sized_traffic(self, demo, engines):
+        _, two = engines
+        comm, spec = two.tp.rank.comm, two.spec
+        full = [n for n in demo.adapters if len(two.host_cache.get(n).target_modules) == 7]
+        for adapters in ([None] * 3, full):
+            ps, sampling = prompts(spec.vocab_size, [6, 7, 8]), SamplingParams(max_tokens=4)
+            seqs = [two.add_request(p, sampling, a) for p, a in zip(ps, adapters)]
+            while not all(s.output_ids for s in seqs):  # prefill (and loads) first
+                two.step()
+            before = dict(comm.bytes), dict(comm.calls)
+            two.step()  # one decode step: 3 tokens
+            sent = {k: comm.bytes[k] - before[0].get(k, 0) for k in comm.bytes}
+            calls = {k: comm.calls[k] - before[1].get(k, 0) for k in comm.calls}
+            t, h, layers = 3, spec.hidden_size, spec.num_layers
+            assert calls["step"] == 1  # the batch's metadata: one broadcast
+            assert sent["layer"] == 2 * layers * t * h * 4  # o and down all-reduce [T, h] fp32
+            lora = 2 * layers * t * two.config.max_lora_rank * 4  # [T, R] fp32 per row layer
+            assert sent.get("lora", 0) == (lora if adapters == full else 0)
+            for s in seqs:
+                two.abort(s)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [("qwen2", {}), ("llama", {"num_kv_heads": 1}), ("mistral", {"vocab_size": 511})],
+    ids=["qwen2-bias-tied", "kv-heads-replicated", "vocab-padded"],
+)
+def test_model_variants_equal_tp1(arch, overrides):
+    assets = tiny_assets(arch, **overrides)
+    one, two = engine(assets), engine(assets, tp_size=2)
+    try:
+        if overrides.get("num_kv_heads") == 1:
+            assert two.tp.rank.shard.kv_heads == 1 and two.kv.k[0].shape[0] == 1
+        for adapter in [None, *assets.adapters]:
+            for p in prompts(one.spec.vocab_size):
+                diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
+                assert diff < LOGIT_ATOL, f"{adapter}: {diff}"
+        reqs = mixed(assets, one.spec.vocab_size)
+        assert staggered(two, reqs) == staggered(one, reqs)
+    finally:
+        two.shutdown()
+
+
+def test_adapter_churn_keeps_every_rank_on_rank0s_slots(tiny):
+    """More adapters than slots, no host cache: every load, eviction and reload is decided
+    by rank 0 and applied by rank 1 to the same slot."""
+    two = engine(tiny, tp_size=2, num_slots=3, max_loras_per_batch=2, host_cache_bytes=0)
+    try:
+        names = [None if i % 5 == 4 else list(tiny.adapters)[i % 4] for i in range(16)]
+        lengths = [8 + i % 5 for i in range(16)]
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+        reqs = [(p, sampling, a) for p, a in zip(prompts(two.spec.vocab_size, lengths), names)]
+        seqs = [two.add_request(*r) for r in reqs]
+        for _ in range(2000):
+            if not two.has_work():
+                break
+            two.step()
+            two.pool.check_integrity()
+            check_rank1_slots(two)
+        assert two.pool.num_evictions > 0, "the test should force evictions"
+    finally:
+        two.shutdown()
+    one = engine(tiny)
+    assert [s.output_ids for s in seqs] == [one.generate([r])[0].output_ids for r in reqs]
+
+
+def test_unload_and_register_again_reaches_every_rank(tiny):
+    one, two = engine(tiny), engine(tiny, tp_size=2)
+    p = prompts(one.spec.vocab_size)[1]
+    try:
+        two.load_adapter("x", tiny.adapters["adapter-00"])
+        first = two.generate([(p, GREEDY, "x")])[0].output_ids
+        assert first == one.generate([(p, GREEDY, "adapter-00")])[0].output_ids
+        two.unload_adapter("x")
+        with pytest.raises(RequestError, match="unknown adapter 'x'"):
+            two.add_request(p, GREEDY, "x")
+        two.load_adapter("x", tiny.adapters["adapter-01"])  # same name, other weights
+        again = two.generate([(p, GREEDY, "x")])[0].output_ids
+        assert again == one.generate([(p, GREEDY, "adapter-01")])[0].output_ids != first
+    finally:
+        two.shutdown()
+
+
+def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
+    two = engine(tiny, tp_size=2)
+    p = prompts(two.spec.vocab_size)[0]
+    try:
+        assert two.generate([(p, GREEDY, "adapter-00")])[0].finish_reason == "length"
+        pid = ray.get(worker(two).ready.remote())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        [load] = two.generate([(p, GREEDY, "adapter-01")], max_steps=10_000)  # never in a slot
+        assert load.finish_reason == "error"
+        assert "tensor-parallel rank 1 of 2 failed" in load.error
+        with pytest.raises(TPRankError, match="tensor-parallel rank 1 of 2 failed"):
+            two.generate([(p, GREEDY, None)], max_steps=100)
+        assert time.monotonic() - started < 30
+        with pytest.raises(TPRankError, match="rank 1 of 2"):
+            two.check_health()
+    finally:
+        started = time.monotonic()
+        two.shutdown()
+        assert time.monotonic() - started < 30
