@@ -189,6 +189,8 @@ def _stop_ray() -> None:
 
 def _serve_config(variant: Variant, sizes: Sizes, port: int) -> dict:
     settings = [
+        "engine.model=demo",  # the random-weight demo, whatever model the run command serves
+        "adapters=demo",
         f"demo_adapters={sizes.adapters}",
         f"engine.num_slots={sizes.slots}",
         f"engine.kv_cache_bytes={sizes.kv_cache_bytes}",
