@@ -7,14 +7,18 @@ and `ray.put`s it: weights enter the object store once per cluster, however
 many replicas use them. Replicas ask for the ObjectRef of the version a request
 names and map it zero-copy. Mutations are serialized; reads never wait on them.
 
-After a restart the registry is rebuilt from the config's preload list;
-adapters loaded at runtime must be loaded again.
+Every mutation checkpoints the registry (name -> path, version) in Ray's GCS key-value
+store, which outlives actors: a store that Serve restarts after a crash re-registers the
+same adapters under the same versions (replicas keep their copies). A checkpoint made
+under another preload list (the config changed) is ignored: the config wins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +30,10 @@ from replica.adapter_format import AdapterFormatError, load_peft_adapter
 from replica.adapter_packing import pack_adapter
 from replica.model_config import load_model_spec
 from router.errors import BadRequestError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+KV_NAMESPACE = "lorafleet"
 
 
 @dataclass(frozen=True)
@@ -49,19 +57,29 @@ class AdapterStore:
         adapter_roots: list[str],
         preload: dict[str, str],
         reserved_names: tuple[str, ...] = (),
+        max_adapter_bytes: int | None = None,
+        checkpoint: bool = False,
     ) -> None:
+        """`checkpoint`: keep the registry in Ray's GCS key-value store, under the Serve
+        application's name (off: a restart loses runtime loads)."""
         self.spec = load_model_spec(model)
         self.max_lora_rank = max_lora_rank
         self.roots = [Path(r).resolve() for r in adapter_roots]
         self.reserved = set(reserved_names)
+        self.max_adapter_bytes = max_adapter_bytes
         self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef]] = {}
         self._versions = itertools.count(1)
         self._lock = asyncio.Lock()
         self._replica_stats: dict[str, tuple[float, dict]] = {}
         self.num_puts = 0
         self.num_ref_requests = 0
-        for name, path in preload.items():  # the operator's config: trusted, roots not applied
-            self._add(name, path)
+        self.num_restored = 0
+        self._checkpoint_key = _checkpoint_key() if checkpoint else None
+        self._preload = dict(preload)
+        if not self._restore():
+            for name, path in preload.items():  # the operator's config: trusted, no roots
+                self._add(name, path)
+            self._checkpoint()
 
     # -- mutations -----------------------------------------------------------------------------
 
@@ -73,7 +91,9 @@ class AdapterStore:
                     f"adapter {name!r} is already registered; unload it first to replace it"
                 )
             resolved = self._check_path(path)
-            return await asyncio.to_thread(self._add, name, resolved)
+            info = await asyncio.to_thread(self._add, name, resolved)
+            self._checkpoint()
+            return info
 
     async def unregister(self, name: str) -> AdapterInfo:
         """Remove `name` for new requests at once; replicas drop their copies when unused."""
@@ -81,6 +101,7 @@ class AdapterStore:
             entry = self._adapters.pop(name, None)
             if entry is None:
                 raise NotFoundError(self._not_found(name))
+            self._checkpoint()
             return entry[0]
 
     # -- reads ---------------------------------------------------------------------------------
@@ -111,6 +132,7 @@ class AdapterStore:
             "num_adapters": len(self._adapters),
             "num_puts": self.num_puts,
             "num_ref_requests": self.num_ref_requests,
+            "num_restored": self.num_restored,
         }
 
     # -- replica reports (for `lorafleet bench` and operators) ----------------------------------
@@ -129,16 +151,17 @@ class AdapterStore:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _add(self, name: str, path: str | Path) -> AdapterInfo:
+    def _add(self, name: str, path: str | Path, version: int | None = None) -> AdapterInfo:
         if name in self.reserved:
             raise BadRequestError(f"adapter name {name!r} is reserved (the base model's name)")
+        self._check_size(Path(path))
         try:
             weights = load_peft_adapter(path, self.spec, self.max_lora_rank, name)
         except AdapterFormatError as e:
             raise BadRequestError(str(e)) from None
         info = AdapterInfo(
             name=name,
-            version=next(self._versions),
+            version=next(self._versions) if version is None else version,
             path=str(path),
             rank=weights.rank,
             target_modules=weights.target_modules,
@@ -158,7 +181,7 @@ class AdapterStore:
             )
         try:
             resolved = Path(path).resolve(strict=True)
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the path
             raise BadRequestError(f"adapter path {path!r} does not exist") from None
         files = [resolved / "adapter_config.json", resolved / "adapter_model.safetensors"]
         for p in [resolved, *(f.resolve() for f in files if f.exists())]:
@@ -169,5 +192,66 @@ class AdapterStore:
                 )
         return resolved
 
+    def _check_size(self, path: Path) -> None:
+        """Refuse weights over max_adapter_bytes before reading them."""
+        weights = path / "adapter_model.safetensors"
+        if self.max_adapter_bytes is None or not weights.is_file():
+            return  # the format check names a missing file
+        size = weights.stat().st_size
+        if size > self.max_adapter_bytes:
+            raise BadRequestError(
+                f"adapter {path.name!r}: adapter_model.safetensors is {size} bytes, over the "
+                f"limit of {self.max_adapter_bytes} (max_adapter_bytes)"
+            )
+
+    # -- checkpoint in the GCS key-value store -------------------------------------------------
+
+    def _checkpoint(self) -> None:
+        if self._checkpoint_key is None:
+            return
+        from ray.experimental import internal_kv
+
+        registry = {n: [info.path, info.version] for n, (info, _) in self._adapters.items()}
+        state = {"preload": self._preload, "registry": registry, "next": self._peek_version()}
+        internal_kv._internal_kv_put(
+            self._checkpoint_key, json.dumps(state), overwrite=True, namespace=KV_NAMESPACE
+        )
+
+    def _restore(self) -> bool:
+        """Rebuild the registry from the checkpoint; False if there is none for this config."""
+        if self._checkpoint_key is None:
+            return False
+        from ray.experimental import internal_kv
+
+        raw = internal_kv._internal_kv_get(self._checkpoint_key, namespace=KV_NAMESPACE)
+        if raw is None:
+            return False
+        state = json.loads(raw)
+        if state.get("preload") != self._preload:
+            return False
+        for name, (path, version) in sorted(state["registry"].items(), key=lambda kv: kv[1][1]):
+            try:
+                if self._preload.get(name) != path:  # loaded at runtime: the roots apply
+                    path = self._check_path(path)
+                self._add(name, path, version)
+                self.num_restored += 1
+            except Exception as e:  # gone or changed on disk since: drop it, keep the rest
+                log.warning("adapter %r not restored from %s: %s", name, path, e)
+        self._versions = itertools.count(state["next"])
+        self._checkpoint()
+        return True
+
+    def _peek_version(self) -> int:
+        """The next version `_versions` will hand out, without consuming it."""
+        nxt = next(self._versions)
+        self._versions = itertools.count(nxt)
+        return nxt
+
     def _not_found(self, name: str) -> str:
         return f"adapter {name!r} is not registered; known adapters: {sorted(self._adapters)}"
+
+
+def _checkpoint_key() -> str:
+    from ray import serve
+
+    return f"adapter-registry/{serve.get_replica_context().app_name}"

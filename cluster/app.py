@@ -17,7 +17,7 @@ from cluster.config import AppConfig
 from replica.config import EngineConfig
 from replica.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter
-from router.ingress import Ingress
+from router.ingress import Ingress, IngressOptions
 
 # Serve's default max_ongoing_requests is 5 per replica. The Ingress and the AdapterStore
 # only await other actors, so 5 would cap the whole application at 5 requests in flight
@@ -44,6 +44,8 @@ def build_app(args: dict[str, Any]) -> Application:
             config.adapter_roots,
             config.adapters,
             (config.served_model_name,),
+            config.max_adapter_bytes,
+            True,  # checkpoint the registry: a restarted store keeps runtime loads
         )
     )
     routing: dict[str, Any] = {
@@ -62,6 +64,7 @@ def build_app(args: dict[str, Any]) -> Application:
     replicas = LoRAReplica.options(
         request_router_config=router_config,
         max_ongoing_requests=engine.max_num_seqs * 2,
+        max_queued_requests=config.max_queued_requests,
         **replica_resources(engine),
     ).bind(engine.model_dump(), store)
     return Ingress.options(
@@ -71,7 +74,13 @@ def build_app(args: dict[str, Any]) -> Application:
         store,
         engine.model,
         config.served_model_name,
-        config.default_max_tokens,
+        IngressOptions(
+            default_max_tokens=config.default_max_tokens,
+            request_timeout_s=config.request_timeout_s,
+            api_key=config.api_key,
+            api_key_env=config.api_key_env,
+            api_key_for_inference=config.api_key_for_inference,
+        ),
     )
 
 

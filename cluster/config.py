@@ -51,6 +51,32 @@ class AppConfig(BaseModel):
         1.0, gt=0, description="How often replicas publish residency and load to the router."
     )
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request omits it.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request still unfinished after this long is aborted: 504."
+    )
+    max_queued_requests: int = Field(
+        512,
+        ge=-1,
+        description="Requests waiting for a LoRAReplica beyond its max_ongoing_requests; more "
+        "are refused with 429 and Retry-After (-1: unbounded).",
+    )
+    max_adapter_bytes: int = Field(
+        4 * 2**30, gt=0, description="Largest adapter_model.safetensors the store accepts."
+    )
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="Bearer token required by the adapter endpoints (load/unload); prefer "
+        "api_key_env to keep it out of config files.",
+    )
+    api_key_env: str = Field(
+        "LORAFLEET_API_KEY",
+        description="Environment variable read for the key when api_key is not set (in the "
+        "Ingress's process: the shell that starts Ray, or the Serve config's runtime_env).",
+    )
+    api_key_for_inference: bool = Field(
+        False, description="Require the key on the inference endpoints and /v1/models too."
+    )
 
     @field_validator("adapters")
     @classmethod

@@ -121,8 +121,13 @@ def convert_peft_tensors(
             )
         if not (a.is_floating_point() and b.is_floating_point()):
             raise AdapterFormatError(f"{name}: layer {layer} {module}: non-float weights")
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            # one NaN would poison every sequence batched with this adapter's slot row
+            raise AdapterFormatError(f"{name}: layer {layer} {module}: NaN or infinite weights")
         weights[(layer, module)] = (a.contiguous(), b.contiguous())
-    alpha = float(config.get("lora_alpha", rank))
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterFormatError(f"{name}: lora_alpha={alpha!r} is not a finite number")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     modules = tuple(m for m in TARGETABLE if any(k[1] == m for k in weights))
     return LoRAAdapterWeights(name, rank, scaling, modules, weights)
@@ -136,6 +141,8 @@ def _read_config(path: Path) -> dict:
         raise AdapterFormatError(f"{path}: missing adapter_config.json")
     try:
         config = json.loads(cfg_file.read_text())
+    except UnicodeDecodeError:
+        raise AdapterFormatError(f"{cfg_file}: not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise AdapterFormatError(f"{cfg_file}: invalid JSON ({e})") from None
     if not isinstance(config, dict):

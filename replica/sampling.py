@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+# torch.Generator.manual_seed takes a 64-bit integer
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
 
 class SamplingParams(BaseModel):
     """How one request picks its tokens. temperature 0 means greedy."""
@@ -12,16 +16,21 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     max_tokens: int = Field(16, ge=1, description="Maximum number of tokens to generate.")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; higher = more random.")
+    temperature: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy; higher = more random."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = all.")
-    seed: int | None = Field(None, description="Per-request seed for reproducible sampling.")
+    seed: int | None = Field(
+        None, ge=SEED_MIN, le=SEED_MAX, description="Per-request seed for reproducible sampling."
+    )
     stop_token_ids: tuple[int, ...] = Field((), description="Tokens that end the request.")
     ignore_eos: bool = Field(False, description="Keep generating past the model's EOS token.")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, dividing float32 logits by the temperature overflows (vLLM: the same)
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:
@@ -53,6 +62,7 @@ class Sampler:
             sorted_p, order = probs.sort(descending=True)
             # drop a token when the mass before it already reaches top_p (always keep the first)
             drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+            drop[0] = False  # a top_p below float32's smallest value would drop it too
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         return torch.multinomial(probs, 1, generator=self._generator(rid, p, logits.device))[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 class APIError(Exception):
     status = 500
+    headers: dict[str, str] | None = None  # extra response headers (Retry-After, ...)
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -26,3 +27,17 @@ class NotFoundError(APIError):
 
 class ServiceUnavailableError(APIError):
     status = 503
+
+
+class UnauthorizedError(APIError):
+    status = 401
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
+class TooManyRequestsError(APIError):
+    status = 429
+    headers = {"Retry-After": "1"}
+
+
+class GatewayTimeoutError(APIError):
+    status = 504

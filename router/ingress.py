@@ -9,20 +9,32 @@ detokenization, stop strings, SSE chunks. No tensors here.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from transformers import AutoTokenizer
 
 from router import protocol as p
 from router.detokenize import IncrementalDetokenizer, StopStringMatcher
-from router.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+from router.errors import (
+    APIError,
+    BadRequestError,
+    GatewayTimeoutError,
+    NotFoundError,
+    ServiceUnavailableError,
+    TooManyRequestsError,
+    UnauthorizedError,
+)
 from router.metrics import PROMETHEUS_TEXT, IngressMetrics, export_urls, scrape
 
 app = FastAPI(title="lorafleet", description="Multi-LoRA serving, OpenAI-compatible API.")
@@ -30,7 +42,7 @@ app = FastAPI(title="lorafleet", description="Multi-LoRA serving, OpenAI-compati
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(p.error_body(e.status, e.message), status_code=e.status)
+    return JSONResponse(p.error_body(e.status, e.message), status_code=e.status, headers=e.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -91,25 +103,52 @@ class _Output:
         return p.UsageInfo.of(self.num_prompt_tokens, self.num_tokens)
 
 
-async def _first_message(stream: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class IngressOptions:
+    """The Ingress's share of the app config (cluster/config.py documents each)."""
+
+    default_max_tokens: int = 16
+    request_timeout_s: float = 600.0
+    api_key: str | None = None
+    api_key_env: str = "LORAFLEET_API_KEY"
+    api_key_for_inference: bool = False
+
+
+async def _next(stream: Any, deadline: float) -> dict[str, Any]:
+    """The stream's next message, or GatewayTimeoutError at the request's deadline."""
     try:
-        return await stream.__anext__()
+        return await asyncio.wait_for(stream.__anext__(), deadline - time.perf_counter())
+    except asyncio.TimeoutError:
+        raise GatewayTimeoutError("the request did not finish within its time limit") from None
+
+
+async def _first_message(stream: Any, deadline: float) -> dict[str, Any]:
+    try:
+        return await _next(stream, deadline)
+    except GatewayTimeoutError:
+        stream.cancel()  # still queued or prefilling: free its place
+        raise
     except StopAsyncIteration:
         raise ServiceUnavailableError("the replica ended the request without a reply") from None
     except APIError:
         raise
+    except BackPressureError:  # Serve's queue for the replicas is full (max_queued_requests)
+        raise TooManyRequestsError("the server is at capacity; retry later") from None
     except Exception as e:  # a replica that died or could not be reached
         raise ServiceUnavailableError(f"no replica could serve the request: {e}") from None
 
 
-async def _until_done(stream: Any, output: _Output) -> AsyncIterator[dict[str, Any]]:
+async def _until_done(
+    stream: Any, output: _Output, deadline: float
+) -> AsyncIterator[dict[str, Any]]:
     """The replica's messages until the request finishes. Whoever stops early (a stop
-    string, an error, a client gone) cancels the replica's work, freeing its KV and slot."""
+    string, an error, the deadline, a client gone) cancels the replica's work, freeing its
+    KV and slot."""
     replica_done = False
     try:
         while output.finish_reason is None:
             try:
-                message = await stream.__anext__()
+                message = await _next(stream, deadline)
             except StopAsyncIteration:
                 raise ServiceUnavailableError("the replica ended the stream early") from None
             except APIError:
@@ -161,14 +200,17 @@ class Ingress:
         store: Any,
         model_dir: str,
         served_model_name: str,
-        default_max_tokens: int = 16,
+        options: IngressOptions | None = None,
     ) -> None:
         """`replicas` and `store` are DeploymentHandles (LoRAReplica, AdapterStore)."""
         self.replicas = replicas.options(stream=True)
         self.store = store
         self.model_dir = model_dir
         self.model_name = served_model_name
-        self.default_max_tokens = default_max_tokens
+        self.options = options = options or IngressOptions()
+        self.default_max_tokens = options.default_max_tokens
+        key = options.api_key or os.environ.get(options.api_key_env) or None
+        self._api_key = None if key is None else key.encode()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.created = int(time.time())
         self.metrics = IngressMetrics()
@@ -179,8 +221,17 @@ class Ingress:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
+    def _authorize(self, request: Request, admin: bool) -> None:
+        """Bearer-token check, constant-time; admin endpoints always, the rest if asked."""
+        if self._api_key is None or not (admin or self.options.api_key_for_inference):
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._api_key):
+            raise UnauthorizedError("a valid API key is required (Authorization: Bearer KEY)")
+
     @app.get("/v1/models")
-    async def models(self) -> p.ModelList:
+    async def models(self, request: Request) -> p.ModelList:
+        self._authorize(request, admin=False)
         base = p.ModelCard(id=self.model_name, created=self.created, root=self.model_dir)
         cards = [
             p.ModelCard(id=a.name, created=a.created, root=a.path, parent=self.model_name)
@@ -206,22 +257,29 @@ class Ingress:
     # -- adapters (vLLM's endpoints) -----------------------------------------------------------
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, body: p.LoadLoRAAdapterRequest) -> dict[str, Any]:
+    async def load_lora_adapter(
+        self, body: p.LoadLoRAAdapterRequest, request: Request
+    ) -> dict[str, Any]:
+        self._authorize(request, admin=True)
         if body.lora_name == self.model_name:
             raise BadRequestError(f"{body.lora_name!r} is the base model's name")
         info = await self.store.register.remote(body.lora_name, body.lora_path)
         return {"status": "ok", "lora_name": info.name, "version": info.version}
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(self, body: p.UnloadLoRAAdapterRequest) -> dict[str, Any]:
+    async def unload_lora_adapter(
+        self, body: p.UnloadLoRAAdapterRequest, request: Request
+    ) -> dict[str, Any]:
+        self._authorize(request, admin=True)
         info = await self.store.unregister.remote(body.lora_name)
         return {"status": "ok", "lora_name": info.name}
 
     # -- generation ----------------------------------------------------------------------------
 
     @app.post("/v1/completions")
-    async def completions(self, body: p.CompletionRequest) -> Any:
+    async def completions(self, body: p.CompletionRequest, request: Request) -> Any:
         start = time.perf_counter()
+        self._authorize(request, admin=False)
         if isinstance(body.prompt, str):
             prompt_ids = self.tokenizer(body.prompt)["input_ids"]
         else:
@@ -229,8 +287,9 @@ class Ingress:
         return await self._serve(body, prompt_ids, False, start)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: p.ChatCompletionRequest) -> Any:
+    async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Any:
         start = time.perf_counter()
+        self._authorize(request, admin=False)
         messages = body.chat_messages()
         try:
             text = self.tokenizer.apply_chat_template(
@@ -243,6 +302,7 @@ class Ingress:
 
     async def _serve(self, body: Any, prompt_ids: list[int], chat: bool, start: float) -> Any:
         output = _Output(self.tokenizer, body.stop_strings(), start)
+        deadline = start + self.options.request_timeout_s
         # "abort" unless set below: the task was cancelled, the client went away
         kind, model, outcome, streaming = "unknown", "unknown", "abort", False
         try:
@@ -255,17 +315,22 @@ class Ingress:
             stream = self.replicas.generate.remote(
                 adapter, version, prompt_ids, sampling, request_id
             )
-            first = await _first_message(stream)
+            first = await _first_message(stream, deadline)
             if first.get("status") and first["finished"] and not first["token_ids"]:
                 raise _status_error(first["status"], first["error"])
             if body.stream:
                 chunks = self._sse(
-                    stream, first, output, model, kind, request_id, chat, body.include_usage()
+                    stream,
+                    first,
+                    output,
+                    (model, kind, request_id, deadline),
+                    chat,
+                    body.include_usage(),
                 )
                 streaming = True  # _sse records the request when the stream ends
                 return StreamingResponse(chunks, media_type="text/event-stream")
             text = output.add(first)
-            async for message in _until_done(stream, output):
+            async for message in _until_done(stream, output, deadline):
                 text += output.add(message)
             outcome = output.finish_reason
             return _response(chat, request_id, model, text, output)
@@ -299,12 +364,11 @@ class Ingress:
         stream: Any,
         first: dict[str, Any],
         output: _Output,
-        model: str,
-        kind: str,
-        request_id: str,
+        request: tuple[str, str, str, float],
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[str]:
+        model, kind, request_id, deadline = request
         created = int(time.time())
         chunk = p.ChatCompletionStreamResponse if chat else p.CompletionStreamResponse
 
@@ -325,7 +389,7 @@ class Ingress:
             text = output.add(first)
             if text or output.finish_reason:
                 yield event(text, output.finish_reason)
-            async for message in _until_done(stream, output):
+            async for message in _until_done(stream, output, deadline):
                 text = output.add(message)
                 if text or output.finish_reason:
                     yield event(text, output.finish_reason)

@@ -27,6 +27,7 @@ MAX_STOP_STRINGS = 4
 LORA_NAME_RULE = "1-128 characters, each a letter, digit, '.', '_' or '-'"
 _LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SSE_DONE = "data: [DONE]\n\n"
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the engine seeds a 64-bit torch.Generator
 
 FinishReason = Literal["stop", "length"]
 TokenId = Annotated[int, Field(ge=0)]
@@ -76,7 +77,9 @@ class _SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="vLLM extension: keep the k best tokens; 0 = all.")
-    seed: int | None = Field(None, description="Per-request seed for reproducible sampling.")
+    seed: int | None = Field(
+        None, ge=SEED_MIN, le=SEED_MAX, description="Per-request seed for reproducible sampling."
+    )
     stop: str | list[str] | None = Field(
         None, description=f"Up to {MAX_STOP_STRINGS} strings that end the output (excluded)."
     )
