@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from typing import Any
 
 from ray import serve
@@ -48,9 +50,11 @@ class LoRAReplica:
         prompt_ids: list[int],
         sampling: dict[str, Any],
         request_id: str,
+        timeout_s: float | None = None,
     ):
         """Yields {"token_ids", "finished", "finish_reason", "error", "status",
-        "num_prompt_tokens"}; a refused request yields one finished message with a status."""
+        "num_prompt_tokens"}; a refused request yields one finished message with a status.
+        A request still running after `timeout_s` is aborted and ends with status 504."""
         try:
             key = None if adapter is None else await self._ensure_adapter(adapter, version)
             params = SamplingParams(**sampling)
@@ -61,8 +65,16 @@ class LoRAReplica:
         except Exception as e:  # from the store: carries its HTTP status (404 once unloaded)
             yield _refusal(getattr(e, "status", 503), getattr(e, "message", str(e)))
             return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            while events := await stream.next_batch():
+            while True:
+                try:
+                    events = await asyncio.wait_for(stream.next_batch(), _left(deadline))
+                except asyncio.TimeoutError:
+                    yield _refusal(504, "the request did not finish within its time limit")
+                    return  # the finally aborts it: KV and slot freed now, not at the end
+                if not events:
+                    return
                 yield _message(events)
         finally:
             if not stream.finished:  # the caller went away: free KV and the slot reference
@@ -81,8 +93,9 @@ class LoRAReplica:
             "queue_len": snapshot["num_waiting"] + snapshot["num_running"],
             "free_slots": snapshot["free_slots"],
         }
+        memory = {"rss_bytes": _rss_bytes()}
         counters = {k: v for k, v in telemetry.items() if k != "load_latencies_s"}
-        await self._report({**snapshot, **stats, "telemetry": counters})
+        await self._report({**snapshot, **stats, **memory, "telemetry": counters})
         return stats
 
     def check_health(self) -> None:
@@ -135,6 +148,19 @@ class LoRAReplica:
             if name in live and adapter_key(name, live[name]) == key:
                 continue
             await self.aengine.call(lambda key=key: self.engine.unload_adapter(key))
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere): the soak test's leak check."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _message(events: list[TokenEvent]) -> dict[str, Any]:

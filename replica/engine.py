@@ -55,6 +55,7 @@ class EngineStats:
     lookups_device: int = 0
     lookups_host: int = 0
     lookups_miss: int = 0
+    aborted: int = 0  # requests ended by abort() (client gone, deadline) before they finished
 
 
 class LLMEngine:
@@ -147,6 +148,11 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "free_slots": pool.num_free,
             "adapter_loads": self.prefetcher.loads_started,
+            # leak checks (tests/reliability): all blocks free and no slot referenced when idle
+            "kv_blocks_free": self.scheduler.allocator.num_free,
+            "kv_blocks_total": self.scheduler.allocator.num_blocks,
+            "slot_refs": sum(s.refs for s in pool.slots),
+            "aborted": self.stats.aborted,
         }
 
     def drain_telemetry(self) -> dict:
@@ -218,6 +224,7 @@ class LLMEngine:
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq, reason)
             self.sampler.release(seq.request_id)
+            self.stats.aborted += reason == "abort"
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

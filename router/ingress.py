@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
@@ -50,6 +50,11 @@ async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
     return JSONResponse(p.error_body(400, p.format_validation_errors(e.errors())), status_code=400)
 
 
+# The Authorization header, for the endpoints that may require an API key. (A default value,
+# not an annotation: Serve's class-based views drop `request: Request` parameters.)
+AUTHORIZATION = Header(None, include_in_schema=False)
+DEADLINE_GRACE_S = 2.0  # the ingress's own deadline trails the replica's by this much
+
 # Everything the Ingress methods use is defined above the class: serve.ingress copies the
 # methods with the module globals of that moment.
 
@@ -71,6 +76,9 @@ class _Output:
     def add(self, message: dict[str, Any]) -> str:
         """New text from one replica message; sets finish_reason when the request ends."""
         if message.get("error") and message.get("finish_reason") == "error":
+            status = message.get("status") or 503
+            if status == 504:  # the replica enforced the request's deadline
+                raise GatewayTimeoutError(message["error"])
             raise ServiceUnavailableError(f"generation failed: {message['error']}")
         self.num_prompt_tokens = message["num_prompt_tokens"] or self.num_prompt_tokens
         if n := len(message["token_ids"]):
@@ -221,17 +229,17 @@ class Ingress:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    def _authorize(self, request: Request, admin: bool) -> None:
+    def _authorize(self, authorization: str | None, admin: bool) -> None:
         """Bearer-token check, constant-time; admin endpoints always, the rest if asked."""
         if self._api_key is None or not (admin or self.options.api_key_for_inference):
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._api_key):
             raise UnauthorizedError("a valid API key is required (Authorization: Bearer KEY)")
 
     @app.get("/v1/models")
-    async def models(self, request: Request) -> p.ModelList:
-        self._authorize(request, admin=False)
+    async def models(self, authorization: str | None = AUTHORIZATION) -> p.ModelList:
+        self._authorize(authorization, admin=False)
         base = p.ModelCard(id=self.model_name, created=self.created, root=self.model_dir)
         cards = [
             p.ModelCard(id=a.name, created=a.created, root=a.path, parent=self.model_name)
@@ -258,9 +266,9 @@ class Ingress:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(
-        self, body: p.LoadLoRAAdapterRequest, request: Request
+        self, body: p.LoadLoRAAdapterRequest, authorization: str | None = AUTHORIZATION
     ) -> dict[str, Any]:
-        self._authorize(request, admin=True)
+        self._authorize(authorization, admin=True)
         if body.lora_name == self.model_name:
             raise BadRequestError(f"{body.lora_name!r} is the base model's name")
         info = await self.store.register.remote(body.lora_name, body.lora_path)
@@ -268,18 +276,20 @@ class Ingress:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(
-        self, body: p.UnloadLoRAAdapterRequest, request: Request
+        self, body: p.UnloadLoRAAdapterRequest, authorization: str | None = AUTHORIZATION
     ) -> dict[str, Any]:
-        self._authorize(request, admin=True)
+        self._authorize(authorization, admin=True)
         info = await self.store.unregister.remote(body.lora_name)
         return {"status": "ok", "lora_name": info.name}
 
     # -- generation ----------------------------------------------------------------------------
 
     @app.post("/v1/completions")
-    async def completions(self, body: p.CompletionRequest, request: Request) -> Any:
+    async def completions(
+        self, body: p.CompletionRequest, authorization: str | None = AUTHORIZATION
+    ) -> Any:
         start = time.perf_counter()
-        self._authorize(request, admin=False)
+        self._authorize(authorization, admin=False)
         if isinstance(body.prompt, str):
             prompt_ids = self.tokenizer(body.prompt)["input_ids"]
         else:
@@ -287,9 +297,11 @@ class Ingress:
         return await self._serve(body, prompt_ids, False, start)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Any:
+    async def chat_completions(
+        self, body: p.ChatCompletionRequest, authorization: str | None = AUTHORIZATION
+    ) -> Any:
         start = time.perf_counter()
-        self._authorize(request, admin=False)
+        self._authorize(authorization, admin=False)
         messages = body.chat_messages()
         try:
             text = self.tokenizer.apply_chat_template(
@@ -302,7 +314,10 @@ class Ingress:
 
     async def _serve(self, body: Any, prompt_ids: list[int], chat: bool, start: float) -> Any:
         output = _Output(self.tokenizer, body.stop_strings(), start)
+        # The replica enforces the deadline (and aborts the request); the ingress waits a
+        # little longer, for requests that never reach a replica (queued at the handle).
         deadline = start + self.options.request_timeout_s
+        backstop = deadline + DEADLINE_GRACE_S
         # "abort" unless set below: the task was cancelled, the client went away
         kind, model, outcome, streaming = "unknown", "unknown", "abort", False
         try:
@@ -313,9 +328,9 @@ class Ingress:
             request_id = p.chat_completion_id() if chat else p.completion_id()
             sampling = body.sampling_kwargs(self.default_max_tokens)
             stream = self.replicas.generate.remote(
-                adapter, version, prompt_ids, sampling, request_id
+                adapter, version, prompt_ids, sampling, request_id, deadline - time.perf_counter()
             )
-            first = await _first_message(stream, deadline)
+            first = await _first_message(stream, backstop)
             if first.get("status") and first["finished"] and not first["token_ids"]:
                 raise _status_error(first["status"], first["error"])
             if body.stream:
@@ -323,14 +338,14 @@ class Ingress:
                     stream,
                     first,
                     output,
-                    (model, kind, request_id, deadline),
+                    (model, kind, request_id, backstop),
                     chat,
                     body.include_usage(),
                 )
                 streaming = True  # _sse records the request when the stream ends
                 return StreamingResponse(chunks, media_type="text/event-stream")
             text = output.add(first)
-            async for message in _until_done(stream, output, deadline):
+            async for message in _until_done(stream, output, backstop):
                 text += output.add(message)
             outcome = output.finish_reason
             return _response(chat, request_id, model, text, output)

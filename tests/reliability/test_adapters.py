@@ -1,0 +1,132 @@
+"""Adapter loading is safe: malformed or oversized adapters are refused with nothing
+registered, concurrent loads and unloads of one name are serialized, and an unload lets
+the requests in flight finish while refusing new ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.reliability.conftest import (
+    complete,
+    load,
+    model_names,
+    post,
+    unload,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.fixture
+def scratch(assets):
+    """A fresh directory inside the adapter roots, removed afterwards."""
+    root = assets.root / "adapters" / f"scratch-{time.monotonic_ns()}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root)
+
+
+def _copy(assets, scratch, name: str = "adapter-04"):
+    dst = scratch / name
+    shutil.copytree(assets.adapters[name], dst)
+    return dst
+
+
+def _refused(cluster, name: str, path) -> str:
+    before = model_names(cluster)
+    r = load(cluster, name, path)
+    assert r.status_code == 400, r.text
+    assert model_names(cluster) == before  # nothing registered
+    return r.json()["error"]["message"]
+
+
+def test_malformed_adapters_are_refused(cluster, assets, scratch):
+    garbage = _copy(assets, scratch)
+    (garbage / "adapter_model.safetensors").write_bytes(b"\x00" * 64 + b"not a safetensors file")
+    assert "unreadable safetensors" in _refused(cluster, "garbage", garbage)
+
+    latin1 = _copy(assets, scratch, "adapter-05")
+    (latin1 / "adapter_config.json").write_bytes('{"r": 8, "x": "caf\xe9"}'.encode("latin-1"))
+    assert "not UTF-8" in _refused(cluster, "latin1", latin1)
+
+    alpha = _copy(assets, scratch, "adapter-06")
+    config = json.loads((alpha / "adapter_config.json").read_text())
+    (alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": "lots"}))
+    assert "lora_alpha" in _refused(cluster, "alpha", alpha)
+
+    nan = _copy(assets, scratch, "adapter-07")
+    tensors = load_file(nan / "adapter_model.safetensors")
+    key = next(iter(tensors))
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
+    assert "NaN" in _refused(cluster, "nan", nan)
+
+
+def test_oversized_adapter_is_refused_before_it_is_read(cluster, assets, scratch):
+    big = _copy(assets, scratch)
+    limit = cluster["config"]["applications"][0]["args"]["max_adapter_bytes"]
+    with open(big / "adapter_model.safetensors", "ab") as f:
+        f.write(b"\x00" * (limit + 1))
+    assert "max_adapter_bytes" in _refused(cluster, "big", big)
+
+
+def test_symlinked_weights_outside_the_roots_are_refused(cluster, assets, scratch, tmp_path):
+    outside = tmp_path / "weights.safetensors"
+    shutil.copy(assets.adapters["adapter-04"] / "adapter_model.safetensors", outside)
+    linked = _copy(assets, scratch)
+    (linked / "adapter_model.safetensors").unlink()
+    (linked / "adapter_model.safetensors").symlink_to(outside)
+    assert "outside the configured adapter roots" in _refused(cluster, "linked", linked)
+
+
+def test_concurrent_loads_and_unloads_of_one_name_are_serialized(cluster, assets):
+    path = assets.adapters["adapter-04"]
+    with ThreadPoolExecutor(8) as pool:
+        codes = sorted(pool.map(lambda _: load(cluster, "twin", path).status_code, range(8)))
+    assert codes == [200] + [400] * 7
+    assert model_names(cluster).count("twin") == 1
+    with ThreadPoolExecutor(8) as pool:
+        codes = sorted(pool.map(lambda _: unload(cluster, "twin").status_code, range(8)))
+    assert codes == [200] + [404] * 7
+    assert "twin" not in model_names(cluster)
+
+
+def test_unload_lets_requests_in_flight_finish_and_refuses_new_ones(cluster, assets):
+    assert load(cluster, "leaving", assets.adapters["adapter-05"]).status_code == 200
+    body = {"model": "leaving", "prompt": "tell me", "max_tokens": 200, "ignore_eos": True}
+    body["stream"] = True
+    with httpx.stream("POST", cluster["url"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "error" not in first
+        assert unload(cluster, "leaving").status_code == 200
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    finish = json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
+    assert finish == "length", rest[-3:]
+    r = complete(cluster, "leaving")
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    wait_idle(cluster)
+
+
+def test_runtime_adapter_output_survives_a_reload(cluster, assets):
+    """Load, unload and load again under one name: the new version serves, same weights."""
+    path = assets.adapters["adapter-06"]
+    body = {"model": "again", "prompt": "abc", "max_tokens": 6, "temperature": 0}
+    assert load(cluster, "again", path).status_code == 200
+    first = post(cluster, "/v1/completions", body).json()["choices"][0]["text"]
+    assert unload(cluster, "again").status_code == 200
+    assert load(cluster, "again", path).status_code == 200
+    second = post(cluster, "/v1/completions", body).json()["choices"][0]["text"]
+    assert unload(cluster, "again").status_code == 200
+    assert first == second
