@@ -34,6 +34,7 @@ from router.errors import BadRequestError, NotFoundError
 log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "lorafleet"
+CANCEL_TTL_S = 120.0  # how long a cancelled request id is passed on to replicas
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class AdapterStore:
         self._versions = itertools.count(1)
         self._lock = asyncio.Lock()
         self._replica_stats: dict[str, tuple[float, dict]] = {}
+        self._cancelled: dict[str, float] = {}  # request id -> when the ingress gave up
         self.num_puts = 0
         self.num_ref_requests = 0
         self.num_restored = 0
@@ -137,11 +139,19 @@ class AdapterStore:
 
     # -- replica reports (for `lorafleet bench` and operators) ----------------------------------
 
-    def report_replica(self, replica_id: str, stats: dict) -> dict[str, int]:
-        """A replica's periodic report; answers with the live versions so it can drop
-        references to unloaded adapters."""
+    def report_replica(self, replica_id: str, stats: dict) -> dict[str, Any]:
+        """A replica's periodic report; answers with the live versions (so it can drop
+        references to unloaded adapters) and the requests the ingress gave up on."""
         self._replica_stats[replica_id] = (time.time(), stats)
-        return self.live_versions()
+        return {"live": self.live_versions(), "cancelled": list(self._cancelled)}
+
+    def cancel_requests(self, request_ids: list[str]) -> None:
+        """Requests whose client left or whose deadline passed. Serve's own cancellation
+        does not always reach the replica's generator; this reaches it within a stats
+        period, whatever state the request was in."""
+        now = time.time()
+        self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < CANCEL_TTL_S}
+        self._cancelled.update(dict.fromkeys(request_ids, now))
 
     def replica_stats(self) -> dict[str, dict]:
         now = time.time()

@@ -42,6 +42,7 @@ class LoRAReplica:
         self.replica_id = context.replica_id.unique_id
         self.metrics = ReplicaMetrics(self.replica_id)
         self._fetching: dict[str, asyncio.Future] = {}
+        self._active: set[str] = set()  # request ids being generated here
 
     async def generate(
         self,
@@ -66,6 +67,7 @@ class LoRAReplica:
             yield _refusal(getattr(e, "status", 503), getattr(e, "message", str(e)))
             return
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._active.add(stream.request_id)
         try:
             while True:
                 try:
@@ -77,6 +79,7 @@ class LoRAReplica:
                     return
                 yield _message(events)
         finally:
+            self._active.discard(stream.request_id)
             if not stream.finished:  # the caller went away: free KV and the slot reference
                 self.aengine.abort(stream.request_id)
 
@@ -137,12 +140,15 @@ class LoRAReplica:
     async def _report(self, stats: dict[str, Any]) -> None:
         """Report to the store; drop references to adapter versions it no longer holds."""
         try:
-            live = await asyncio.wait_for(
+            reply = await asyncio.wait_for(
                 self.store.report_replica.remote(self.replica_id, stats), STORE_TIMEOUT_S
             )
         except Exception as e:  # the store restarting must not break routing stats
             log.warning("adapter store unreachable: %s", e)
             return
+        for request_id in self._active.intersection(reply["cancelled"]):
+            self.aengine.abort(request_id)
+        live = reply["live"]
         for key in self.source.names():
             name = adapter_name(key)
             if name in live and adapter_key(name, live[name]) == key:

@@ -9,11 +9,12 @@ detokenization, stop strings, SSE chunks. No tensors here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,9 +134,6 @@ async def _next(stream: Any, deadline: float) -> dict[str, Any]:
 async def _first_message(stream: Any, deadline: float) -> dict[str, Any]:
     try:
         return await _next(stream, deadline)
-    except GatewayTimeoutError:
-        stream.cancel()  # still queued or prefilling: free its place
-        raise
     except StopAsyncIteration:
         raise ServiceUnavailableError("the replica ended the request without a reply") from None
     except APIError:
@@ -147,7 +145,7 @@ async def _first_message(stream: Any, deadline: float) -> dict[str, Any]:
 
 
 async def _until_done(
-    stream: Any, output: _Output, deadline: float
+    stream: Any, output: _Output, deadline: float, give_up: Callable[[], None]
 ) -> AsyncIterator[dict[str, Any]]:
     """The replica's messages until the request finishes. Whoever stops early (a stop
     string, an error, the deadline, a client gone) cancels the replica's work, freeing its
@@ -167,7 +165,7 @@ async def _until_done(
             yield message
     finally:
         if not replica_done:
-            stream.cancel()
+            give_up()
 
 
 def _status_error(status: int, message: str) -> APIError:
@@ -330,7 +328,12 @@ class Ingress:
             stream = self.replicas.generate.remote(
                 adapter, version, prompt_ids, sampling, request_id, deadline - time.perf_counter()
             )
-            first = await _first_message(stream, backstop)
+            give_up = functools.partial(self._give_up, stream, request_id)
+            try:
+                first = await _first_message(stream, backstop)
+            except BaseException:  # a timeout, or the client gone (cancelled): free its place
+                give_up()
+                raise
             if first.get("status") and first["finished"] and not first["token_ids"]:
                 raise _status_error(first["status"], first["error"])
             if body.stream:
@@ -338,14 +341,14 @@ class Ingress:
                     stream,
                     first,
                     output,
-                    (model, kind, request_id, backstop),
+                    (model, kind, request_id, backstop, give_up),
                     chat,
                     body.include_usage(),
                 )
                 streaming = True  # _sse records the request when the stream ends
                 return StreamingResponse(chunks, media_type="text/event-stream")
             text = output.add(first)
-            async for message in _until_done(stream, output, backstop):
+            async for message in _until_done(stream, output, backstop, give_up):
                 text += output.add(message)
             outcome = output.finish_reason
             return _response(chat, request_id, model, text, output)
@@ -355,6 +358,12 @@ class Ingress:
         finally:
             if not streaming:
                 self._record(kind, model, outcome, output)
+
+    def _give_up(self, stream: Any, request_id: str) -> None:
+        """Stop a request we no longer want: Serve's cancel, and the store's cancel list,
+        which replicas read every stats period (Serve's cancel does not always reach)."""
+        stream.cancel()
+        self.store.cancel_requests.remote([request_id])
 
     def _record(self, kind: str, model: str, outcome: str, output: _Output) -> None:
         elapsed = time.perf_counter() - output.start
@@ -379,11 +388,11 @@ class Ingress:
         stream: Any,
         first: dict[str, Any],
         output: _Output,
-        request: tuple[str, str, str, float],
+        request: tuple[str, str, str, float, Callable[[], None]],
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        model, kind, request_id, deadline = request
+        model, kind, request_id, deadline, give_up = request
         created = int(time.time())
         chunk = p.ChatCompletionStreamResponse if chat else p.CompletionStreamResponse
 
@@ -404,7 +413,7 @@ class Ingress:
             text = output.add(first)
             if text or output.finish_reason:
                 yield event(text, output.finish_reason)
-            async for message in _until_done(stream, output, deadline):
+            async for message in _until_done(stream, output, deadline, give_up):
                 text = output.add(message)
                 if text or output.finish_reason:
                     yield event(text, output.finish_reason)
