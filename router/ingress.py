@@ -9,6 +9,7 @@ detokenization, stop strings, SSE chunks. No tensors here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import json
@@ -331,6 +332,8 @@ class Ingress:
             give_up = functools.partial(self._give_up, stream, request_id)
             try:
                 first = await _first_message(stream, backstop)
+            except TooManyRequestsError:  # refused at the handle: it never reached a replica
+                raise
             except BaseException:  # a timeout, or the client gone (cancelled): free its place
                 give_up()
                 raise
@@ -362,7 +365,10 @@ class Ingress:
     def _give_up(self, stream: Any, request_id: str) -> None:
         """Stop a request we no longer want: Serve's cancel, and the store's cancel list,
         which replicas read every stats period (Serve's cancel does not always reach)."""
-        stream.cancel()
+        # A call that already failed (refused, replica gone) re-raises that error from
+        # cancel(): then there is nothing to cancel.
+        with contextlib.suppress(Exception):
+            stream.cancel()
         self.store.cancel_requests.remote([request_id])
 
     def _record(self, kind: str, model: str, outcome: str, output: _Output) -> None:
