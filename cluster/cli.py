@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pydantic
 
 from cluster import demo_assets
+from cluster.config import DEMO_TRAINED
 from cluster.engine_args import add_engine_arguments, engine_config_from_args
 from cluster.serving import ServeConfigError
 from replica.adapter_format import AdapterFormatError
@@ -35,7 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo-assets", help="Build the demo model and PEFT adapters.")
-    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--out", default=None,
+                   help="Output directory. Required for the random-weight demo; with "
+                        "--trained a copy of the committed trained demo goes there (default: "
+                        "print where it is); with --retrain, where to train (default: "
+                        "assets/demo-trained).")  # fmt: skip
+    p.add_argument("--trained", action="store_true",
+                   help="The trained demo (a model and one adapter per visible task), "
+                        "committed under assets/demo-trained.")  # fmt: skip
+    p.add_argument("--retrain", action="store_true",
+                   help="With --trained: train it again, ~2 minutes on 2 CPU cores (needs "
+                        "peft, a test dependency).")  # fmt: skip
     p.add_argument("--adapters", type=int, default=demo_assets.DemoSpec.num_adapters)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", choices=demo_assets.ARCHS, default="llama")
@@ -58,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(p, skip={"model"})
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("demo", help="Build demo assets and run a mixed multi-adapter batch.")
-    p.add_argument("--out", default=None, help="Asset directory (default: the cache).")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p = sub.add_parser("demo", help="The trained demo offline: every adapter in one batch.")
+    p.add_argument("--prompt", default=None, help="Words and '->' (default: a fixed example).")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("up", help="Serve over HTTP on a local (or running) Ray cluster.")
@@ -84,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a Ray started here.")
     p.add_argument("--no-demo-requests", action="store_true",
                    help="Skip the one-request-per-adapter showcase after start.")  # fmt: skip
+    p.add_argument("--verbose", action="store_true",
+                   help="Print the Ray actors' logs (requests, loads) here too.")  # fmt: skip
     p.set_defaults(func=_up)
 
     p = sub.add_parser("deploy", help="Deploy a Serve config to a running Ray cluster.")
@@ -122,8 +135,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo_assets(args: argparse.Namespace) -> int:
-    spec = demo_assets.DemoSpec(arch=args.arch, num_adapters=args.adapters, seed=args.seed)
-    assets = demo_assets.build_demo_assets(args.out, spec)
+    if args.retrain and not args.trained:
+        print("lorafleet: error: --retrain needs --trained", file=sys.stderr)
+        return 2
+    if args.trained:
+        from cluster import demo_training
+
+        if args.retrain:
+            assets = demo_training.train(Path(args.out) if args.out else demo_training.ROOT)
+        elif args.out:
+            assets = demo_training.copy_demo_assets(Path(args.out))
+        else:
+            assets = demo_training.demo_assets()
+        for name, (what, *_) in demo_training.TASKS.items():
+            print(f"task:     {name}: {what}")
+    elif args.out is None:
+        print("lorafleet: error: demo-assets needs --out (or --trained)", file=sys.stderr)
+        return 2
+    else:
+        spec = demo_assets.DemoSpec(arch=args.arch, num_adapters=args.adapters, seed=args.seed)
+        assets = demo_assets.build_demo_assets(args.out, spec)
     print(f"model:    {assets.model_dir}")
     for name, path in assets.adapters.items():
         print(f"adapter:  {name}={path}")
@@ -159,25 +190,23 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from cluster import demo_training
     from cluster.offline import GenerateRequest, OfflineGenerator
     from replica.config import EngineConfig
     from replica.sampling import SamplingParams
 
-    spec = demo_assets.DemoSpec()
-    if args.out:
-        assets = demo_assets.build_demo_assets(args.out, spec)
-    else:
-        assets = demo_assets.cached_demo_assets(spec)
-    print(f"demo model {assets.model_dir} with {len(assets.adapters)} adapters")
+    assets = demo_training.demo_assets()
+    prompt = args.prompt or demo_training.SHOWCASE_PROMPT
     config = EngineConfig(model=str(assets.model_dir), num_slots=len(assets.adapters) + 1)
     gen = OfflineGenerator(config, {n: str(p) for n, p in assets.adapters.items()})
-    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    prompt = "The quick brown fox"
     names = [None, *assets.adapters]
-    results = gen.generate([GenerateRequest(prompt, a, sampling) for a in names])
+    try:
+        results = gen.generate([GenerateRequest(prompt, a, SamplingParams()) for a in names])
+    finally:
+        gen.close()
     print(f"one batch of {len(results)} requests, prompt {prompt!r}:")
     for r in results:
-        print(f"  {r.adapter or 'base':>10} | {r.text!r}")
+        print(f"  {r.adapter or 'base':>10} | {r.text.strip()!r}")
     return 0
 
 
@@ -195,15 +224,27 @@ def _up(args: argparse.Namespace) -> int:
         host=args.host,
         settings=args.set,
     )
-    serving.connect(args.address, args.num_cpus)
+    # the replicas' logs stay in Ray's log files, so that the showcase below can be read
+    serving.connect(args.address, args.num_cpus, log_to_driver=args.verbose)
     serving.deploy(config)
     http = config.get("http_options", {})
     host = http.get("host", "127.0.0.1")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
     print(f"lorafleet is serving at {url}  (Ctrl-C stops it)")
-    if not args.no_demo_requests:
-        showcase.show(url)
-    print(showcase.try_it(url))
+    if not args.verbose:
+        print(f"logs: {serving.log_dir()}  (--verbose prints them here)")
+    prompt, notes = showcase.PROMPT, {}
+    if config["applications"][0]["args"].get("engine", {}).get("model") == DEMO_TRAINED:
+        from cluster import demo_training
+
+        prompt = demo_training.SHOWCASE_PROMPT
+        notes = {"demo-base": demo_training.BASE_TASK[0]}
+        notes |= {name: what for name, (what, *_) in demo_training.TASKS.items()}
+    if args.no_demo_requests:
+        names = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]]
+    else:
+        names = showcase.show(url, prompt, notes=notes)
+    print(showcase.try_it(url, names[-1], prompt))
     # SIGTERM (a supervisor, `kill`, a job launched with &) stops it like Ctrl-C does
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

@@ -8,29 +8,36 @@ in the Serve config's `deployments:` section, where `serve deploy` updates it in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from replica.config import EngineConfig
 
+if TYPE_CHECKING:
+    from cluster.demo_assets import DemoAssets
+
 DEMO = "demo"  # engine.model / adapters value: the demo model and adapters, built if missing
+DEMO_TRAINED = "demo-trained"  # the trained demo committed under assets/ (cluster/demo_training)
+DEMOS = (DEMO, DEMO_TRAINED)
 
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: EngineConfig = Field(
-        description="The replica engine's settings; engine.model may be 'demo'."
+        description="The replica engine's settings; engine.model may be 'demo' (random weights, "
+        "built if missing) or 'demo-trained' (committed under assets/demo-trained)."
     )
     served_model_name: str | None = Field(
         None, description="The base model's name in the API (default: the model directory name)."
     )
-    adapters: dict[str, str] | Literal["demo"] = Field(
+    adapters: dict[str, str] | Literal["demo", "demo-trained"] = Field(
         default_factory=dict,
-        description="Adapters registered at start: name -> PEFT directory, or 'demo'.",
+        description="Adapters registered at start: name -> PEFT directory, or 'demo' / "
+        "'demo-trained' (the demo's adapters; with engine.model the same demo).",
     )
-    demo_adapters: int = Field(8, ge=1, le=256, description="How many demo adapters to build.")
+    demo_adapters: int = Field(8, ge=1, le=256, description="How many 'demo' adapters to build.")
     adapter_roots: list[str] = Field(
         default_factory=list,
         description="Directories that runtime loads (POST /v1/load_lora_adapter) may read "
@@ -90,16 +97,14 @@ class AppConfig(BaseModel):
     def resolved(self) -> AppConfig:
         """'demo' replaced by built (cached) demo assets; names and paths made explicit."""
         engine, adapters, roots = self.engine, self.adapters, list(self.adapter_roots)
-        if engine.model == DEMO or adapters == DEMO:
-            from cluster.demo_assets import DemoSpec, cached_demo_assets
-
-            assets = cached_demo_assets(DemoSpec(num_adapters=self.demo_adapters))
-            if engine.model == DEMO:
+        for demo in sorted({v for v in (engine.model, adapters) if isinstance(v, str)} & {*DEMOS}):
+            assets = _demo_assets(demo, self.demo_adapters)
+            if engine.model == demo:
                 engine = engine.model_copy(update={"model": str(assets.model_dir)})
-            if adapters == DEMO:
+            if adapters == demo:
                 adapters = {n: str(p) for n, p in assets.adapters.items()}
                 roots.append(str(assets.root / "adapters"))
-        default_name = "demo-base" if self.engine.model == DEMO else Path(engine.model).name
+        default_name = "demo-base" if self.engine.model in DEMOS else Path(engine.model).name
         name = self.served_model_name or default_name
         return self.model_copy(
             update={
@@ -109,3 +114,13 @@ class AppConfig(BaseModel):
                 "served_model_name": name,
             }
         )
+
+
+def _demo_assets(which: str, num_adapters: int) -> DemoAssets:
+    if which == DEMO_TRAINED:
+        from cluster.demo_training import demo_assets
+
+        return demo_assets()
+    from cluster.demo_assets import DemoSpec, cached_demo_assets
+
+    return cached_demo_assets(DemoSpec(num_adapters=num_adapters))

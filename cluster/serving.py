@@ -67,7 +67,7 @@ def apply_overrides(
         node[leaf] = yaml.safe_load(value)
     if model is not None:
         args.setdefault("engine", {})["model"] = str(Path(model).resolve())
-        if loras is None and args.get("adapters") == "demo":
+        if loras is None and args.get("adapters") in ("demo", "demo-trained"):
             args["adapters"] = {}  # demo adapters only fit the demo model
     if loras is not None:
         args["adapters"] = {n: str(Path(p).resolve()) for n, p in loras.items()}
@@ -120,14 +120,20 @@ def wait_until_running(app_names: list[str], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def connect(address: str | None, num_cpus: int | None = None) -> None:
-    """Join the cluster at `address` ('auto': the local one), or start a local Ray."""
+def connect(address: str | None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+    """Join the cluster at `address` ('auto': the local one), or start a local Ray.
+    log_to_driver=False keeps the actors' logs in Ray's log files only."""
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, namespace="serve")
+        ray.init(address=address, namespace="serve", log_to_driver=log_to_driver)
     else:
-        ray.init(num_cpus=num_cpus, namespace="serve", include_dashboard=False)
+        ray.init(
+            num_cpus=num_cpus,
+            namespace="serve",
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+        )
 
 
 def _set_tp_size(args: dict[str, Any], deployment: dict[str, Any], tp: int) -> None:
@@ -159,3 +165,9 @@ def _deployment(app: dict[str, Any], name: str) -> dict[str, Any]:
             return d
     deployments.append({"name": name})
     return deployments[-1]
+
+
+def log_dir() -> str:
+    """Where this node's Ray processes (Serve's replicas among them) write their logs."""
+    node = getattr(ray._private.worker, "_global_node", None)  # no public accessor
+    return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"

@@ -116,6 +116,18 @@ def test_demo_resolves_to_built_assets(demo):
     assert config.served_model_name == "demo-base"
 
 
+def test_trained_demo_resolves_to_the_committed_assets():
+    from cluster import demo_training
+
+    config = serving.load_config(serving.DEFAULT_CONFIG)  # the run command's: the trained demo
+    app = AppConfig.model_validate(config["applications"][0]["args"]).resolved()
+    assets = demo_training.demo_assets()
+    assert app.engine.model == str(assets.model_dir)
+    assert app.adapters == {n: str(p) for n, p in assets.adapters.items()}
+    assert str(assets.root / "adapters") in app.adapter_roots
+    assert app.served_model_name == "demo-base"
+
+
 def _replica_config(app):
     replica = app._bound_deployment.init_args[0]  # Ingress(replicas, store, ...)
     return replica._bound_deployment._replica_config

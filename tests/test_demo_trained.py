@@ -1,0 +1,170 @@
+"""The trained demo (assets/demo-trained, cluster/demo_training.py): each adapter does its
+task on held-out inputs, the same inside a batch shared with every other adapter as alone,
+and our engine gives what transformers + PEFT give."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster import demo_training as dt
+from cluster.cli import main
+from cluster.offline import GenerateRequest, OfflineGenerator
+from replica.config import EngineConfig
+from replica.sampling import SamplingParams
+from tests.oracle import hf_logits, hf_model
+
+GREEDY = SamplingParams(max_tokens=12)
+HELD_OUT = 30  # per task, drawn with another seed than training
+MIN_ACCURACY = 0.9  # exact match; measured 2026-11-24: every task 30/30 (see the README)
+
+
+@pytest.fixture(scope="module")
+def assets():
+    return dt.demo_assets()
+
+
+@pytest.fixture(scope="module")
+def generator(assets):
+    config = EngineConfig(
+        model=str(assets.model_dir), device="cpu", num_slots=len(assets.adapters) + 1
+    )
+    gen = OfflineGenerator(config, {n: str(p) for n, p in assets.adapters.items()})
+    yield gen
+    gen.close()
+
+
+def _requests() -> list[tuple[str | None, str, str]]:
+    """(task, prompt, expected answer) for the base model and every task, interleaved."""
+    per_task = [
+        [(task, p, a) for p, a in dt.examples(task, HELD_OUT, dt.HELD_OUT_SEED)]
+        for task in [None, *dt.TASKS]
+    ]
+    return [r for group in zip(*per_task) for r in group]
+
+
+def test_committed_assets_hold_every_task(assets):
+    assert list(assets.adapters) == list(dt.TASKS)
+    for path in [assets.model_dir / "model.safetensors", *assets.adapters.values()]:
+        assert path.exists(), path
+    train = {p for task in [None, *dt.TASKS] for p, _ in dt.examples(task, 2000, dt.TRAIN_SEED)}
+    held_out = {p for _, p, _ in _requests()}
+    assert len(held_out - train) >= len(held_out) // 2  # mostly unseen prompts
+
+
+def test_every_adapter_does_its_task_in_one_shared_batch(generator):
+    requests = _requests()
+    results = generator.generate([GenerateRequest(p, task, GREEDY) for task, p, _ in requests])
+    correct: dict[str | None, int] = {}
+    for (task, _, answer), result in zip(requests, results):
+        correct[task] = correct.get(task, 0) + (result.text.strip() == answer)
+    accuracy = {task or "base": n / HELD_OUT for task, n in correct.items()}
+    assert all(a >= MIN_ACCURACY for a in accuracy.values()), accuracy
+
+
+def test_outputs_in_a_shared_batch_equal_outputs_alone(generator):
+    requests = _requests()[: 2 * (len(dt.TASKS) + 1)]  # two of each, all in one batch
+    batched = generator.generate([GenerateRequest(p, t, GREEDY) for t, p, _ in requests])
+    for (task, prompt, _), together in zip(requests, batched):
+        [alone] = generator.generate([GenerateRequest(prompt, task, GREEDY)])
+        assert together.output_token_ids == alone.output_token_ids, (task, prompt)
+
+
+@pytest.mark.parametrize("task", ["reverse", "french"])
+def test_engine_equals_transformers_peft(generator, assets, task):
+    """Every token we pick greedily, up to and with </s>, is transformers + PEFT's argmax on
+    the same prefix (teacher-forced: the same as greedy decoding, without forcing either
+    model past </s>)."""
+    model = hf_model(assets.model_dir, assets.adapters[task])
+    for prompt, _ in dt.examples(task, 3, dt.HELD_OUT_SEED):
+        [ours] = generator.generate([GenerateRequest(prompt, task, GREEDY)])
+        assert ours.output_token_ids[-1] == model.config.eos_token_id, prompt
+        sequence = ours.prompt_token_ids + ours.output_token_ids
+        logits = hf_logits(model, sequence[:-1])[len(ours.prompt_token_ids) - 1 :]
+        assert logits.argmax(-1).tolist() == ours.output_token_ids, prompt
+
+
+def test_demo_assets_trained_points_at_and_copies_the_committed_files(tmp_path, capsys):
+    assert main(["demo-assets", "--trained"]) == 0
+    out = capsys.readouterr().out
+    assert f"model:    {dt.ROOT / 'model'}" in out
+    assert all(f"adapter:  {n}={dt.ROOT / 'adapters' / n}" in out for n in dt.TASKS)
+    assert main(["demo-assets", "--trained", "--out", str(tmp_path / "copy")]) == 0
+    copy = dt.demo_assets(tmp_path / "copy")
+    for name, path in dt.demo_assets().adapters.items():
+        original = (path / "adapter_model.safetensors").read_bytes()
+        assert (copy.adapters[name] / "adapter_model.safetensors").read_bytes() == original
+    assert main(["demo-assets", "--retrain"]) == 2  # only with --trained
+    with pytest.raises(FileNotFoundError, match="--retrain"):
+        dt.demo_assets(tmp_path / "nowhere")
+
+
+def test_lorafleet_demo_prints_every_task_done(capsys):
+    assert main(["demo", "--prompt", "dog 3 moon ->"]) == 0
+    out = capsys.readouterr().out
+    for name, answer in [("base", "dog 3 moon"), ("uppercase", "DOG 3 MOON"),
+                         ("reverse", "moon 3 dog"), ("french", "chien 3 lune"),
+                         ("digits", "dog three moon"), ("count", "three")]:  # fmt: skip
+        assert f"{name:>10} | {answer!r}" in out, out
+
+
+def test_chat_template_turns_the_last_user_message_into_the_prompt(assets):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
+    messages = [
+        {"role": "system", "content": "ignored"},
+        {"role": "user", "content": "cat 7"},
+        {"role": "assistant", "content": "cat 7"},
+        {"role": "user", "content": "red sun"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "red sun ->"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.serve
+def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
+    """`lorafleet up` (the README's run command, configs/serve.yaml) on a Ray it starts: the
+    showcase prints each adapter's answer to one prompt, sent together; then SIGTERM stops
+    it cleanly."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", "--port", str(port), "--num-cpus", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(".choices[0].text)" in x for x in lines):
+            line = proc.stdout.readline()
+            if not line:
+                break  # the command ended early: its output says why
+            lines.append(line)
+        out = "".join(lines)
+        assert "try it" in out and ".choices[0].text)" in out, out[-3000:]
+        words = dt.SHOWCASE_PROMPT.removesuffix(" ->").split()
+        assert f"requests sent together, prompt {dt.SHOWCASE_PROMPT!r}" in out
+        assert f"demo-base | {' '.join(words)!r}" in out, out
+        for task, (what, _, answer) in dt.TASKS.items():
+            assert f"{task} | {' '.join(answer(words))!r}" in out, out
+            assert f"({what})" in out
+        assert f"http://127.0.0.1:{port}/v1/completions" in out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
