@@ -115,6 +115,8 @@ class LLMEngine:
         copied into a device slot when a request needs it."""
         if not isinstance(self.source, PeftDirectorySource):
             raise TypeError("load_adapter needs the PEFT directory source")
+        if name in self._unloading:
+            raise RequestError(f"adapter {name!r} is being unloaded: requests on it still run")
         self.source.add(name, path)
         self.host_cache.drop(name)
         try:
@@ -124,9 +126,8 @@ class LLMEngine:
             raise
 
     def unload_adapter(self, name: str) -> None:
-        """New requests for `name` are refused at once; its slot frees when unused."""
-        self.source.remove(name)
-        self.host_cache.drop(name)
+        """New requests for `name` are refused at once. Requests already queued or running
+        finish on it; its weights (source, host copy, slot) go when the last one ends."""
         self._unloading.add(name)
         self._evict_unloaded()
 
@@ -225,6 +226,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self.sampler.release(seq.request_id)
             self.stats.aborted += reason == "abort"
+            self._evict_unloaded()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -290,10 +292,16 @@ class LLMEngine:
         return outputs
 
     def _evict_unloaded(self) -> None:
+        if not self._unloading:
+            return
+        sched = self.scheduler
+        in_use = {s.lora_key for s in itertools.chain(sched.waiting, sched.running)}
         for name in list(self._unloading):
-            if self.prefetcher.is_loading(name):
+            if name in in_use or self.prefetcher.is_loading(name):
                 continue
             if self.pool.evict(name):  # the slot's rank is zeroed when it is reserved again
+                self.source.remove(name)
+                self.host_cache.drop(name)
                 self._unloading.discard(name)
 
     # -- offline helpers -----------------------------------------------------------------------

@@ -244,3 +244,29 @@ def test_telemetry_counts_lookups_useful_loads_and_load_latencies(tiny):
     assert t["steps"] > 0 and t["preemptions"] == 0
     assert eng.drain_telemetry()["load_latencies_s"] == []  # drained once
     eng.shutdown()
+
+
+def test_unload_lets_queued_and_running_requests_finish_and_refuses_new_ones(tiny):
+    """One request runs on adapter-01, one waits for a slot (the single adapter slot is
+    busy), both on the adapter being unloaded: both finish with their solo outputs, and
+    only then do its weights leave (source, host cache, slot)."""
+    a, b = list(tiny.adapters)[:2]
+    solo = engine(tiny, num_slots=3).generate([(prompt(1), GREEDY, b), (prompt(2), GREEDY, b)])
+    eng = engine(tiny, num_slots=2, max_loras_per_batch=1, host_cache_bytes=0)
+    first = eng.add_request(prompt(0), GREEDY, a)
+    running = eng.add_request(prompt(1), GREEDY, b)
+    queued = eng.add_request(prompt(2), GREEDY, b)
+    for _ in range(200):  # until b runs
+        eng.step()
+        if running.status is SeqStatus.RUNNING:
+            break
+    eng.add_request(prompt(3), GREEDY, a)  # a's slot is wanted again: b's must hold
+    eng.unload_adapter(b)
+    with pytest.raises(Exception, match="unknown adapter"):
+        eng.add_request(prompt(4), GREEDY, b)
+    assert b in eng.source.names()  # still needed
+    run(eng)
+    assert [running.output_ids, queued.output_ids] == [s.output_ids for s in solo]
+    assert first.finish_reason == running.finish_reason == queued.finish_reason == "length"
+    assert b not in eng.source.names() and b not in eng.host_cache.names()
+    assert eng.pool.state(b) is None
