@@ -247,8 +247,10 @@ class Ingress:
         return p.ModelList(data=[base, *cards])
 
     @app.get("/v1/lorafleet/stats")
-    async def stats(self) -> dict[str, Any]:
-        """Per-replica counters (adapter loads, residency, queue) and the store's own."""
+    async def stats(self, authorization: str | None = AUTHORIZATION) -> dict[str, Any]:
+        """Per-replica counters (adapter loads, residency, queue) and the store's own; they
+        name the adapters, so they need the key where /v1/models does."""
+        self._authorize(authorization, admin=False)
         return {
             "replicas": await self.store.replica_stats.remote(),
             "store": await self.store.stats.remote(),

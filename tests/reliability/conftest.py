@@ -9,6 +9,7 @@ things (killed replicas, a killed store) leave the app healthy again before they
 
 from __future__ import annotations
 
+import copy
 import socket
 import time
 from collections.abc import Iterator
@@ -103,6 +104,14 @@ def cluster(assets) -> Iterator[dict[str, Any]]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def redeploy(cluster, **args) -> None:
+    """Deploy the suite's app with these settings changed (`deploy(cluster["config"])`
+    puts it back)."""
+    config = copy.deepcopy(cluster["config"])
+    config["applications"][0]["args"].update(args)
+    serving.deploy(config, timeout_s=120)
 
 
 def post(cluster, path: str, body: Any, headers: dict | None = None, timeout: float = 60):

@@ -4,7 +4,6 @@ nothing leaks (every KV block free, no slot referenced, once the replicas are id
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,8 @@ from tests.reliability.conftest import (
     load,
     model_names,
     post,
+    redeploy,
+    replica_stats,
     unload,
     wait_healthy,
     wait_idle,
@@ -63,14 +64,8 @@ def test_non_streaming_client_timeout_aborts_the_request(cluster):
     assert _aborted(cluster) - before == 1
 
 
-def _redeploy(cluster, **args) -> None:
-    config = copy.deepcopy(cluster["config"])
-    config["applications"][0]["args"].update(args)
-    serving.deploy(config, timeout_s=120)
-
-
 def test_a_request_past_its_deadline_is_504_and_aborted(cluster):
-    _redeploy(cluster, request_timeout_s=1.0)
+    redeploy(cluster, request_timeout_s=1.0)
     try:
         for model in ("adapter-00", "tiny-base"):  # routed and resident: both reach an engine
             assert complete(cluster, model, max_tokens=1).status_code == 200
@@ -105,24 +100,39 @@ def test_a_full_queue_is_429_with_retry_after(cluster):
     wait_idle(cluster)
 
 
-def _serve_actor(deployment: str):
-    prefix = f"SERVE_REPLICA::lorafleet#{deployment}#"
+def _serve_actor(deployment: str, replica_id: str = ""):
+    """The actor of `deployment`'s replica `replica_id` (default: the first by name)."""
+    prefix = f"SERVE_REPLICA::lorafleet#{deployment}#{replica_id}"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     return ray.get_actor(next(n for n in sorted(names) if n.startswith(prefix)), namespace="serve")
 
 
+def _busy_replica(cluster, timeout_s: float = 30.0) -> str:
+    """The id of a replica that reports requests running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for rid, s in replica_stats(cluster).items():
+            if s["num_running"] and s["age_s"] < 1.0:
+                return rid
+        time.sleep(0.1)
+    raise AssertionError("no replica reported the requests running")
+
+
 def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(cluster):
+    """The replica running the requests is killed: they end in a 503 naming the replica
+    (none hangs), the other replica serves meanwhile, and Serve replaces the dead one."""
     body = {"model": "adapter-01", **LONG}
     with ThreadPoolExecutor(4) as pool:  # within one replica's max_ongoing_requests
         futures = [pool.submit(post, cluster, "/v1/completions", body) for _ in range(4)]
-        time.sleep(0.5)
-        ray.kill(_serve_actor("LoRAReplica"), no_restart=True)
+        victim = _busy_replica(cluster)
+        ray.kill(_serve_actor("LoRAReplica", victim), no_restart=True)
         during = [complete(cluster, "adapter-02").status_code for _ in range(10)]
         replies = [f.result() for f in futures]  # each returns: nothing hangs
     for r in replies:
         assert r.status_code in (200, 503), r.text
         if r.status_code == 503:
             assert "replica" in r.json()["error"]["message"]
+    assert 503 in [r.status_code for r in replies]  # those on the killed replica
     assert set(during) <= {200, 503} and 200 in during, during  # the other replica serves
     wait_healthy(cluster)
     assert [complete(cluster, "adapter-01").status_code for _ in range(8)] == [200] * 8
