@@ -17,11 +17,13 @@ import httpx
 import openai
 import pytest
 import ray
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from transformers import AutoTokenizer
 
 from cluster import serving
+from cluster.cli import main
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.sampling import SamplingParams
@@ -142,6 +144,10 @@ def _post(cluster, path: str, body: dict) -> httpx.Response:
     return httpx.post(cluster["url"] + path, json=body, timeout=60)
 
 
+def _load(cluster, name: str, path) -> httpx.Response:
+    return _post(cluster, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+
 # -- outputs ----------------------------------------------------------------------------------
 
 
@@ -157,6 +163,30 @@ def test_completions_equal_the_engine(cluster, client, engine, tokenizer):
         assert r.choices[0].text == expected, model
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
         assert r.choices[0].finish_reason == "length"
+
+
+def test_sampling_is_seeded_like_the_engine_and_top_p_narrows_it(client, engine, tokenizer):
+    """temperature 1 with a seed: the engine's sample for that seed, again on a repeat,
+    other samples for other seeds; a top_p that keeps one token: the greedy output."""
+    prompt, n = "the cat sat on", 12
+    ids = tokenizer(prompt)["input_ids"]
+
+    def http(**kw) -> str:
+        r = client.completions.create(model="adapter-01", prompt=prompt, max_tokens=n,
+                                      extra_body={"ignore_eos": True}, **kw)  # fmt: skip
+        return r.choices[0].text
+
+    def ours(**kw) -> str:
+        sampling = SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+        return _text(tokenizer, engine.generate([(ids, sampling, "adapter-01")])[0].output_ids)
+
+    sampled = http(temperature=1.0, seed=7)
+    assert sampled == http(temperature=1.0, seed=7) == ours(temperature=1.0, seed=7)
+    others = {http(temperature=1.0, seed=seed) for seed in (8, 9, 10)}
+    assert others - {sampled}, "three other seeds all sampled seed 7's text"
+    greedy = ours()
+    assert sampled != greedy  # so the next line tests top_p, not luck
+    assert http(temperature=1.0, top_p=1e-6, seed=11) == greedy
 
 
 def test_concurrent_mixed_requests_equal_the_engine(cluster, engine, tokenizer):
@@ -341,6 +371,8 @@ def test_bad_requests_are_400(cluster):
 REQUESTS = "ray_lorafleet_requests_total"
 TTFT_COUNT = "ray_lorafleet_time_to_first_token_seconds_count"
 ITL_COUNT = "ray_lorafleet_inter_token_latency_seconds_count"
+WAIT = "ray_lorafleet_replica_load_wait_seconds_total"
+DECISIONS = "ray_lorafleet_routing_decisions_total"
 
 
 def _metrics(cluster) -> tuple[dict, dict]:
@@ -357,13 +389,18 @@ def _metrics(cluster) -> tuple[dict, dict]:
     return totals, samples
 
 
-def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, client):
+def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, client, assets):
     time.sleep(1.5)  # earlier tests' metrics reach the export (every 0.5 s here) first
     before, _ = _metrics(cluster)
-    for model in ["tiny-base", "adapter-00"]:
-        client.completions.create(
-            model=model, prompt="metrics", max_tokens=3, extra_body={"ignore_eos": True}
-        )
+    # a name no replica holds: its first request loads it into a slot and runs on it
+    assert _load(cluster, "metrics-probe", assets.adapters["adapter-04"]).status_code == 200
+    try:
+        for model in ["tiny-base", "adapter-00", "metrics-probe"]:
+            client.completions.create(
+                model=model, prompt="metrics", max_tokens=3, extra_body={"ignore_eos": True}
+            )
+    finally:
+        assert _post(cluster, "/v1/unload_lora_adapter", {"lora_name": "metrics-probe"}).is_success
 
     def grew(after: dict, name: str, kind: str | None, by: float) -> bool:
         return after[(name, kind)] >= before[(name, kind)] + by
@@ -375,13 +412,16 @@ def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, cli
             for kind in ("base", "adapter")
         )
         replicas = {s.labels["replica"] for s in samples["ray_lorafleet_replica_adapter_slots"]}
-        reasons = {s.labels["reason"] for s in samples["ray_lorafleet_routing_decisions_total"]}
+        reasons = {s.labels["reason"] for s in samples[DECISIONS]}
         return (
             counted
             and len(replicas) == 2
-            and grew(after, "ray_lorafleet_replica_adapter_lookups_total", None, 1)
-            and after[("ray_lorafleet_replica_adapter_loads_total", None)] >= 1
-            and after[("ray_lorafleet_replica_adapter_load_seconds_count", None)] >= 1
+            and grew(after, "ray_lorafleet_replica_adapter_lookups_total", None, 2)
+            and grew(after, "ray_lorafleet_replica_adapter_loads_total", None, 1)
+            and grew(after, "ray_lorafleet_replica_adapter_loads_used_total", None, 1)
+            and grew(after, "ray_lorafleet_replica_adapter_load_seconds_count", None, 1)
+            and after[(WAIT, None)] > before[(WAIT, None)]  # nothing else ran meanwhile
+            and grew(after, DECISIONS, None, 3)
             and "base" in reasons
             and reasons & {"device", "host", "free_slot", "home", "spill"}
         )
@@ -436,6 +476,10 @@ def test_requests_follow_their_adapter(cluster, client):
     assert sum(_loads(cluster).values()) == before  # every request found its adapter resident
 
 
+def _spills(cluster) -> float:
+    return sum(s.value for s in _metrics(cluster)[1][DECISIONS] if s.labels["reason"] == "spill")
+
+
 def test_hot_adapter_spills_past_the_load_bound(cluster):
     """24 concurrent requests of one adapter all reach the replicas together (the Ingress
     does not cap them at Serve's default of 5 in flight), and past the load bound the
@@ -456,7 +500,12 @@ def test_hot_adapter_spills_past_the_load_bound(cluster):
             assert all(p.result().status_code == 200 for p in posts)
         return peak
 
+    spills_before = _spills(cluster)
     assert asyncio.run(flood()) > 5
+    deadline = time.monotonic() + 30  # Ray exports metrics with a delay
+    while _spills(cluster) <= spills_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _spills(cluster) > spills_before  # the router sent some past the load bound
     time.sleep(1.5)
     holders = [
         rid
@@ -468,9 +517,10 @@ def test_hot_adapter_spills_past_the_load_bound(cluster):
 
 def test_one_object_store_put_per_adapter(cluster):
     """Both replicas hold adapter-05 now, yet every registration put its weights once:
-    the preloads plus the one runtime load; refused loads put nothing."""
+    the preloads plus the two runtime loads ('late', 'metrics-probe'); refused loads put
+    nothing."""
     store = _stats(cluster)["store"]
-    assert store["num_puts"] == len(PRELOADED) + 1
+    assert store["num_puts"] == len(PRELOADED) + 2
     assert store["num_ref_requests"] > store["num_puts"]
 
 
@@ -483,7 +533,20 @@ def _replica_actor_ids() -> set[str]:
     return {a["name"] for a in actors if "LoRAReplica" in a["name"]}
 
 
-def test_redeploy_with_edited_autoscaling_keeps_replicas(cluster, client, assets):
+def _autoscaling() -> dict:
+    from ray.serve.context import _get_global_client  # Serve's own view of the deployment
+
+    details = _get_global_client().get_serve_details()
+    replica = details["applications"]["lorafleet"]["deployments"]["LoRAReplica"]
+    return replica["deployment_config"]["autoscaling_config"]
+
+
+def test_redeploy_with_edited_autoscaling_keeps_replicas(cluster, client, assets, tmp_path):
+    """`lorafleet deploy` of the same file with an edited autoscaling_config: applied in
+    place (Serve reports the new bounds), the replicas and a request in flight stay."""
+    assert (_autoscaling()["max_replicas"], _autoscaling()["target_ongoing_requests"]) == (2, 8)
+    edited = tmp_path / "serve.yaml"
+    edited.write_text(yaml.safe_dump(_config(assets, cluster["port"], max_replicas=3, target=16)))
     before = _replica_actor_ids()
     assert len(before) == 2
     stream = client.completions.create(
@@ -495,9 +558,10 @@ def test_redeploy_with_edited_autoscaling_keeps_replicas(cluster, client, assets
         extra_body={"ignore_eos": True},
     )
     first = next(iter(stream))
-    serving.deploy(_config(assets, cluster["port"], max_replicas=3, target=16), timeout_s=120)
+    assert main(["deploy", str(edited), "--timeout-s", "120"]) == 0  # the running Ray
     rest = list(stream)  # the request in flight finishes across the redeploy
     assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] == "length"
     assert _replica_actor_ids() == before
     config = serve.status().applications["lorafleet"].deployments["LoRAReplica"]
     assert config.status == "HEALTHY"
+    assert (_autoscaling()["max_replicas"], _autoscaling()["target_ongoing_requests"]) == (3, 16)
