@@ -211,7 +211,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from cluster import serving, showcase
+    from cluster import serving
 
     loras = dict(_parse_lora(s) for s in args.lora) if args.lora is not None else None
     config = serving.apply_overrides(
@@ -224,9 +224,27 @@ def _up(args: argparse.Namespace) -> int:
         host=args.host,
         settings=args.set,
     )
-    # the replicas' logs stay in Ray's log files, so that the showcase below can be read
+    # the replicas' logs stay in Ray's log files, so that the showcase can be read
     serving.connect(args.address, args.num_cpus, log_to_driver=args.verbose)
-    serving.deploy(config)
+    # SIGTERM (a supervisor, `kill`, a job launched with &) stops it like Ctrl-C does; set
+    # after ray.init, which installs a handler of its own that would exit without cleanup
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        serving.deploy(config)
+        _announce(config, args)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+def _announce(config: dict, args: argparse.Namespace) -> None:
+    """Where it serves, the showcase (one request per model, side by side), how to try it."""
+    from cluster import serving, showcase
+
     http = config.get("http_options", {})
     host = http.get("host", "127.0.0.1")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
@@ -244,17 +262,7 @@ def _up(args: argparse.Namespace) -> int:
         names = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]]
     else:
         names = showcase.show(url, prompt, notes=notes)
-    print(showcase.try_it(url, names[-1], prompt))
-    # SIGTERM (a supervisor, `kill`, a job launched with &) stops it like Ctrl-C does
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        from ray import serve
-
-        serve.shutdown()
-    return 0
+    print(showcase.try_it(url, names[-1], prompt), flush=True)
 
 
 def _deploy(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ and our engine gives what transformers + PEFT give."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -142,6 +143,7 @@ def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "up", "--port", str(port), "--num-cpus", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     lines: list[str] = []
     try:
