@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -87,22 +88,24 @@ def rank_for_adapter(
 
 
 def routing_reason(adapter: str | None, views: Sequence[ReplicaView], chosen: str) -> str:
-    """Why a request went to `chosen`, as the views at decision time show it: base,
-    device (resident in a slot), host (in host memory), free_slot (a slot holding nothing),
-    home (its hash home), or spill (anywhere else: its better choices were over the bound)."""
+    """Why a request went to `chosen`, as the views at decision time show it: base; spill
+    when `chosen` was not its first choice (that one was over the load bound, or full);
+    else what made the first choice: device (resident in a slot), host (in host memory),
+    free_slot (a slot holding nothing) or home (its hash home)."""
     if adapter is None:
         return "base"
     by_id = {v.id: v for v in views}
-    view = by_id.get(chosen)
-    if view is None:
+    unbounded = rank_for_adapter(adapter, views, 0.0, floor=sys.maxsize)
+    if chosen not in by_id or chosen not in unbounded[0]:
         return "spill"
+    view = by_id[chosen]
     if adapter in view.device_adapters:
         return "device"
     if adapter in view.host_adapters:
         return "host"
     if view.free_slots > 0:
         return "free_slot"
-    return "home" if hrw_order(adapter, list(by_id))[0] == chosen else "spill"
+    return "home"
 
 
 class PlacementMemory:

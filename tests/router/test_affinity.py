@@ -114,16 +114,25 @@ def test_placement_memory_bridges_stale_stats() -> None:
 
 
 def test_routing_reasons() -> None:
+    """The first choice is named by what made it first; anything else is a spill, whatever
+    the replica it went to holds (the load bound sent it there)."""
     home, other = hrw_order("a", IDS)[:2]
     state = views(device={"r0": {"a"}}, host={"r1": {"a"}}, free={"r2": 1})
     assert routing_reason(None, state, "r3") == "base"
     assert routing_reason("a", state, "r0") == "device"
-    assert routing_reason("a", state, "r1") == "host"
-    assert routing_reason("a", state, "r2") == "free_slot"
+    assert routing_reason("a", state, "r1") == "spill"  # r0 held it in a slot
+    assert routing_reason("a", views(host={"r1": {"a"}}), "r1") == "host"
+    no_device = views(host={"r1": {"a"}}, free={"r2": 1})  # a free slot ranks first
+    assert routing_reason("a", no_device, "r2") == "free_slot"
+    assert routing_reason("a", no_device, "r1") == "spill"
     plain = views()
     assert routing_reason("a", plain, home) == "home"
     assert routing_reason("a", plain, other) == "spill"
     assert routing_reason("a", [], "r0") == "spill"  # nothing was known of it
+    # what the router does past the load bound is what the reason calls a spill
+    busy = views(loads=(9, 0, 0, 0), device={"r0": {"a"}})
+    [first, *_] = rank_for_adapter("a", busy, 0.25, 4)
+    assert "r0" not in first and routing_reason("a", busy, first[0]) == "spill"
 
 
 def test_no_replicas() -> None:
