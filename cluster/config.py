@@ -32,7 +32,7 @@ class AppConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="The base model's name in the API (default: the model directory name)."
     )
-    adapters: dict[str, str] | Literal["demo", "demo-trained"] = Field(
+    adapters: dict[str, str] | Literal["demo", "demo-trained"] = Field(  # DEMOS
         default_factory=dict,
         description="Adapters registered at start: name -> PEFT directory, or 'demo' / "
         "'demo-trained' (the demo's adapters; with engine.model the same demo).",

@@ -16,6 +16,8 @@ from typing import Any
 import ray
 import yaml
 
+from cluster.config import DEMOS
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
 REPLICA_DEPLOYMENT = "LoRAReplica"
 
@@ -67,7 +69,7 @@ def apply_overrides(
         node[leaf] = yaml.safe_load(value)
     if model is not None:
         args.setdefault("engine", {})["model"] = str(Path(model).resolve())
-        if loras is None and args.get("adapters") in ("demo", "demo-trained"):
+        if loras is None and args.get("adapters") in DEMOS:
             args["adapters"] = {}  # demo adapters only fit the demo model
     if loras is not None:
         args["adapters"] = {n: str(Path(p).resolve()) for n, p in loras.items()}
