@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from cluster.demo_assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec
+import pytest
+import torch
+
+# Kernel tests run Triton compiled where CUDA is present and in its interpreter elsewhere;
+# the switch is read when triton decorates the kernels, so it is set before any import of them.
+CUDA = torch.cuda.is_available()
+TEST_DEVICE = torch.device("cuda" if CUDA else "cpu")
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a GPU machine)")
+
+from cluster.demo_assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec  # noqa: E402
 
 
 @pytest.fixture(scope="session")

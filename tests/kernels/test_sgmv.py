@@ -1,9 +1,11 @@
 """Both multi-LoRA backends against kernels.reference on randomized segmented batches.
 
-Triton runs in its interpreter on CPU: TRITON_INTERPRET=1 is set here, before
-anything imports triton, and checked below. Weight padding past each slot's
-rank and every unused slot are NaN, so a kernel that reads past a rank or
-touches an unused slot fails loudly rather than by a rounding error.
+Triton runs compiled on a CUDA machine (the cases live on the GPU) and in its
+interpreter elsewhere: tests/conftest.py sets TRITON_INTERPRET=1 where there is no
+CUDA, before anything imports triton, and the first test checks which it is.
+Weight padding past each slot's rank and every unused slot are NaN, so a kernel
+that reads past a rank or touches an unused slot fails loudly rather than by a
+rounding error.
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ import zlib
 from dataclasses import dataclass
 
 import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything below imports triton
-
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import SegmentInfo, make_segment_info, torch_ops  # noqa: E402
-from kernels.reference import lora_expand_reference, lora_shrink_reference  # noqa: E402
+import kernels
+from kernels import SegmentInfo, make_segment_info, torch_ops
+from kernels.reference import lora_expand_reference, lora_shrink_reference
+from tests.conftest import CUDA, TEST_DEVICE
 
 try:
     from triton.runtime.interpreter import InterpretedFunction
@@ -51,9 +51,9 @@ WIDTHS = {1: [40], 2: [40, 24], 3: [40, 16, 8]}  # uneven slices, like GQA qkv
 
 
 @needs_triton
-def test_triton_runs_in_the_interpreter():
-    assert isinstance(sgmv_triton._shrink_kernel, InterpretedFunction)
-    assert isinstance(sgmv_triton._expand_kernel, InterpretedFunction)
+def test_triton_is_compiled_on_cuda_and_interpreted_elsewhere():
+    assert isinstance(sgmv_triton._shrink_kernel, InterpretedFunction) is not CUDA
+    assert isinstance(sgmv_triton._expand_kernel, InterpretedFunction) is not CUDA
 
 
 @dataclass
@@ -99,7 +99,7 @@ def make_case(
     lens = [1] * n if kind == "decode" else [rnd.choice([0, 1, 2, 5, 17, 33, 40]) for _ in range(n)]
     ranks = [0] + [rank or rnd.choice([8, 16, 32, 64]) for _ in range(num_slots - 1)]
     scalings = [0.0] + [scaling or rnd.uniform(0.25, 2.0) for _ in range(num_slots - 1)]
-    seg = make_segment_info(lens, slots, ranks, scalings)
+    seg = make_segment_info(lens, slots, ranks, scalings, TEST_DEVICE)
     widths = WIDTHS[num_slices]
     offsets = [0]
     for w in widths:
@@ -118,14 +118,14 @@ def make_case(
         if s:
             base_rows[seg.seg_indptr[g] : seg.seg_indptr[g + 1]] = False
     return Case(
-        x=torch.randn(tokens, IN, generator=gen).to(dtype),
-        a=a.to(dtype),
-        b=b.to(dtype),
-        y=torch.randn(tokens, offsets[-1], generator=gen).to(dtype),
+        x=torch.randn(tokens, IN, generator=gen).to(TEST_DEVICE, dtype),
+        a=a.to(TEST_DEVICE, dtype),
+        b=b.to(TEST_DEVICE, dtype),
+        y=torch.randn(tokens, offsets[-1], generator=gen).to(TEST_DEVICE, dtype),
         seg=seg,
         num_slices=num_slices,
         slice_offsets=offsets,
-        base_rows=base_rows,
+        base_rows=base_rows.to(TEST_DEVICE),
     )
 
 
@@ -170,6 +170,24 @@ def test_matches_reference(backend, popularity, n, kind, dtype):
     check_backend(backend, make_case(popularity, n, kind, dtype, num_slices, seed))
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("num_slices", [1, 3])
+@pytest.mark.parametrize("family", ["bgmv", "tiles"])
+def test_triton_decode_through_both_kernel_families(monkeypatch, family, num_slices, dtype):
+    """Decode batches take the BGMV kernels; the tile kernels must stay right for them too
+    (a batch with any longer segment uses them)."""
+    calls = []
+    real = sgmv_triton._bgmv
+    monkeypatch.setattr(
+        sgmv_triton, "_bgmv", lambda seg: calls.append(1) or (family == "bgmv" and real(seg))
+    )
+    case = make_case("skewed", 12, "decode", dtype, num_slices, seed=21 + num_slices)
+    assert case.seg.max_seg_len == 1 and real(case.seg)
+    check_backend("triton", case)
+    assert calls
+
+
 @pytest.mark.parametrize("num_slices", [1, 2, 3])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_slices_with_mixed_batch(backend, num_slices):
@@ -180,13 +198,15 @@ def test_slices_with_mixed_batch(backend, num_slices):
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_no_adapter_leaves_y_bit_identical(backend, dtype):
-    seg = make_segment_info([3, 0, 5], [0, 2, 0], [0, 16, 8], [0.0, 1.0, 2.0])  # slot 2: empty
+    dev = TEST_DEVICE
+    seg = make_segment_info([3, 0, 5], [0, 2, 0], [0, 16, 8], [0.0, 1.0, 2.0], dev)  # 2: empty
     assert not seg.has_lora
-    x, y = torch.randn(8, IN).to(dtype), torch.randn(8, 40).to(dtype)
-    a, b = torch.full((3, R, IN), float("nan"), dtype=dtype), torch.randn(3, 40, R).to(dtype)
+    x, y = torch.randn(8, IN).to(dev, dtype), torch.randn(8, 40).to(dev, dtype)
+    a = torch.full((3, R, IN), float("nan"), dtype=dtype, device=dev)
+    b = torch.randn(3, 40, R).to(dev, dtype)
     ops = BACKENDS[backend]
     inter = ops.lora_shrink(x, a, seg, 1)
-    assert torch.equal(inter, torch.zeros(8, R))
+    assert torch.equal(inter, torch.zeros(8, R, device=dev))
     y0 = y.clone()
     ops.lora_expand(y, inter, b, seg, [0, 40])
     assert torch.equal(y, y0)
@@ -195,11 +215,12 @@ def test_no_adapter_leaves_y_bit_identical(backend, dtype):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_empty_batch(backend):
     ops = BACKENDS[backend]
-    seg = make_segment_info([], [], [0, 8], [0.0, 1.0])
-    inter = ops.lora_shrink(torch.zeros(0, IN), torch.zeros(2, R, IN), seg, 1)
+    dev = TEST_DEVICE
+    seg = make_segment_info([], [], [0, 8], [0.0, 1.0], dev)
+    inter = ops.lora_shrink(torch.zeros(0, IN, device=dev), torch.zeros(2, R, IN, device=dev), seg)
     assert inter.shape == (0, R)
-    y = torch.zeros(0, 40)
-    assert ops.lora_expand(y, inter, torch.zeros(2, 40, R), seg, [0, 40]) is y
+    y = torch.zeros(0, 40, device=dev)
+    assert ops.lora_expand(y, inter, torch.zeros(2, 40, R, device=dev), seg, [0, 40]) is y
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -280,7 +301,7 @@ def test_public_ops_validate_before_launch():
         kernels.lora_expand(case.y, inter, b, seg, [0, 40, 30])
     with pytest.raises(ValueError, match="inter"):
         kernels.lora_expand(case.y, inter, b, seg, [0, 40])
-    bad = make_segment_info([1, 1, 1], [1, 0, 2], [0, 8, 8], [0.0, 1.0, 1.0])
+    bad = make_segment_info([1, 1, 1], [1, 0, 2], [0, 8, 8], [0.0, 1.0, 1.0], TEST_DEVICE)
     with pytest.raises(ValueError, match="one per buffer slot"):
         kernels.lora_shrink(x, a, bad, 2)
 
@@ -332,7 +353,7 @@ def test_triton_kernels_compile_for_cuda(tmp_path):
             opts = {"num_warps": cfg.pop("num_warps")}
             sig = {n: "constexpr" if n in cfg else ptrs.get(n, "i32") for n in fn.arg_names}
             kernel = compile(ASTSource(fn, sig, constexprs=cfg), target=target, options=opts)
-            assert "mma" in kernel.asm["ptx"] or "fma" in kernel.asm["ptx"]
+            assert "mma" in kernel.asm["ptx"] or "fma" in kernel.asm["ptx"], fn.__name__
 
         for dtype, p in ptr.items():
             for seg_len in (1, 512):
@@ -342,6 +363,9 @@ def test_triton_kernels_compile_for_cuda(tmp_path):
                 expand = ints | {"inter_ptr": "*fp32", "b_ptr": p, "y_ptr": p,
                                  "scalings_ptr": "*fp32", "slice_offsets_ptr": "*i32"}
                 build(st._expand_kernel, expand, st.expand_config(seg_len, dtype))
+            for r in (16, 64):  # the decode (BGMV) kernels
+                build(st._shrink_bgmv_kernel, shrink, st.shrink_bgmv_config(4096, r))
+                build(st._expand_bgmv_kernel, expand, st.expand_bgmv_config(r))
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -1,20 +1,22 @@
-"""The model end to end with Triton kernels forced (interpreter on CPU) equals the torch path."""
+"""The model end to end with Triton kernels forced equals the torch path: compiled on a
+CUDA machine, in the interpreter elsewhere (tests/conftest.py picks)."""
 
 from __future__ import annotations
 
-import os
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before kernels.sgmv_triton is imported (lazily)
-
-import torch  # noqa: E402
-
-from replica.config import EngineConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.sampling import SamplingParams  # noqa: E402
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from replica.sampling import SamplingParams
+from tests.conftest import TEST_DEVICE
 
 
 def test_model_output_unchanged_with_triton_forced(tiny, monkeypatch):
-    eng = LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu", num_slots=5))
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny.model_dir), device=str(TEST_DEVICE), dtype="float32", num_slots=5
+        )
+    )
     for name, path in tiny.adapters.items():
         eng.load_adapter(name, path)
     sampling = SamplingParams(max_tokens=3, ignore_eos=True)
