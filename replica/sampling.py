@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from replica.device import to_device
+
 # torch.Generator.manual_seed takes a 64-bit integer
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
@@ -34,7 +36,14 @@ class SamplingParams(BaseModel):
 
 
 class Sampler:
-    """Turns the last-position logits of each sequence into its next token."""
+    """Turns the last-position logits of each sequence into its next token.
+
+    Greedy rows take the argmax. Sampled rows are processed together: temperature,
+    one sort for top-k and top-p, then an exponential race (argmax of p_i / E_i with
+    E_i ~ Exp(1) drawn from the request's own generator), which draws token i with
+    probability p_i as torch.multinomial would, but without multinomial's device
+    synchronisation on CUDA: the step keeps its one device read (the sampled ids).
+    Per-row parameters travel in pinned host tensors, copied without blocking."""
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
@@ -44,28 +53,39 @@ class Sampler:
     ) -> torch.Tensor:
         """logits: [N, V] float32 -> [N] int64 token ids (still on logits' device)."""
         tokens = logits.argmax(dim=-1)
-        for i, p in enumerate(params):
-            if not p.greedy:
-                tokens[i] = self._sample_row(logits[i], p, request_ids[i])
-        return tokens
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return tokens
+        dev, vocab = logits.device, logits.shape[-1]
+        every = len(rows) == len(params)
+        index = None if every else to_device(torch.tensor(rows), dev)
+        chosen = [params[i] for i in rows]
+        temps = to_device(torch.tensor([p.temperature for p in chosen], dtype=torch.float32), dev)
+        ks = to_device(torch.tensor([p.top_k or vocab for p in chosen]), dev)
+        top_ps = to_device(torch.tensor([p.top_p for p in chosen], dtype=torch.float32), dev)
+
+        scaled = (logits if every else logits.index_select(0, index)) / temps[:, None]
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)
+        ordered = ordered.masked_fill(ranks[None, :] >= ks[:, None], float("-inf"))
+        probs = torch.softmax(ordered, dim=-1)
+        # drop a token when the mass before it already reaches top_p (always keep the first:
+        # a top_p below float32's smallest value would drop it too)
+        drop = (probs.cumsum(-1) - probs >= top_ps[:, None]) & (ranks[None, :] > 0)
+        probs = probs.masked_fill(drop, 0.0)
+
+        race = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            race[j].exponential_(generator=self._generator(request_ids[i], params[i], dev))
+        # tiny: a zero draw would make 0/0 = NaN win the argmax
+        picked = (probs / race.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(-1, keepdim=True)
+        sampled = order.gather(-1, picked).squeeze(-1)
+        if every:
+            return sampled
+        return tokens.index_copy_(0, index, sampled)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
-
-    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, rid: str) -> torch.Tensor:
-        logits = logits / p.temperature
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # drop a token when the mass before it already reaches top_p (always keep the first)
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-            drop[0] = False  # a top_p below float32's smallest value would drop it too
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        return torch.multinomial(probs, 1, generator=self._generator(rid, p, logits.device))[0]
 
     def _generator(self, rid: str, p: SamplingParams, device: torch.device) -> torch.Generator:
         gen = self._generators.get(rid)
