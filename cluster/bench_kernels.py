@@ -24,6 +24,12 @@ the buffers' R) + x read + y read and written; base = W + x + y. GB/s =
 bytes / median time, printed next to the machine's copy bandwidth (a copy
 larger than the caches, read + write bytes).
 
+On CUDA each call is timed with events around it, so at these sizes the
+figures include the host's launch work whenever the GPU waits for it (our
+engine launches eagerly, so this is what a step sees). The "graph" columns
+time lora and base again as CUDA graph replays (one replay runs the call on
+every weight copy), which removes the launch gaps and leaves device time.
+
     lorafleet bench kernels                  # full table, ~40 s on 2 CPU cores
     lorafleet bench kernels --quick          # a few seconds
     lorafleet bench kernels --json out.json  # every figure, per shape
@@ -111,6 +117,10 @@ class Result:
     loop_gbps: float
     base_gbps: float
     rounds: int
+    # CUDA only: device time per call from CUDA graph replays (no launch gaps)
+    lora_graph_ms: float | None = None
+    base_graph_ms: float | None = None
+    lora_over_base_graph_time: float | None = None
 
 
 def shapes(args: argparse.Namespace) -> list[Shape]:
@@ -262,6 +272,7 @@ def run_shape(
             times[k].append(clock.time(lambda fn=variants[k], ws=ws: fn(ws)))
         rounds += 1
     med = {k: statistics.median(v) for k, v in times.items()}
+    graph = _graph_times({"lora": lora, "base": base}, copies, args) if clock.cuda else {}
 
     elem = torch.empty((), dtype=dtype).element_size()
     used = len(set(shape.slots) - {0})
@@ -292,7 +303,42 @@ def run_shape(
         loop_gbps=lora_bytes / med["loop"] / 1e9,
         base_gbps=base_bytes / med["base"] / 1e9,
         rounds=rounds,
+        lora_graph_ms=graph["lora"] * 1e3 if graph else None,
+        base_graph_ms=graph["base"] * 1e3 if graph else None,
+        lora_over_base_graph_time=graph["lora"] / graph["base"] if graph else None,
     )
+
+
+def _graph_times(
+    variants: dict[str, Callable[[_Weights], None]], copies: list[_Weights], args
+) -> dict[str, float]:
+    """Median seconds per call of each variant, from CUDA graph replays: one graph per
+    variant runs it once on each weight copy (up to 64), replays interleave."""
+    copies = copies[:64]
+    graphs = {}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: plans, allocator, compiles
+        for fn in variants.values():
+            for ws in copies:
+                fn(ws)
+    torch.cuda.current_stream().wait_stream(side)
+    for k, fn in variants.items():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for ws in copies:
+                fn(ws)
+        graphs[k] = g
+    clock, times = _Clock(torch.device("cuda")), {k: [] for k in variants}
+    order, rnd = list(variants), random.Random(args.seed)
+    deadline = time.perf_counter() + args.min_time * len(variants)
+    rounds = 0
+    while rounds < 5 or (time.perf_counter() < deadline and rounds < 1000):
+        rnd.shuffle(order)
+        for k in order:
+            times[k].append(clock.time(graphs[k].replay) / len(copies))
+        rounds += 1
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _check_agree(lora, loop, ws: _Weights, y: torch.Tensor, dtype: torch.dtype) -> None:
@@ -342,19 +388,20 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     by_hidden: dict[int, list[Shape]] = {}
     for s in shapes(args):
         by_hidden.setdefault(s.hidden, []).append(s)
-    _print_header()
+    _print_header(clock.cuda)
     for h, group in by_hidden.items():
         copies = _weight_copies(
             h, args.rank, args.max_rank, dtype, device, args.footprint_mib << 20
         )
         for shape in group:
             res = run_shape(shape, copies, args, dtype, device, clock)
-            _print_row(res)
+            _print_row(res, clock.cuda)
             results.append(res)
         del copies
     print(
         "vs loop = loop time / lora time; lora/base t = time ratio, B = bytes ratio; "
         "t/B = their quotient (1.0: LoRA moves its bytes as fast as the base projection)"
+        + ("; graph: device time per call from CUDA graph replays" if clock.cuda else "")
     )
     if args.json:
         doc = {
@@ -387,19 +434,25 @@ _COLUMNS = (
     ("loop GB/s", 10, "loop_gbps", ".1f"),
     ("base GB/s", 10, "base_gbps", ".1f"),
 )
+_GRAPH_COLUMNS = (
+    ("graph lora ms", 13, "lora_graph_ms", ".4f"),
+    ("graph base ms", 13, "base_graph_ms", ".4f"),
+    ("graph l/b t", 11, "lora_over_base_graph_time", ".3f"),
+)
 
 
-def _print_header() -> None:
-    print(
-        "  ".join(
-            f"{title:>{w}}" if i else f"{title:<{w}}" for i, (title, w, _, _) in enumerate(_COLUMNS)
-        )
-    )
+def _columns(cuda: bool) -> tuple:
+    return _COLUMNS + _GRAPH_COLUMNS if cuda else _COLUMNS
 
 
-def _print_row(r: Result) -> None:
+def _print_header(cuda: bool) -> None:
+    cols = _columns(cuda)
+    print("  ".join(f"{t:>{w}}" if i else f"{t:<{w}}" for i, (t, w, _, _) in enumerate(cols)))
+
+
+def _print_row(r: Result, cuda: bool) -> None:
     cells = []
-    for i, (_, w, key, fmt) in enumerate(_COLUMNS):
+    for i, (_, w, key, fmt) in enumerate(_columns(cuda)):
         text = format(getattr(r, key), fmt)
         cells.append(f"{text:>{w}}" if i else f"{text:<{w}}")
     print("  ".join(cells), flush=True)
