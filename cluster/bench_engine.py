@@ -120,6 +120,10 @@ def _bench(args: argparse.Namespace) -> int:
                     kv_cache_bytes=_kv_bytes(args), max_loras_per_batch=args.adapters,
                     tp_size=args.tp)  # fmt: skip
     churn = dict(base_cfg, num_slots=args.slots + 1, max_loras_per_batch=args.slots)
+    # One slot more than a batch may use: the prefetcher can load the next cohort's first
+    # adapter while the batch runs (with none spare, every next load starts only when the
+    # batch drains; the distinct scenario's requests all end in the same step).
+    spare = dict(churn, num_slots=args.slots + 2)
     fits = dict(base_cfg, num_slots=args.adapters + 1)
     report: dict = {"machine": _machine(), "args": _jsonable(vars(args)), "scenarios": {}}
 
@@ -137,6 +141,10 @@ def _bench(args: argparse.Namespace) -> int:
     )
     results["mixed_base_unpinned"] = _run(
         EngineConfig(**churn, pin_base_slot=False), assets, scenarios["mixed"]
+    )
+    results["distinct_spare_slot"] = _run(EngineConfig(**spare), assets, scenarios["distinct"])
+    results["distinct_spare_slot_sync"] = _run(
+        EngineConfig(**spare, adapter_loading="sync"), assets, scenarios["distinct"]
     )
     for name, r in results.items():
         report["scenarios"][name] = r.summary()
@@ -158,6 +166,8 @@ def _bench(args: argparse.Namespace) -> int:
     on = results["distinct"].load_wait_s
     off = results["distinct_sync_loading"].load_wait_s
     report["load_stall_ratio_overlap_on_vs_off"] = on / off if off else float("nan")
+    on, off = (results[k].load_wait_s for k in ("distinct_spare_slot", "distinct_spare_slot_sync"))
+    report["load_stall_ratio_with_spare_slot"] = on / off if off else float("nan")
     base_only = _pct(results["base_only"].ttft["base"], 50)
     report["base_ttft_p50_ratio_churn_vs_base_only"] = (
         _pct(results["mixed"].ttft["base"], 50) / base_only
@@ -441,7 +451,8 @@ def _print_headline(r: dict) -> None:
     )
     print(
         f"load_stall_ratio_overlap_on_vs_off       {r['load_stall_ratio_overlap_on_vs_off']:.3f} "
-        "(ceiling 0; target <= 0.05)"
+        f"(ceiling 0; target <= 0.05; with a slot spare for prefetch: "
+        f"{r['load_stall_ratio_with_spare_slot']:.3f})"
     )
     print(
         f"base_ttft_p50_ratio_churn_vs_base_only   "

@@ -13,6 +13,7 @@ HEADLINE = (
     "speedup_vs_hf_peft",
     "speedup_ceiling_estimate",
     "load_stall_ratio_overlap_on_vs_off",
+    "load_stall_ratio_with_spare_slot",
     "base_ttft_p50_ratio_churn_vs_base_only",
     "decode_step_ratio_16_adapters_vs_base",
     "decode_bytes_ratio_16_adapters_vs_base",
@@ -29,7 +30,8 @@ def test_quick_run_writes_every_figure(tmp_path, capsys):
         assert isinstance(report[key], float) and report[key] > 0, key
     assert report["speedup_ceiling_estimate"] > 1  # batching must beat one request at a time
     scenarios = report["scenarios"]
-    for name in ("uniform", "zipf", "distinct", "mixed", "base_only", "all_resident_uniform"):
+    for name in ("uniform", "zipf", "distinct", "mixed", "base_only", "all_resident_uniform",
+                 "distinct_spare_slot", "distinct_spare_slot_sync"):  # fmt: skip
         assert scenarios[name]["tok_per_s"] > 0
     assert scenarios["distinct"]["adapter_loads"] >= 4  # more adapters than slots: churn
     assert not math.isnan(report["load_stall_ratio_overlap_on_vs_off"])
