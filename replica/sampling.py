@@ -39,11 +39,12 @@ class Sampler:
     """Turns the last-position logits of each sequence into its next token.
 
     Greedy rows take the argmax. Sampled rows are processed together: temperature,
-    one sort for top-k and top-p, then an exponential race (argmax of p_i / E_i with
-    E_i ~ Exp(1) drawn from the request's own generator), which draws token i with
-    probability p_i as torch.multinomial would, but without multinomial's device
-    synchronisation on CUDA: the step keeps its one device read (the sampled ids).
-    Per-row parameters travel in pinned host tensors, copied without blocking."""
+    one vocabulary sort when some row uses top-k or top-p, then an exponential race
+    (argmax of p_i / E_i with E_i ~ Exp(1) drawn from the request's own generator),
+    which draws token i with probability p_i as torch.multinomial would, but without
+    multinomial's device synchronisation on CUDA: the step keeps its one device read
+    (the sampled ids). Per-row parameters travel in pinned host tensors, copied
+    without blocking."""
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
@@ -61,25 +62,27 @@ class Sampler:
         index = None if every else to_device(torch.tensor(rows), dev)
         chosen = [params[i] for i in rows]
         temps = to_device(torch.tensor([p.temperature for p in chosen], dtype=torch.float32), dev)
-        ks = to_device(torch.tensor([p.top_k or vocab for p in chosen]), dev)
-        top_ps = to_device(torch.tensor([p.top_p for p in chosen], dtype=torch.float32), dev)
-
         scaled = (logits if every else logits.index_select(0, index)) / temps[:, None]
-        ordered, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=dev)
-        ordered = ordered.masked_fill(ranks[None, :] >= ks[:, None], float("-inf"))
-        probs = torch.softmax(ordered, dim=-1)
-        # drop a token when the mass before it already reaches top_p (always keep the first:
-        # a top_p below float32's smallest value would drop it too)
-        drop = (probs.cumsum(-1) - probs >= top_ps[:, None]) & (ranks[None, :] > 0)
-        probs = probs.masked_fill(drop, 0.0)
+        order = None
+        if any(p.top_k or p.top_p < 1.0 for p in chosen):  # a vocabulary sort only if needed
+            ks = to_device(torch.tensor([p.top_k or vocab for p in chosen]), dev)
+            top_ps = to_device(torch.tensor([p.top_p for p in chosen], dtype=torch.float32), dev)
+            scaled, order = scaled.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=dev)
+            scaled = scaled.masked_fill(ranks[None, :] >= ks[:, None], float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if order is not None:
+            # drop a token when the mass before it already reaches top_p (always keep the
+            # first: a top_p below float32's smallest value would drop it too)
+            drop = (probs.cumsum(-1) - probs >= top_ps[:, None]) & (ranks[None, :] > 0)
+            probs = probs.masked_fill(drop, 0.0)
 
         race = torch.empty_like(probs)
         for j, i in enumerate(rows):
             race[j].exponential_(generator=self._generator(request_ids[i], params[i], dev))
         # tiny: a zero draw would make 0/0 = NaN win the argmax
         picked = (probs / race.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(-1, keepdim=True)
-        sampled = order.gather(-1, picked).squeeze(-1)
+        sampled = (picked if order is None else order.gather(-1, picked)).squeeze(-1)
         if every:
             return sampled
         return tokens.index_copy_(0, index, sampled)

@@ -91,7 +91,7 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
     assert gpu.prefetcher.loads_started >= len(names) > gpu.config.num_slots - 1  # churned
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", ["greedy", "temperature", "top-k-top-p"])
 def test_a_step_synchronises_once_for_the_sampled_ids(tiny, sampling):
     """Sync-free batch preparation on a real GPU: with CUDA's sync debug mode on, each step
     that runs a batch makes exactly one synchronising call (reading the sampled ids)."""
@@ -99,11 +99,11 @@ def test_a_step_synchronises_once_for_the_sampled_ids(tiny, sampling):
     eng = engine(tiny, "cuda", num_slots=len(names) + 1)
     for name, path in tiny.adapters.items():
         eng.load_adapter(name, path)
-    params = (
-        GREEDY
-        if sampling == "greedy"
-        else SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=7)
-    )
+    params = {
+        "greedy": GREEDY,
+        "temperature": SamplingParams(max_tokens=12, temperature=0.8, seed=7),
+        "top-k-top-p": SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=7),
+    }[sampling]
     for i in range(8):
         eng.add_request(prompt(i), params, ([None] + names)[i % (len(names) + 1)])
     eng.step()  # first prefill: lazy CUDA/Triton initialisation stays out of the count

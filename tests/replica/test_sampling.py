@@ -55,3 +55,23 @@ def test_a_zero_probability_token_is_never_drawn():
     sampler, params = Sampler(), SamplingParams(temperature=1.0, seed=4)
     seen = {int(sampler.sample(logits.clone(), [params], ["r"])[0]) for _ in range(500)}
     assert seen == {0, 2}
+
+
+def test_rows_with_different_parameters_in_one_batch_keep_their_own():
+    """Greedy rows, a top-k row and a plain temperature row sampled in one call."""
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS, LOGITS.flip(0)])
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=2, seed=5),
+        SamplingParams(temperature=1.0, seed=6),
+        SamplingParams(),
+    ]
+    sampler, counts = Sampler(), torch.zeros(4, LOGITS.shape[0])
+    for _ in range(DRAWS):
+        tokens = sampler.sample(logits.clone(), params, ["g1", "k", "t", "g2"])
+        counts[torch.arange(4), tokens] += 1
+    freq = counts / DRAWS
+    assert freq[0, 0] == 1 and freq[3, -1] == 1  # greedy rows: the argmax every time
+    assert freq[1, :-2].sum() == 0  # top-2 of the flipped logits: the last two tokens
+    assert (freq[1, -2:] - torch.softmax(LOGITS.flip(0)[-2:], -1)).abs().max() < 0.026
+    assert (freq[2] - torch.softmax(LOGITS, -1)).abs().max() < 0.026
