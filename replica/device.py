@@ -5,6 +5,7 @@ Everything above this module is the same code on both.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -83,6 +84,53 @@ def wait_any(handles: list[LoadHandle], timeout_s: float) -> None:
     """Block until one load's job has finished (or the timeout): only for a step loop
     with nothing else to run. A CUDA event still pending is caught by the next poll."""
     futures_wait([h._future for h in handles], timeout_s, return_when=FIRST_COMPLETED)
+
+
+class StepProgress:
+    """How far the running step's forward has got, for a load into a slot that step still
+    reads (its sequences all end with this step): the load writes layer i only once the
+    forward is past layer i. On CUDA each layer's end is an event on the compute stream
+    that the loading stream waits on; on CPU the forward runs in the caller, so reaching
+    the layer is enough. finish() releases every waiter, also when the forward failed."""
+
+    def __init__(self, device: torch.device, timeout_s: float = 60.0) -> None:
+        self._cuda = device.type == "cuda"
+        self._cond = threading.Condition()
+        self._done = -1  # last layer the forward has finished
+        self._finished = False
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._timeout_s = timeout_s
+
+    def layer_done(self, layer: int) -> None:
+        """Called by the forward after layer `layer` (on the compute thread)."""
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        with self._cond:
+            if event is not None:
+                self._events[layer] = event
+            self._done = layer
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        """Block the loading thread until the forward is past `layer`; on CUDA also order
+        the current (loading) stream after that layer's kernels."""
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._done >= layer or self._finished, self._timeout_s
+            ):
+                raise TimeoutError(f"the step never finished layer {layer}")
+            event = self._events.get(layer)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        elif self._cuda:  # the forward stopped before this layer: wait for all of it
+            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
 
 
 class SideStreamLoader:

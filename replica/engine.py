@@ -16,7 +16,13 @@ import torch
 from replica.adapter_format import LoRAAdapterWeights, SelectLoRA
 from replica.batch import plan_batch
 from replica.config import EngineConfig
-from replica.device import InlineLoader, SideStreamLoader, resolve_device, resolve_dtype
+from replica.device import (
+    InlineLoader,
+    SideStreamLoader,
+    StepProgress,
+    resolve_device,
+    resolve_dtype,
+)
 from replica.eviction import make_policy
 from replica.host_cache import AdapterLocator, AdapterSource, HostCache, PeftDirectorySource
 from replica.kv_cache import BlockAllocator, blocks_needed
@@ -250,7 +256,16 @@ class LLMEngine:
         self.stats.steps += 1
         work = scheduled.ordered()
         plan, sampled = plan_batch(work, self.config.block_size)
-        logits = self.executor.execute(plan, self.lora.ranks, self.lora.scalings)
+        # this step's view of the slots, taken before a hand-over clears the ending ones
+        ranks = {group: list(r) for group, r in self.lora.ranks.items()}
+        scalings = list(self.lora.scalings)
+        progress = self._hand_over_ending_slots(sampled)
+        hook = {} if progress is None else {"layer_done": progress.layer_done}
+        try:
+            logits = self.executor.execute(plan, ranks, scalings, **hook)
+        finally:
+            if progress is not None:
+                progress.finish()
         tokens = self.sampler.sample(
             logits, [s.sampling for s in sampled], [s.request_id for s in sampled]
         )
@@ -260,6 +275,30 @@ class LLMEngine:
         outputs += [self._append(seq, tok) for seq, tok in zip(sampled, new_tokens)]
         self._evict_unloaded()
         return outputs
+
+    def _hand_over_ending_slots(self, sampled: list[Sequence]) -> StepProgress | None:
+        """Slots whose every running sequence ends with this step (its last token by
+        max_tokens or the context length) start loading the adapters waiting requests
+        need now, each layer after this step's forward is past it: when a whole batch
+        ends at once, the next one's adapters are in place instead of loading then."""
+        if self.tp is not None or self.config.adapter_loading == "sync":
+            return None
+        waiting = self.scheduler.waiting
+        if not waiting or self.prefetcher.num_inflight >= self.config.max_loads_in_flight:
+            return None
+        ending_refs: dict[int, int] = {}
+        for seq in sampled:
+            last = len(seq.output_ids) + 1 >= seq.sampling.max_tokens
+            if seq.slot and (last or seq.num_tokens + 1 >= self.max_model_len):
+                ending_refs[seq.slot] = ending_refs.get(seq.slot, 0) + 1
+        slots = self.pool.slots
+        ending = [i for i, n in ending_refs.items() if slots[i].refs == n and not slots[i].pinned]
+        if not ending:
+            return None
+        progress = StepProgress(self.device)
+        if not self.prefetcher.hand_over((s.lora_key for s in waiting), ending, progress):
+            return None
+        return progress
 
     @property
     def load_wait_seconds(self) -> float:

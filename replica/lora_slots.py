@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from replica.adapter_format import LoRAAdapterWeights
+from replica.device import StepProgress
 from replica.lora_layers import MODULE_GROUPS, LoRABuffers
 from replica.model_config import ModelSpec
 
@@ -52,12 +53,16 @@ class LoRASlotBuffers:
         # the rows a previous, larger adapter left behind, not the whole slot.
         self._dirty_rank = [0] * num_slots
 
-    def write(self, slot: int, adapter: LoRAAdapterWeights) -> None:
+    def write(
+        self, slot: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
+    ) -> None:
         """Copy `adapter` into `slot` (zero-padding past its rank and untargeted modules).
 
         The copies are issued on the current stream; callers choose it (the
         prefetcher runs this on a side stream and records an event after). The
-        slot's rank stays 0 (invisible to batches) until activate()."""
+        slot's rank stays 0 (invisible to batches) until activate(). With `progress`,
+        the slot is one the running step still reads: layer i is written only once
+        that step is past layer i."""
         if slot == 0:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
         if adapter.rank > self.max_rank:
@@ -65,6 +70,8 @@ class LoRASlotBuffers:
         r, dirty = adapter.rank, self._dirty_rank[slot]
         self._dirty_rank[slot] = max(dirty, r)  # holds even if a copy below fails
         for layer, groups in enumerate(self.layers):
+            if progress is not None:
+                progress.wait_layer(layer)
             for buf in groups.values():
                 for j, module in enumerate(buf.slice_names):
                     ab = adapter.weights.get((layer, module))

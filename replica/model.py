@@ -7,6 +7,7 @@ sequences, prefill and decode mixed, over the engine's paged KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,16 +145,23 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: KVCache, logit_rows: torch.Tensor | None = None
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        logit_rows: torch.Tensor | None = None,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run the batch; returns float32 logits [len(logit_rows), vocab] (all rows if None)."""
+        """Run the batch; returns float32 logits [len(logit_rows), vocab] (all rows if None).
+        `layer_done(i)` is called once layer i's work is issued (replica.device.StepProgress)."""
         tp = self.tp
         if tp is None:
             x = F.embedding(batch.input_ids, self.embed)
         else:  # vocab-parallel: each rank embeds its ids, an all-reduce sums the parts
             x = tp.embed(batch.input_ids, self.embed)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, batch, self.rope, kv)
+            if layer_done is not None:
+                layer_done(i)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         logits = F.linear(self.norm(x), self.lm_head)

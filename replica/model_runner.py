@@ -6,6 +6,8 @@ built from the same config, and runs the plans rank 0 sends it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from replica.batch import BatchPlan, build_batch
@@ -44,9 +46,11 @@ class ModelRunner:
         slot_ranks: dict[str, list[int]],
         slot_scalings: list[float],
         all_rows: bool = False,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """float32 logits of the plan's sampled rows (of every row if all_rows)."""
         batch, logit_rows = build_batch(
             plan, self.block_size, slot_ranks, slot_scalings, self.device
         )
-        return self.model.forward(batch, self.kv, None if all_rows else logit_rows)
+        rows = None if all_rows else logit_rows
+        return self.model.forward(batch, self.kv, rows, layer_done)

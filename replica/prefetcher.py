@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from replica.device import LoadHandle, wait_any
+from replica.device import LoadHandle, StepProgress, wait_any
 from replica.host_cache import HostCache
 from replica.lora_slots import LoRASlotBuffers
 from replica.slot_pool import AdapterSlotPool
@@ -51,6 +51,7 @@ class Prefetcher:
         self.load_seconds = 0.0  # summed start->ready latency
         self.recent_load_seconds: deque[float] = deque(maxlen=4096)  # drained by telemetry
         self.blocked_seconds = 0.0  # caller time inside loader.submit (the whole load if inline)
+        self.handovers = 0  # loads into slots whose sequences were running their last step
 
     @property
     def num_inflight(self) -> int:
@@ -86,12 +87,7 @@ class Prefetcher:
 
     def prefetch(self, wanted: Iterable[str]) -> None:
         """Start loads for adapters in `wanted` (queue order, first W) that are not resident."""
-        names: list[str] = []
-        for n in wanted:  # stop at W distinct names: never walk the whole queue each step
-            if len(names) >= self.window:
-                break
-            if n is not None and n not in names:
-                names.append(n)
+        names = self._window(wanted)
         for k, name in enumerate(names):
             if len(self._inflight) >= self.max_inflight:
                 return
@@ -102,16 +98,58 @@ class Prefetcher:
             if not self.start(name, set(names[:k])):
                 return  # no slot can be freed now; try again next step
 
+    def hand_over(self, wanted: Iterable[str], ending: list[int], progress: StepProgress) -> int:
+        """Load adapters the first W waiting requests need into `ending` slots: slots whose
+        every sequence ends with the step now running. Each load writes a layer once the
+        step is past it (`progress`, a replica.device.StepProgress), so the next requests'
+        adapters are in place as the step ends instead of starting to load then.
+        Returns the loads started."""
+        names = self._window(wanted)
+        ending = list(ending)
+        started = 0
+        for k, name in enumerate(names):
+            if not ending or len(self._inflight) >= self.max_inflight:
+                break
+            if self.pool.state(name) is not None:
+                continue
+            # an adapter wanted by an older request stays; one nobody waits for goes first
+            free = [i for i in ending if self.pool.slots[i].adapter not in names[:k]]
+            if not free:
+                break
+            idx = min(free, key=lambda i: self.pool.slots[i].adapter in names)
+            ending.remove(idx)
+            self.pool.hand_over(name, idx)
+            self._submit(name, idx, progress)
+            self.handovers += 1
+            started += 1
+        return started
+
+    def _window(self, wanted: Iterable[str]) -> list[str]:
+        names: list[str] = []
+        for n in wanted:  # stop at W distinct names: never walk the whole queue each step
+            if len(names) >= self.window:
+                break
+            if n is not None and n not in names:
+                names.append(n)
+        return names
+
     def start(self, name: str, protected: set[str] = frozenset()) -> bool:
         slot = self.pool.reserve(name, protected, self.host_cache.rank_of(name))
         if slot is None:
             return False
+        self._submit(name, slot)
+        return True
+
+    def _submit(self, name: str, slot: int, progress: StepProgress | None = None) -> None:
         self.buffers.clear(slot)
         meta: dict = {}
 
         def job() -> None:
             weights = self.host_cache.get(name)
-            self.buffers.write(slot, weights)
+            if progress is None:
+                self.buffers.write(slot, weights)
+            else:
+                self.buffers.write(slot, weights, progress)
             meta["adapter"] = weights
 
         started = time.perf_counter()
@@ -119,4 +157,3 @@ class Prefetcher:
         handle = self.loader.submit(job)
         self.blocked_seconds += time.perf_counter() - started
         self._inflight[name] = _InFlight(name, slot, handle, started, meta)
-        return True

@@ -88,6 +88,20 @@ class AdapterSlotPool:
         self._by_name[name] = slot.index
         return slot.index
 
+    def hand_over(self, name: str, index: int) -> None:
+        """Give slot `index` to `name` (LOADING) while the sequences that reference it run
+        their last step: its adapter is evicted now and the refs drain when they finish.
+        The caller orders the new copies after that step's reads (StepProgress)."""
+        if name in self._by_name:
+            raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
+        slot = self.slots[index]
+        if slot.pinned or slot.state is not SlotState.READY:
+            raise ValueError(f"slot {index} cannot be handed over: {slot}")
+        self._drop(slot)
+        self.num_evictions += 1
+        slot.adapter, slot.state, slot.used = name, SlotState.LOADING, False
+        self._by_name[name] = index
+
     def mark_ready(self, index: int) -> None:
         slot = self.slots[index]
         assert slot.state is SlotState.LOADING, slot

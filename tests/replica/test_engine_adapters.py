@@ -180,6 +180,20 @@ def test_base_slot_unpinned_ablation_still_correct(tiny):
     assert eng.prefetcher.loads_started >= 3  # the base had to be "loaded" like an adapter
 
 
+def test_a_batch_ending_at_once_hands_its_slots_to_the_next_adapters(tiny):
+    """Every request has the same length, so a whole batch ends in one step. The slots it
+    frees start loading the waiting requests' adapters during that last step, layer by
+    layer behind the forward; the tokens stay each request's solo tokens."""
+    names = list(tiny.adapters)
+    eng = engine(tiny, num_slots=3, max_loras_per_batch=2)
+    seqs = [eng.add_request(prompt(i), GREEDY, names[i % len(names)]) for i in range(8)]
+    run(eng, check=eng.pool.check_integrity)
+    assert eng.prefetcher.handovers >= 2
+    alone = engine(tiny, num_slots=6)
+    for s in seqs:
+        assert s.output_ids == alone.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+
+
 @pytest.mark.parametrize("loading", ["overlap", "sync"])
 def test_loading_modes_agree(tiny, loading):
     eng = engine(tiny, adapter_loading=loading, num_slots=3)

@@ -67,8 +67,9 @@ def test_bf16_logits_stay_close_to_the_fp32_oracle(tiny):
 
 
 def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
-    """More adapters than slots, loads on the side stream overlapped with compute: the
-    same tokens as the CPU engine, slot bookkeeping intact after every step."""
+    """More adapters than slots, loads on the side stream overlapped with compute (also
+    into slots whose batch is running its last step): the same tokens as the CPU engine,
+    slot bookkeeping intact after every step."""
     names = list(tiny.adapters)
     adapters = [None if i % 5 == 4 else names[i % len(names)] for i in range(20)]
     requests = [(prompt(i), GREEDY, a) for i, a in enumerate(adapters)]
@@ -89,6 +90,7 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
     want = [s.output_ids for s in cpu.generate(requests)]
     assert [s.output_ids for s in seqs] == want
     assert gpu.prefetcher.loads_started >= len(names) > gpu.config.num_slots - 1  # churned
+    assert gpu.prefetcher.handovers > 0  # loads ordered behind a step's layers by CUDA events
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "temperature", "top-k-top-p"])

@@ -3,9 +3,13 @@ whatever larger adapter held the slot before (loads zero only what is dirty)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from replica.adapter_format import LoRAAdapterWeights
+from replica.device import StepProgress
 from replica.lora_slots import LoRASlotBuffers
 from replica.model_config import load_model_spec
 
@@ -42,3 +46,34 @@ def test_a_load_after_a_larger_adapter_equals_a_load_into_a_fresh_slot(tiny):
         for got, want in zip(snapshot(used, 1), snapshot(fresh, 1)):
             assert torch.equal(got, want)
     assert all(torch.count_nonzero(t) == 0 for t in snapshot(used, 2))  # neighbours untouched
+
+
+def test_a_handed_over_slot_is_written_layer_by_layer_behind_the_step(tiny):
+    """A load into a slot the running step still reads writes layer i only once the step
+    has finished layer i (StepProgress), and every layer once the step is over."""
+    spec = load_model_spec(tiny.model_dir)
+    assert spec.num_layers >= 2
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    bufs.write(1, adapter(spec, "old", 8, ("q_proj",), 3))
+    before = [layer["qkv_proj"].a[1].clone() for layer in bufs.layers]
+    progress = StepProgress(torch.device("cpu"), timeout_s=30)
+    load = threading.Thread(
+        target=bufs.write, args=(1, adapter(spec, "new", 8, ("q_proj",), 4), progress)
+    )
+    load.start()
+
+    def written(layer: int) -> bool:
+        return not torch.equal(bufs.layers[layer]["qkv_proj"].a[1], before[layer])
+
+    time.sleep(0.2)
+    assert not written(0), "layer 0 written before the step finished it"
+    progress.layer_done(0)
+    for _ in range(200):  # bounded: the loader needs a moment to wake up
+        if written(0):
+            break
+        time.sleep(0.01)
+    assert written(0)
+    assert not written(1), "layer 1 written before the step finished it"
+    progress.finish()  # the step ended (or failed): nothing holds the load back any more
+    load.join(10)
+    assert not load.is_alive() and all(written(i) for i in range(spec.num_layers))
