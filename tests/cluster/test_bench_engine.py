@@ -12,6 +12,7 @@ from cluster.cli import main
 HEADLINE = (
     "speedup_vs_hf_peft",
     "speedup_ceiling_estimate",
+    "speedup_ceiling_with_lora_decode",
     "load_stall_ratio_overlap_on_vs_off",
     "load_stall_ratio_with_spare_slot",
     "base_ttft_p50_ratio_churn_vs_base_only",
