@@ -331,35 +331,21 @@ def lora_shrink(
     out = torch.zeros(T, a.shape[1], dtype=torch.float32, device=x.device)
     if not seg.has_lora or T == 0 or seg.num_segments == 0:
         return out
-    if _bgmv(seg):
-        cfg = shrink_bgmv_config(K, r_max)
-        grid = (seg.num_segments, 1, num_slices * cfg["SPLIT_K"])
-        _shrink_bgmv_kernel[grid](
-            x, a, out, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, K, r_max,
-            x.stride(0), a.stride(0), a.stride(1), out.stride(0), **cfg,
-        )  # fmt: skip
-        return out
-    cfg = shrink_config(seg.max_seg_len, K, r_max, x.dtype)
-    grid = (
-        seg.num_segments,
-        triton.cdiv(seg.max_seg_len, cfg["BLOCK_M"]),
-        num_slices * triton.cdiv(r_max, cfg["BLOCK_N"]) * cfg["SPLIT_K"],
-    )
-    _shrink_kernel[grid](
-        x,
-        a,
-        out,
-        seg.seg_indptr,
-        seg.seg_slots,
-        seg.slot_ranks,
-        K,
-        r_max,
-        x.stride(0),
-        a.stride(0),
-        a.stride(1),
-        out.stride(0),
-        **cfg,
-    )
+    # one launch contract, two families: grid dims are (segment, row block, slice x rest)
+    if _bgmv(seg):  # one program per token
+        kernel, cfg = _shrink_bgmv_kernel, shrink_bgmv_config(K, r_max)
+        grid = (seg.num_segments, seg.max_seg_len, num_slices * cfg["SPLIT_K"])
+    else:
+        kernel, cfg = _shrink_kernel, shrink_config(seg.max_seg_len, K, r_max, x.dtype)
+        grid = (
+            seg.num_segments,
+            triton.cdiv(seg.max_seg_len, cfg["BLOCK_M"]),
+            num_slices * triton.cdiv(r_max, cfg["BLOCK_N"]) * cfg["SPLIT_K"],
+        )
+    kernel[grid](
+        x, a, out, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, K, r_max,
+        x.stride(0), a.stride(0), a.stride(1), out.stride(0), **cfg,
+    )  # fmt: skip
     return out
 
 
@@ -380,34 +366,16 @@ def lora_expand(
     width = max((c1 - c0 for c0, c1 in zip(slice_offsets, slice_offsets[1:])), default=0)
     if not seg.has_lora or y.shape[0] == 0 or seg.num_segments == 0 or width == 0:
         return y
-    offsets = _offsets_tensor(tuple(slice_offsets), y.device)
-    if _bgmv(seg):
-        cfg = expand_bgmv_config(b.shape[2])
-        n_blocks = triton.cdiv(width, cfg["BLOCK_N"])
-        _expand_bgmv_kernel[(seg.num_segments, 1, num_slices * n_blocks)](
-            inter, b, y, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings,
-            offsets, b.shape[2], n_blocks, inter.stride(0), b.stride(0), b.stride(1),
-            y.stride(0), **cfg,
-        )  # fmt: skip
-        return y
-    cfg = expand_config(seg.max_seg_len, y.dtype)
+    if _bgmv(seg):  # one program per token
+        kernel, cfg = _expand_bgmv_kernel, expand_bgmv_config(b.shape[2])
+        rows = seg.max_seg_len
+    else:
+        kernel, cfg = _expand_kernel, expand_config(seg.max_seg_len, y.dtype)
+        rows = triton.cdiv(seg.max_seg_len, cfg["BLOCK_M"])
     n_blocks = triton.cdiv(width, cfg["BLOCK_N"])
-    grid = (seg.num_segments, triton.cdiv(seg.max_seg_len, cfg["BLOCK_M"]), num_slices * n_blocks)
-    _expand_kernel[grid](
-        inter,
-        b,
-        y,
-        seg.seg_indptr,
-        seg.seg_slots,
-        seg.slot_ranks,
-        seg.slot_scalings,
-        offsets,
-        b.shape[2],
-        n_blocks,
-        inter.stride(0),
-        b.stride(0),
-        b.stride(1),
-        y.stride(0),
-        **cfg,
-    )
+    kernel[(seg.num_segments, rows, num_slices * n_blocks)](
+        inter, b, y, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings,
+        _offsets_tensor(tuple(slice_offsets), y.device), b.shape[2], n_blocks,
+        inter.stride(0), b.stride(0), b.stride(1), y.stride(0), **cfg,
+    )  # fmt: skip
     return y
