@@ -74,33 +74,20 @@ class AdapterSlotPool:
 
         Adapters in `protected` (wanted by requests about to run) are not evicted.
         `rank`, when known, places the adapter among free slots (see _free_slot)."""
-        if name in self._by_name:
-            raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
-        slot = self._free_slot(rank)
+        slot = self._free_slot(rank) or self._victim(protected)
         if slot is None:
-            victim = self._victim(protected)
-            if victim is None:
-                return None
-            self._drop(victim)
-            self.num_evictions += 1
-            slot = victim
-        slot.adapter, slot.state, slot.used = name, SlotState.LOADING, False
-        self._by_name[name] = slot.index
+            return None
+        self._claim(slot, name)
         return slot.index
 
     def hand_over(self, name: str, index: int) -> None:
         """Give slot `index` to `name` (LOADING) while the sequences that reference it run
         their last step: its adapter is evicted now and the refs drain when they finish.
         The caller orders the new copies after that step's reads (StepProgress)."""
-        if name in self._by_name:
-            raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
         slot = self.slots[index]
         if slot.pinned or slot.state is not SlotState.READY:
             raise ValueError(f"slot {index} cannot be handed over: {slot}")
-        self._drop(slot)
-        self.num_evictions += 1
-        slot.adapter, slot.state, slot.used = name, SlotState.LOADING, False
-        self._by_name[name] = index
+        self._claim(slot, name)
 
     def mark_ready(self, index: int) -> None:
         slot = self.slots[index]
@@ -175,6 +162,16 @@ class AdapterSlotPool:
         }  # fmt: skip
         name = self.policy.select_victim(candidates)
         return candidates.get(name) if name is not None else None
+
+    def _claim(self, slot: Slot, name: str) -> None:
+        """`slot` (FREE, or READY and evicted here) starts loading `name`."""
+        if name in self._by_name:
+            raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
+        if slot.state is not SlotState.FREE:
+            self._drop(slot)
+            self.num_evictions += 1
+        slot.adapter, slot.state, slot.used = name, SlotState.LOADING, False
+        self._by_name[name] = slot.index
 
     def _drop(self, slot: Slot) -> None:
         self._by_name.pop(slot.adapter, None)
