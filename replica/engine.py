@@ -256,10 +256,15 @@ class LLMEngine:
         self.stats.steps += 1
         work = scheduled.ordered()
         plan, sampled = plan_batch(work, self.config.block_size)
-        # this step's view of the slots, taken before a hand-over clears the ending ones
-        ranks = {group: list(r) for group, r in self.lora.ranks.items()}
-        scalings = list(self.lora.scalings)
-        progress = self._hand_over_ending_slots(sampled)
+        ranks, scalings, progress = self.lora.ranks, self.lora.scalings, None
+        ending = self._ending_slots(sampled)
+        if ending:
+            # this step's view of the slots, taken before the hand-over clears ending ones
+            ranks, scalings = {g: list(r) for g, r in ranks.items()}, list(scalings)
+            progress = StepProgress(self.device)
+            waiting = (s.lora_key for s in self.scheduler.waiting)
+            if not self.prefetcher.hand_over(waiting, ending, progress):
+                progress = None
         hook = {} if progress is None else {"layer_done": progress.layer_done}
         try:
             logits = self.executor.execute(plan, ranks, scalings, **hook)
@@ -276,29 +281,25 @@ class LLMEngine:
         self._evict_unloaded()
         return outputs
 
-    def _hand_over_ending_slots(self, sampled: list[Sequence]) -> StepProgress | None:
+    def _ending_slots(self, sampled: list[Sequence]) -> list[int]:
         """Slots whose every running sequence ends with this step (its last token by
-        max_tokens or the context length) start loading the adapters waiting requests
-        need now, each layer after this step's forward is past it: when a whole batch
-        ends at once, the next one's adapters are in place instead of loading then."""
+        max_tokens or the context length), when waiting requests could use them: they are
+        handed over during the step, each layer loaded once the forward is past it, so a
+        batch that ends at once is followed by its successor's adapters, not by a load."""
         if self.tp is not None or self.config.adapter_loading == "sync":
-            return None
-        waiting = self.scheduler.waiting
-        if not waiting or self.prefetcher.num_inflight >= self.config.max_loads_in_flight:
-            return None
+            return []
+        if (
+            not self.scheduler.waiting
+            or self.prefetcher.num_inflight >= self.config.max_loads_in_flight
+        ):
+            return []
         ending_refs: dict[int, int] = {}
         for seq in sampled:
             last = len(seq.output_ids) + 1 >= seq.sampling.max_tokens
             if seq.slot and (last or seq.num_tokens + 1 >= self.max_model_len):
                 ending_refs[seq.slot] = ending_refs.get(seq.slot, 0) + 1
         slots = self.pool.slots
-        ending = [i for i, n in ending_refs.items() if slots[i].refs == n and not slots[i].pinned]
-        if not ending:
-            return None
-        progress = StepProgress(self.device)
-        if not self.prefetcher.hand_over((s.lora_key for s in waiting), ending, progress):
-            return None
-        return progress
+        return [i for i, n in ending_refs.items() if slots[i].refs == n and not slots[i].pinned]
 
     @property
     def load_wait_seconds(self) -> float:
