@@ -146,10 +146,7 @@ class Prefetcher:
 
         def job() -> None:
             weights = self.host_cache.get(name)
-            if progress is None:
-                self.buffers.write(slot, weights)
-            else:
-                self.buffers.write(slot, weights, progress)
+            self.buffers.write(slot, weights, progress)
             meta["adapter"] = weights
 
         started = time.perf_counter()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from replica.adapter_format import LoRAAdapterWeights
+from replica.device import StepProgress
 from replica.host_cache import AdapterLocator
 from replica.lora_slots import LoRASlotBuffers
 from replica.parallel.shard import TPShard
@@ -61,8 +62,14 @@ class ShardedSlotWriter:
     ) -> None:
         self.local, self.group, self.locate = local, group, locate
 
-    def write(self, slot: int, adapter: LoRAAdapterWeights) -> None:
-        """Runs on rank 0's loader thread; returns once every rank holds the adapter."""
+    def write(
+        self, slot: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
+    ) -> None:
+        """Runs on rank 0's loader thread; returns once every rank holds the adapter.
+        No hand-over under TP (the engine never passes `progress`): the other ranks' copies
+        could not be ordered behind rank 0's layers."""
+        if progress is not None:
+            raise ValueError("slot hand-over is not supported with tensor parallelism")
         pending = self.group.load_on_ranks(slot, adapter.name, self.locate(adapter.name))
         self.local.write(slot, adapter)
         self.group.wait_loads(pending)
