@@ -32,7 +32,7 @@ class AppConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="The base model's name in the API (default: the model directory name)."
     )
-    adapters: dict[str, str] | Literal["demo", "demo-trained"] = Field(  # DEMOS
+    adapters: dict[str, str] | Literal["demo", "demo-trained"] = Field(  # the names in DEMOS
         default_factory=dict,
         description="Adapters registered at start: name -> PEFT directory, or 'demo' / "
         "'demo-trained' (the demo's adapters; with engine.model the same demo).",
