@@ -114,6 +114,7 @@ def _expand_kernel(
     stride_it,
     stride_bs,
     stride_bn,
+    stride_br,  # 1 for contiguous B; any other (the torch path's rank-major layout) works
     stride_yt,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -148,7 +149,11 @@ def _expand_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < rank
         t = tl.load(t_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(b_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        w = tl.load(
+            b_cols + offs_k[:, None] * stride_br,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
         acc += tl.dot(t, w.to(tl.float32), input_precision=PRECISION)  # [BM, BK] @ [BK, BN]
     acc *= tl.load(scalings_ptr + slot)
 
@@ -217,6 +222,7 @@ def _expand_bgmv_kernel(
     stride_it,
     stride_bs,
     stride_bn,
+    stride_br,  # 1 for contiguous B; any other (the torch path's rank-major layout) works
     stride_yt,
     BLOCK_R: tl.constexpr,  # >= R
     BLOCK_N: tl.constexpr,
@@ -238,7 +244,9 @@ def _expand_bgmv_kernel(
     mask_n = offs_n < c1
     t = tl.load(inter_ptr + row.to(tl.int64) * stride_it + j * R + offs_r, mask=mask_r, other=0.0)
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
-    w = tl.load(b_rows + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+    w = tl.load(
+        b_rows + offs_r[None, :] * stride_br, mask=mask_n[:, None] & mask_r[None, :], other=0.0
+    )
     acc = tl.sum(w.to(tl.float32) * t[None, :], axis=1) * tl.load(scalings_ptr + slot)
     y = y_ptr + row.to(tl.int64) * stride_yt + offs_n
     old = tl.load(y, mask=mask_n, other=0.0)
@@ -352,16 +360,14 @@ def lora_shrink(
 def lora_expand(
     y: torch.Tensor,  # [T, N], updated in place
     inter: torch.Tensor,  # [T, num_slices*R] float32
-    b: torch.Tensor,  # [S, N, R], contiguous
+    b: torch.Tensor,  # [S, N, R], any strides (contiguous is the tuned layout)
     seg: SegmentInfo,
     slice_offsets: list[int],  # host, [num_slices+1]
 ) -> torch.Tensor:  # y
     """y[rows_g, c0:c1] += scaling[s] * inter[rows_g, j*R : j*R+r] @ b[s, c0:c1, :r]ᵀ per
     segment g with slot s != 0 and slice j = [c0, c1) = slice_offsets[j : j+2]; fp32
     accumulation rounded once into y.dtype. Arguments are checked by kernels.lora_expand."""
-    _check_launch(seg, y, inter, b)
-    if not b.is_contiguous():
-        raise ValueError("lora_expand: b must be contiguous")
+    _check_launch(seg, y, inter)
     num_slices = len(slice_offsets) - 1
     width = max((c1 - c0 for c0, c1 in zip(slice_offsets, slice_offsets[1:])), default=0)
     if not seg.has_lora or y.shape[0] == 0 or seg.num_segments == 0 or width == 0:
@@ -376,6 +382,6 @@ def lora_expand(
     kernel[(seg.num_segments, rows, num_slices * n_blocks)](
         inter, b, y, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings,
         _offsets_tensor(tuple(slice_offsets), y.device), b.shape[2], n_blocks,
-        inter.stride(0), b.stride(0), b.stride(1), y.stride(0), **cfg,
+        inter.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0), **cfg,
     )  # fmt: skip
     return y

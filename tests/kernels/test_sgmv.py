@@ -130,9 +130,16 @@ def make_case(
 
 
 def check_backend(backend: str, case: Case) -> None:
-    ops = BACKENDS[backend]
     if backend == "torch":
         case = zero_rank_padding(case)
+    # B contiguous (Triton's layout) and rank-major (the torch path's): see lora_b_buffer
+    _check_case(backend, case)
+    rank_major = case.b.transpose(1, 2).contiguous().transpose(1, 2)
+    _check_case(backend, dataclasses.replace(case, b=rank_major))
+
+
+def _check_case(backend: str, case: Case) -> None:
+    ops = BACKENDS[backend]
     ref_inter = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
     inter = ops.lora_shrink(case.x, case.a, case.seg, case.num_slices)
     assert inter.dtype == torch.float32 and inter.shape == ref_inter.shape
