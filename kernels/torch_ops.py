@@ -3,7 +3,13 @@
 Formulation: tokens are grouped by slot; used slots next to each other in the
 stacked buffers form a *run*, computed as one `torch.bmm` over a zero-copy view
 of the buffers (`a[lo:hi]`, `b[lo:hi, :, :r]` with r the run's largest rank),
-or, for a run of one slot, one 2-D matmul. Nothing is gathered.
+or, for a run of one slot, one 2-D matmul. No weight is gathered. When the run's
+slots hold different token counts, its rows are gathered once into the padded
+[(hi-lo), m] layout the bmm needs (a place past a slot's tokens repeats a real
+row) and every slice's matmul shares that operand; each result drops the padded
+places with one index_select. (Padding per matmul instead, zeros + index_copy_
+for every slice, cost ~14 ms of a 53 ms decode step of 32 tokens over 16 adapters
+of uneven popularity.) B reads fastest rank-major (kernels.lora_b_buffer).
 
 Picked by measurement (decode, 32 tokens with 32 rank-16 adapters, fp32,
 weights cold, 2-core CPU; `lorafleet bench kernels` and the report of the
@@ -58,8 +64,11 @@ class _Run:
     rows: torch.Tensor  # [n] int64: token rows in (slot, token) order
     row_range: tuple[int, int] | None  # rows are exactly range(*row_range): use views
     pos: torch.Tensor | None  # [n] int64: each row's place in the padded [(hi-lo)*m]; None: dense
+    # [(hi-lo)*m] int64 when padded: the row each padded place reads (a place past its
+    # slot's tokens repeats a real row; what it computes is dropped by pos)
+    padded_rows: torch.Tensor | None
     alpha: float  # scaling shared by every used slot (1.0 when they differ)
-    row_scale: torch.Tensor | None  # [n, 1] fp32 per-row scaling when slots differ
+    row_scale: torch.Tensor | None  # [n or (hi-lo)*m, 1] fp32 per operand row when slots differ
 
     @property
     def single(self) -> bool:
@@ -127,19 +136,31 @@ def _make_run(
     pos = None if dense else [(s - lo) * m + i for s in group for i in range(len(rows_of[s]))]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     shared = len({scalings[s] for s in group}) == 1
-    row_scale = [scalings[s] for s in group for _ in rows_of[s]]
+    if pos is None:
+        padded_rows = None
+        row_scale = [scalings[s] for s in group for _ in rows_of[s]]
+    else:  # every place of every slot in [lo, hi), m per slot
+        padded_rows = [
+            rows_of[s][i] if i < len(rows_of.get(s, ())) else rows[0]
+            for s in range(lo, hi)
+            for i in range(m)
+        ]
+        row_scale = [scalings[s] for s in range(lo, hi) for _ in range(m)]
+
+    def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
     return _Run(
         lo=lo,
         hi=hi,
         rank=max(ranks[s] for s in group),  # slots of lower rank read their zero padding
         m=m,
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        rows=tensor(rows),
         row_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
-        pos=None if pos is None else torch.tensor(pos, dtype=torch.int64, device=device),
+        pos=None if pos is None else tensor(pos),
+        padded_rows=None if padded_rows is None else tensor(padded_rows),
         alpha=scalings[group[0]] if shared else 1.0,
-        row_scale=None
-        if shared
-        else torch.tensor(row_scale, dtype=torch.float32, device=device)[:, None],
+        row_scale=None if shared else tensor(row_scale, torch.float32)[:, None],
     )
 
 
@@ -171,8 +192,12 @@ def _cut(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
     return t[(slice(None),) * dim + (slice(start, end),)]
 
 
-def _rows(src: torch.Tensor, run: _Run) -> torch.Tensor:
-    """src[run.rows] as float32: [n, src.shape[1]]; a view when the rows are a range."""
+def _operand(src: torch.Tensor, run: _Run) -> torch.Tensor:
+    """The run's rows of src as float32, in the matmul's layout: [n, k] when dense (a
+    view when the rows are a range), [(hi-lo)*m, k] padded otherwise. Gathered once per
+    run, so every slice's matmul shares it."""
+    if run.padded_rows is not None:
+        return src.index_select(0, run.padded_rows).float()
     if run.row_range is not None:
         return _cut(src, 0, *run.row_range).float()
     return src.index_select(0, run.rows).float()
@@ -184,18 +209,13 @@ def _slots(buf: torch.Tensor, run: _Run) -> torch.Tensor:
 
 
 def _matmul(p: torch.Tensor, w: torch.Tensor, run: _Run) -> torch.Tensor:
-    """p @ wᵀ per slot of the run: p [n, k] rows, w [N, k] (one slot) or
-    [(hi-lo), N, k] -> [n, N] fp32. One slot is a plain 2-D matmul (a batch-of-one
-    bmm costs more per call); several are one bmm over the padded rows."""
+    """p @ wᵀ per slot of the run: p from _operand, w [N, k] (one slot) or
+    [(hi-lo), N, k] -> [n, N] fp32, the padded places dropped. One slot is a plain 2-D
+    matmul (a batch-of-one bmm costs more per call); several are one bmm."""
     if run.single:
         return torch.nn.functional.linear(p, w.float())
-    shape = (run.hi - run.lo, run.m, p.shape[1])
-    if run.pos is None:
-        p = p.reshape(shape)
-    else:
-        p = p.new_zeros(shape[0] * shape[1], shape[2]).index_copy_(0, run.pos, p).view(shape)
-    res = torch.bmm(p, w.float().transpose(1, 2))  # [(hi-lo), m, N]
-    flat = res.view(-1, res.shape[-1])
+    res = torch.bmm(p.view(run.hi - run.lo, run.m, p.shape[1]), w.float().transpose(1, 2))
+    flat = res.view(-1, res.shape[-1])  # [(hi-lo)*m, N]
     return flat if run.pos is None else flat.index_select(0, run.pos)
 
 
@@ -212,7 +232,7 @@ def lora_shrink(
         return out
     r_max = a.shape[1] // num_slices
     for run in _plan(seg, r_max, num_slices * a.shape[2] * a.element_size(), x.device):
-        xs = _rows(x, run)  # [n, in]
+        xs = _operand(x, run)  # [n or (hi-lo)*m, in]
         w_all = _slots(a, run)  # [(hi-lo,) num_slices*R, in]
         # a rank filling every slice is one matmul over all of a's rows
         if run.rank == r_max:
@@ -242,13 +262,13 @@ def lora_expand(
     r_max = b.shape[2]
     used_cols = slice_offsets[-1] - slice_offsets[0]
     for run in _plan(seg, r_max, used_cols * b.element_size(), y.device):
-        t = _rows(inter, run)  # [n, num_slices*R]
+        t = _operand(inter, run)  # [n or (hi-lo)*m, num_slices*R]
         if run.row_scale is not None:
             t = t * run.row_scale  # slots differ in scaling: scale the small side
         w_all = _cut(_slots(b, run), -1, 0, run.rank)  # [(hi-lo,) out_total, r]
         for j in range(len(slice_offsets) - 1):
             c0, c1 = slice_offsets[j], slice_offsets[j + 1]
-            t_j = _cut(t, 1, j * r_max, j * r_max + run.rank)  # [n, r]
+            t_j = _cut(t, 1, j * r_max, j * r_max + run.rank)  # [., r]
             res = _matmul(t_j, _cut(w_all, -2, c0, c1), run)  # [n, c1-c0]
             _accumulate(_cut(y, 1, c0, c1), res, run)
     return y
