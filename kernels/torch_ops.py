@@ -8,8 +8,10 @@ slots hold different token counts, its rows are gathered once into the padded
 [(hi-lo), m] layout the bmm needs (a place past a slot's tokens repeats a real
 row) and every slice's matmul shares that operand; each result drops the padded
 places with one index_select. (Padding per matmul instead, zeros + index_copy_
-for every slice, cost ~14 ms of a 53 ms decode step of 32 tokens over 16 adapters
-of uneven popularity.) B reads fastest rank-major (kernels.lora_b_buffer).
+for every slice: decode step median 78 vs 71 ms, 32 tokens over 16 adapters of
+uneven popularity, the two alternated step by step.) Doing every slice of a run's
+shrink in one bmm (the operand repeated per slice) measured no faster: not done.
+B reads fastest rank-major (kernels.lora_b_buffer).
 
 Picked by measurement (decode, 32 tokens with 32 rank-16 adapters, fp32,
 weights cold, 2-core CPU; `lorafleet bench kernels` and the report of the
