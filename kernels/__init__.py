@@ -50,11 +50,11 @@ def lora_b_buffer(
 ) -> torch.Tensor:  # [S, out_features, R], zeros
     """Zeroed B slots in the memory layout the device's backend reads fastest (every
     backend accepts any layout). Triton's kernels are tuned for contiguous B. The torch
-    path gets them rank-major ([S, R, out] in memory,
-    seen transposed): a slot's first r rank columns are then r whole rows, so the
-    expand's matmul streams rows instead of r-of-R floats out of each, and a load
-    writes rows too (measured on the 2-core CPU, 8 slots of r=16 in R=64, 1408
-    columns: the bmm 47 -> 21 us; a decode step's LoRA part ~20 % faster)."""
+    path gets them rank-major ([S, R, out] in memory, seen transposed): a slot's first
+    r rank columns are then r whole rows, so the expand's matmul streams rows instead
+    of r-of-R floats out of each, and a load writes rows too (measured on the 2-core
+    CPU, 8 slots of r=16 in R=64, 1408 columns: the bmm 47 -> 21 us; a decode step's
+    LoRA part ~20 % faster)."""
     if backend_for(torch.empty(0, device=device)) == "triton":
         return torch.zeros(num_slots, out_features, max_rank, device=device, dtype=dtype)
     rank_major = torch.zeros(num_slots, max_rank, out_features, device=device, dtype=dtype)

@@ -216,7 +216,7 @@ def _matmul(p: torch.Tensor, w: torch.Tensor, run: _Run) -> torch.Tensor:
     matmul (a batch-of-one bmm costs more per call); several are one bmm."""
     if run.single:
         return torch.nn.functional.linear(p, w.float())
-    res = torch.bmm(p.view(run.hi - run.lo, run.m, p.shape[1]), w.float().transpose(1, 2))
+    res = torch.bmm(p.reshape(run.hi - run.lo, run.m, p.shape[1]), w.float().transpose(1, 2))
     flat = res.view(-1, res.shape[-1])  # [(hi-lo)*m, N]
     return flat if run.pos is None else flat.index_select(0, run.pos)
 
