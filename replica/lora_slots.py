@@ -126,8 +126,9 @@ def _fill(dst: np.ndarray | torch.Tensor, src: torch.Tensor | None) -> None:
     if isinstance(dst, np.ndarray):
         if src is None:
             dst.fill(0)
-        else:
-            np.copyto(dst, src.numpy(), casting="same_kind")
+        else:  # numpy has no bfloat16: widen it first (fp16/fp32 numpy casts itself)
+            host = src.float() if src.dtype == torch.bfloat16 else src
+            np.copyto(dst, host.numpy(), casting="same_kind")
     elif src is None:
         dst.zero_()
     else:

@@ -77,3 +77,20 @@ def test_a_handed_over_slot_is_written_layer_by_layer_behind_the_step(tiny):
     progress.finish()  # the step ended (or failed): nothing holds the load back any more
     load.join(10)
     assert not load.is_alive() and all(written(i) for i in range(spec.num_layers))
+
+
+def test_adapters_in_half_precision_files_load_into_fp32_slots(tiny):
+    """PEFT files are often bf16 or fp16 and the conversion keeps their dtype; a CPU
+    engine's fp32 slots hold them widened exactly (numpy has no bfloat16)."""
+    spec = load_model_spec(tiny.model_dir)
+    modules = ("q_proj", "down_proj")
+    for dtype in (torch.bfloat16, torch.float16):
+        src = adapter(spec, "half", 8, modules, 4)
+        src.weights = {k: (a.to(dtype), b.to(dtype)) for k, (a, b) in src.weights.items()}
+        bufs = LoRASlotBuffers(spec, 2, 16, torch.device("cpu"), torch.float32)
+        bufs.write(1, src)
+        for layer in range(spec.num_layers):
+            a, b = src.weights[(layer, "q_proj")]
+            qkv = bufs.layers[layer]["qkv_proj"]
+            assert torch.equal(qkv.a[1, :8], a.float())
+            assert torch.equal(qkv.b[1, : b.shape[0], :8], b.float())
