@@ -11,6 +11,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,7 +248,9 @@ def _drive(eng: LLMEngine, wl: Workload) -> RunResult:
 # -- the baseline a user would write without us -------------------------------------------------
 
 
-def _hf_peft_baseline(assets, wl: Workload, n: int, between=None) -> dict:
+def _hf_peft_baseline(
+    assets, wl: Workload, n: int, between: Callable[[], None] | None = None
+) -> dict:
     """transformers + PEFT, one request at a time, switching adapters per request;
     `between()`, untimed, after the first half of the requests."""
     try:
