@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	  python3 -m venv $(VENV); \
 	  $(PY) -m pip install -q torch==2.13.0 2>&1 | $(QUIET); \
 	fi
-	$(PY) -m pip install -q -e '.[test]' 2>&1 | $(QUIET)
+	$(PY) -m pip install -q -e '.[test,bench]' 2>&1 | $(QUIET)
 	$(PY) -c "import torch, replica, kernels, cluster, router"
 	touch $(STAMP)
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import ray
 
-from replica.adapter_format import AdapterFormatError, load_peft_adapter
-from replica.adapter_packing import pack_adapter
-from replica.model_config import load_model_spec
+from replica.adapters.packing import pack_adapter
+from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
+from replica.model.spec import load_model_spec
 from router.errors import BadRequestError, NotFoundError
 
 log = logging.getLogger(__name__)

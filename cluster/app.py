@@ -15,9 +15,10 @@ from ray.serve.config import RequestRouterConfig
 from cluster.adapter_store import AdapterStore
 from cluster.config import AppConfig
 from replica.config import EngineConfig
-from replica.deployment import LoRAReplica
+from replica.serve.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter
-from router.ingress import Ingress, IngressOptions
+from router.ingress import Ingress
+from router.options import IngressOptions
 
 # Serve's default max_ongoing_requests is 5 per replica. The Ingress and the AdapterStore
 # only await other actors, so 5 would cap the whole application at 5 requests in flight
@@ -74,13 +75,7 @@ def build_app(args: dict[str, Any]) -> Application:
         store,
         engine.model,
         config.served_model_name,
-        IngressOptions(
-            default_max_tokens=config.default_max_tokens,
-            request_timeout_s=config.request_timeout_s,
-            api_key=config.api_key,
-            api_key_env=config.api_key_env,
-            api_key_for_inference=config.api_key_for_inference,
-        ),
+        IngressOptions(**config.model_dump(include=set(IngressOptions.model_fields))),
     )
 
 

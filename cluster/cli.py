@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pydantic
 
-from cluster import demo_assets
 from cluster.config import DEMO_TRAINED
+from cluster.demo import assets as demo_assets
 from cluster.engine_args import add_engine_arguments, engine_config_from_args
 from cluster.serving import ServeConfigError
-from replica.adapter_format import AdapterFormatError
-from replica.engine import RequestError
-from replica.model_config import ModelConfigError
-from replica.weights import WeightLoadError
+from replica.errors import RequestError
+from replica.model.adapter_weights import AdapterFormatError
+from replica.model.spec import ModelConfigError
+from replica.model.weights import WeightLoadError
 
 # Problems with what the user asked for: one line on stderr, exit code 2, no traceback.
 USER_ERRORS = (
@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_deploy)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
-    from cluster import bench_engine, bench_http, bench_kernels, bench_suite
+    from cluster.bench import engine as bench_engine
+    from cluster.bench import http as bench_http
+    from cluster.bench import kernels as bench_kernels
+    from cluster.bench import suite as bench_suite
 
     p = bench.add_parser("http", help="HTTP load against a running server (OpenAI API).")
     bench_http.add_arguments(p)
@@ -139,7 +142,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
         print("lorafleet: error: --retrain needs --trained", file=sys.stderr)
         return 2
     if args.trained:
-        from cluster import demo_training
+        from cluster.demo import training as demo_training
 
         if args.retrain:
             assets = demo_training.train(Path(args.out) if args.out else demo_training.ROOT)
@@ -163,7 +166,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from cluster.offline import GenerateRequest, OfflineGenerator
-    from replica.sampling import SamplingParams
+    from replica.wire import SamplingParams
 
     loras = dict(_parse_lora(s) for s in args.lora)
     adapters = _pair_adapters(args.prompt, args.adapter)
@@ -190,10 +193,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from cluster import demo_training
+    from cluster.demo import training as demo_training
     from cluster.offline import GenerateRequest, OfflineGenerator
     from replica.config import EngineConfig
-    from replica.sampling import SamplingParams
+    from replica.wire import SamplingParams
 
     assets = demo_training.demo_assets()
     prompt = args.prompt or demo_training.SHOWCASE_PROMPT
@@ -201,7 +204,9 @@ def _demo(args: argparse.Namespace) -> int:
     gen = OfflineGenerator(config, {n: str(p) for n, p in assets.adapters.items()})
     names = [None, *assets.adapters]
     try:
-        results = gen.generate([GenerateRequest(prompt, a, SamplingParams()) for a in names])
+        results = gen.generate(
+            [GenerateRequest(prompt, a, SamplingParams(temperature=0)) for a in names]
+        )
     finally:
         gen.close()
     print(f"one batch of {len(results)} requests, prompt {prompt!r}:")
@@ -243,7 +248,8 @@ def _up(args: argparse.Namespace) -> int:
 
 def _announce(config: dict, args: argparse.Namespace) -> None:
     """Where it serves, the showcase (one request per model, side by side), how to try it."""
-    from cluster import serving, showcase
+    from cluster import serving
+    from cluster.demo import showcase
 
     http = config.get("http_options", {})
     host = http.get("host", "127.0.0.1")
@@ -253,7 +259,7 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
         print(f"logs: {serving.log_dir()}  (--verbose prints them here)")
     prompt, notes = showcase.PROMPT, {}
     if config["applications"][0]["args"].get("engine", {}).get("model") == DEMO_TRAINED:
-        from cluster import demo_training
+        from cluster.demo import training as demo_training
 
         prompt = demo_training.SHOWCASE_PROMPT
         notes = {"demo-base": demo_training.BASE_TASK[0]}

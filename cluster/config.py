@@ -10,19 +10,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from replica.config import EngineConfig
+from router.options import IngressOptions
 
 if TYPE_CHECKING:
-    from cluster.demo_assets import DemoAssets
+    from cluster.demo.assets import DemoAssets
 
 DEMO = "demo"  # engine.model / adapters value: the demo model and adapters, built if missing
-DEMO_TRAINED = "demo-trained"  # the trained demo committed under assets/ (cluster/demo_training)
+DEMO_TRAINED = "demo-trained"  # the trained demo committed under assets/ (cluster/demo/training.py)
 DEMOS = (DEMO, DEMO_TRAINED)
 
 
-class AppConfig(BaseModel):
+class AppConfig(IngressOptions):
+    """Every knob of the application; the ingress's own (default_max_tokens, request
+    timeout, API keys) are inherited from router.options.IngressOptions."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: EngineConfig = Field(
@@ -57,10 +61,6 @@ class AppConfig(BaseModel):
     routing_stats_period_s: float = Field(
         1.0, gt=0, description="How often replicas publish residency and load to the router."
     )
-    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request omits it.")
-    request_timeout_s: float = Field(
-        600.0, gt=0, description="A request still unfinished after this long is aborted: 504."
-    )
     max_queued_requests: int = Field(
         512,
         ge=-1,
@@ -69,20 +69,6 @@ class AppConfig(BaseModel):
     )
     max_adapter_bytes: int = Field(
         4 * 2**30, gt=0, description="Largest adapter_model.safetensors the store accepts."
-    )
-    api_key: str | None = Field(
-        None,
-        min_length=1,
-        description="Bearer token required by the adapter endpoints (load/unload); prefer "
-        "api_key_env to keep it out of config files.",
-    )
-    api_key_env: str = Field(
-        "LORAFLEET_API_KEY",
-        description="Environment variable read for the key when api_key is not set (in the "
-        "Ingress's process: the shell that starts Ray, or the Serve config's runtime_env).",
-    )
-    api_key_for_inference: bool = Field(
-        False, description="Require the key on the inference endpoints and /v1/models too."
     )
 
     @field_validator("adapters")
@@ -118,9 +104,9 @@ class AppConfig(BaseModel):
 
 def _demo_assets(which: str, num_adapters: int) -> DemoAssets:
     if which == DEMO_TRAINED:
-        from cluster.demo_training import demo_assets
+        from cluster.demo.training import demo_assets
 
         return demo_assets()
-    from cluster.demo_assets import DemoSpec, cached_demo_assets
+    from cluster.demo.assets import DemoSpec, cached_demo_assets
 
     return cached_demo_assets(DemoSpec(num_adapters=num_adapters))

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.wire import SamplingParams
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Multi-LoRA kernels: the only public names, one dispatch point.
 
     seg = make_segment_info(seg_lens, seg_slots, slot_ranks, slot_scalings, device)
+    segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, slot_scalings, device)
     inter = lora_shrink(x, a, seg, num_slices)         # [T, num_slices*R] float32
     lora_expand(y, inter, b, seg, slice_offsets)       # y += LoRA delta, in place
     b = lora_b_buffer(num_slots, out, max_rank, device, dtype)  # B slots, fastest layout
@@ -21,11 +22,12 @@ import os
 import torch
 
 from kernels import torch_ops
-from kernels.segments import SegmentInfo, make_segment_info
+from kernels.segments import SegmentInfo, make_segment_info, make_segment_infos
 
 __all__ = [
     "SegmentInfo",
     "make_segment_info",
+    "make_segment_infos",
     "lora_shrink",
     "lora_expand",
     "backend_for",

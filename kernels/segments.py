@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,22 +32,53 @@ class SegmentInfo:
         return self.seg_slots.shape[0]
 
 
-def make_segment_info(
-    seg_lens: list[int],
-    seg_slots: list[int],
-    slot_ranks: list[int],
-    slot_scalings: list[float],
+def make_segment_infos(
+    seg_lens: Sequence[int],
+    seg_slots: Sequence[int],
+    group_ranks: Mapping[str, Sequence[int]],
+    slot_scalings: Sequence[float],
     device: torch.device | str = "cpu",
-) -> SegmentInfo:
-    """Build a SegmentInfo from host lists (tests and simple callers)."""
+    copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, SegmentInfo]:
+    """One SegmentInfo per projection group from host lists: the same segments (their
+    device tensors shared), each group's own slot ranks. `copy` moves a host tensor to
+    `device` (default `.to(device)`; the engine passes a pinned, non_blocking copy).
+
+    has_lora is False when no non-empty segment runs on a slot with a nonzero rank for
+    that group: the whole LoRA path is skipped, which changes nothing in the output."""
+    if len(seg_lens) != len(seg_slots):
+        raise ValueError(f"{len(seg_lens)} segment lengths for {len(seg_slots)} segment slots")
+    move = copy or (lambda t: t.to(device))
     indptr = [0]
     for n in seg_lens:
         indptr.append(indptr[-1] + n)
-    return SegmentInfo(
-        seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
-        seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=device),
-        slot_ranks=torch.tensor(slot_ranks, dtype=torch.int32, device=device),
-        slot_scalings=torch.tensor(slot_scalings, dtype=torch.float32, device=device),
-        max_seg_len=max(seg_lens, default=0),
-        has_lora=any(s != 0 for s, n in zip(seg_slots, seg_lens) if n > 0),
-    )
+    indptr_dev = move(torch.tensor(indptr, dtype=torch.int32))
+    slots_dev = move(torch.tensor(list(seg_slots), dtype=torch.int32))
+    scalings_dev = move(torch.tensor(list(slot_scalings), dtype=torch.float32))
+    used = {s for s, n in zip(seg_slots, seg_lens) if n > 0 and s != 0}
+    infos = {}
+    for group, ranks in group_ranks.items():
+        if any(not 0 <= s < len(ranks) for s in used):
+            raise ValueError(f"seg_slots {sorted(used)} outside the {len(ranks)} slot ranks")
+        infos[group] = SegmentInfo(
+            seg_indptr=indptr_dev,
+            seg_slots=slots_dev,
+            slot_ranks=move(torch.tensor(list(ranks), dtype=torch.int32)),
+            slot_scalings=scalings_dev,
+            max_seg_len=max(seg_lens, default=0),
+            has_lora=any(ranks[s] > 0 for s in used),
+        )
+    return infos
+
+
+def make_segment_info(
+    seg_lens: Sequence[int],
+    seg_slots: Sequence[int],
+    slot_ranks: Sequence[int],
+    slot_scalings: Sequence[float],
+    device: torch.device | str = "cpu",
+    copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> SegmentInfo:
+    """The SegmentInfo of one projection group (see make_segment_infos)."""
+    infos = make_segment_infos(seg_lens, seg_slots, {"": slot_ranks}, slot_scalings, device, copy)
+    return infos[""]

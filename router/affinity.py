@@ -19,10 +19,11 @@ are short: a replica batches a few requests at no cost, while moving them means
 loading the adapter somewhere else. Base-model requests need no adapter: least loaded
 of two random replicas.
 
-Replicas publish residency and queue length through `record_routing_stats`
-(up to one period stale); the router also counts the requests it has routed and
-not yet seen complete, so a burst sees its own earlier placements. A replica's
-load is the larger of the two.
+Replicas publish residency and queue length through `record_routing_stats` (a
+wire.RoutingStats, up to one period stale); the router also counts the requests it
+has routed and not yet seen complete, so a burst sees its own earlier placements. A
+replica's load is the larger of the two. The adapter of a request is that of the
+wire.GenerateRequest the ingress passed to `LoRAReplica.generate`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from ray.util.metrics import Counter
+
+from replica.wire import GenerateRequest, RoutingStats
 
 MAX_REMEMBERED_DECISIONS = 10_000
 
@@ -187,8 +190,7 @@ class AdapterAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        args = pending_request.args if pending_request is not None else []
-        adapter = args[0] if args else None
+        adapter = _adapter_of(pending_request)
         if adapter is None:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -211,13 +213,16 @@ class AdapterAffinityRouter(RequestRouter):
             self._decisions.popitem(last=False)
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
-        stats = replica.routing_stats or {}
+        stats = RoutingStats.from_dict(replica.routing_stats)
         rid = replica.replica_id.unique_id
-        load = max(len(self._in_flight.get(rid, ())), int(stats.get("queue_len", 0)))
-        return ReplicaView(
-            rid,
-            load,
-            frozenset(stats.get("device_adapters", ())),
-            frozenset(stats.get("host_adapters", ())),
-            int(stats.get("free_slots", 0)),
-        )
+        load = max(len(self._in_flight.get(rid, ())), stats.queue_len)
+        return ReplicaView(rid, load, stats.device_adapters, stats.host_adapters, stats.free_slots)
+
+
+def _adapter_of(pending: PendingRequest | None) -> str | None:
+    """The adapter name a generate call asks for; None for the base model (and for calls
+    that are not generations, which need no affinity)."""
+    args = pending.args if pending is not None else ()
+    if args and isinstance(args[0], GenerateRequest) and args[0].adapter is not None:
+        return args[0].adapter.name
+    return None

@@ -16,7 +16,6 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Header, Request
@@ -26,6 +25,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from transformers import AutoTokenizer
 
+from replica.wire import AdapterKey, GenerateRequest, Reply
 from router import protocol as p
 from router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from router.errors import (
@@ -38,6 +38,7 @@ from router.errors import (
     UnauthorizedError,
 )
 from router.metrics import PROMETHEUS_TEXT, IngressMetrics, export_urls, scrape
+from router.options import IngressOptions
 
 app = FastAPI(title="lorafleet", description="Multi-LoRA serving, OpenAI-compatible API.")
 
@@ -75,15 +76,15 @@ class _Output:
         self.itl_s: list[float] = []  # one per token after the first
         self._last_reply = start
 
-    def add(self, message: dict[str, Any]) -> str:
+    def add(self, message: Reply) -> str:
         """New text from one replica message; sets finish_reason when the request ends."""
-        if message.get("error") and message.get("finish_reason") == "error":
-            status = message.get("status") or 503
+        if message.error and message.finish_reason == "error":
+            status = message.status or 503
             if status == 504:  # the replica enforced the request's deadline
-                raise GatewayTimeoutError(message["error"])
-            raise ServiceUnavailableError(f"generation failed: {message['error']}")
-        self.num_prompt_tokens = message["num_prompt_tokens"] or self.num_prompt_tokens
-        if n := len(message["token_ids"]):
+                raise GatewayTimeoutError(message.error)
+            raise ServiceUnavailableError(f"generation failed: {message.error}")
+        self.num_prompt_tokens = message.num_prompt_tokens or self.num_prompt_tokens
+        if n := len(message.token_ids):
             # A reply carries the tokens made since the last one: they share its gap (the
             # first reply's extra tokens came with the first token: gap 0).
             now = time.perf_counter()
@@ -94,37 +95,26 @@ class _Output:
                 self.itl_s += [(now - self._last_reply) / n] * n
             self._last_reply = now
         text = ""
-        for token in message["token_ids"]:
+        for token in message.token_ids:
             self.num_tokens += 1
             delta, stopped = self.stop.feed(self.detok.add(token))
             text += delta
             if stopped:
                 self.finish_reason = "stop"
                 return text
-        if message["finished"]:
-            if message["finish_reason"] not in ("stop", "length"):
-                raise ServiceUnavailableError(f"request ended: {message['finish_reason']}")
+        if message.finished:
+            if message.finish_reason not in ("stop", "length"):
+                raise ServiceUnavailableError(f"request ended: {message.finish_reason}")
             delta, stopped = self.stop.feed(self.detok.flush())
             text += delta if stopped else delta + self.stop.flush()
-            self.finish_reason = "stop" if stopped else message["finish_reason"]
+            self.finish_reason = "stop" if stopped else message.finish_reason
         return text
 
     def usage(self) -> p.UsageInfo:
         return p.UsageInfo.of(self.num_prompt_tokens, self.num_tokens)
 
 
-@dataclass(frozen=True)
-class IngressOptions:
-    """The Ingress's share of the app config (cluster/config.py documents each)."""
-
-    default_max_tokens: int = 16
-    request_timeout_s: float = 600.0
-    api_key: str | None = None
-    api_key_env: str = "LORAFLEET_API_KEY"
-    api_key_for_inference: bool = False
-
-
-async def _next(stream: Any, deadline: float) -> dict[str, Any]:
+async def _next(stream: Any, deadline: float) -> Reply:
     """The stream's next message, or GatewayTimeoutError at the request's deadline."""
     try:
         return await asyncio.wait_for(stream.__anext__(), deadline - time.perf_counter())
@@ -132,7 +122,7 @@ async def _next(stream: Any, deadline: float) -> dict[str, Any]:
         raise GatewayTimeoutError("the request did not finish within its time limit") from None
 
 
-async def _first_message(stream: Any, deadline: float) -> dict[str, Any]:
+async def _first_message(stream: Any, deadline: float) -> Reply:
     try:
         return await _next(stream, deadline)
     except StopAsyncIteration:
@@ -147,7 +137,7 @@ async def _first_message(stream: Any, deadline: float) -> dict[str, Any]:
 
 async def _until_done(
     stream: Any, output: _Output, deadline: float, give_up: Callable[[], None]
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[Reply]:
     """The replica's messages until the request finishes. Whoever stops early (a stop
     string, an error, the deadline, a client gone) cancels the replica's work, freeing its
     KV and slot."""
@@ -162,7 +152,7 @@ async def _until_done(
                 raise
             except Exception as e:
                 raise ServiceUnavailableError(f"the replica failed mid-request: {e}") from None
-            replica_done = message["finished"]
+            replica_done = message.finished
             yield message
     finally:
         if not replica_done:
@@ -322,15 +312,19 @@ class Ingress:
         # "abort" unless set below: the task was cancelled, the client went away
         kind, model, outcome, streaming = "unknown", "unknown", "abort", False
         try:
-            adapter, version = await self._resolve(body.model)
+            adapter = await self._resolve(body.model)
             kind, model = ("base" if adapter is None else "adapter"), body.model
             if not prompt_ids:
                 raise BadRequestError("the prompt is empty")
             request_id = p.chat_completion_id() if chat else p.completion_id()
-            sampling = body.sampling_kwargs(self.default_max_tokens)
-            stream = self.replicas.generate.remote(
-                adapter, version, prompt_ids, sampling, request_id, deadline - time.perf_counter()
+            request = GenerateRequest(
+                adapter,
+                prompt_ids,
+                body.sampling_params(self.default_max_tokens),
+                request_id,
+                deadline - time.perf_counter(),
             )
+            stream = self.replicas.generate.remote(request)
             give_up = functools.partial(self._give_up, stream, request_id)
             try:
                 first = await _first_message(stream, backstop)
@@ -339,8 +333,8 @@ class Ingress:
             except BaseException:  # a timeout, or the client gone (cancelled): free its place
                 give_up()
                 raise
-            if first.get("status") and first["finished"] and not first["token_ids"]:
-                raise _status_error(first["status"], first["error"])
+            if first.refused:
+                raise _status_error(first.status, first.error)
             if body.stream:
                 chunks = self._sse(
                     stream,
@@ -379,9 +373,10 @@ class Ingress:
             kind, model, outcome, output.ttft_s, elapsed, output.num_tokens, output.itl_s
         )
 
-    async def _resolve(self, model: str) -> tuple[str | None, int | None]:
+    async def _resolve(self, model: str) -> AdapterKey | None:
+        """The adapter version `model` names; None for the base model."""
         if model == self.model_name:
-            return None, None
+            return None
         try:
             info = await self.store.resolve.remote(model)
         except NotFoundError:
@@ -389,12 +384,12 @@ class Ingress:
             raise NotFoundError(
                 f"model {model!r} does not exist; available models: {names}"
             ) from None
-        return info.name, info.version
+        return AdapterKey(info.name, info.version)
 
     async def _sse(
         self,
         stream: Any,
-        first: dict[str, Any],
+        first: Reply,
         output: _Output,
         request: tuple[str, str, str, float, Callable[[], None]],
         chat: bool,

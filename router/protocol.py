@@ -2,8 +2,10 @@
 
 Requests ignore unknown fields, because the openai SDK and other clients send extras, but
 refuse known features we do not implement (n > 1, logprobs, echo, ...) with a message naming
-the field, rather than silently answering something else. Responses are shaped so that the
-official `openai` SDK parses them. Plain Python: nothing here touches Ray or tensors.
+the field, rather than silently answering something else. Sampling fields take their types
+(bounds) and defaults from replica.wire.SamplingParams, which a request then builds directly.
+Responses are shaped so that the official `openai` SDK parses them. Plain Python: nothing
+here touches Ray or tensors.
 """
 
 from __future__ import annotations
@@ -23,14 +25,27 @@ from pydantic import (
     field_validator,
 )
 
+from replica.wire import (
+    MaxTokens,
+    SamplingParams,
+    Seed,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
+
 MAX_STOP_STRINGS = 4
 LORA_NAME_RULE = "1-128 characters, each a letter, digit, '.', '_' or '-'"
 _LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SSE_DONE = "data: [DONE]\n\n"
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the engine seeds a 64-bit torch.Generator
 
 FinishReason = Literal["stop", "length"]
-TokenId = Annotated[int, Field(ge=0)]
+
+
+def _default(name: str) -> Any:
+    """A sampling field's default: SamplingParams's, the one definition."""
+    return SamplingParams.model_fields[name].default
 
 
 def random_uuid() -> str:
@@ -74,19 +89,21 @@ class _SamplingRequest(BaseModel):
     _ACCEPTED: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
 
     model: str = Field(description="The base model's name or a loaded adapter's lora_name.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="vLLM extension: keep the k best tokens; 0 = all.")
-    seed: int | None = Field(
-        None, ge=SEED_MIN, le=SEED_MAX, description="Per-request seed for reproducible sampling."
+    temperature: Temperature = Field(_default("temperature"), description="0 = greedy.")
+    top_p: TopP = Field(_default("top_p"), description="Nucleus sampling mass.")
+    top_k: TopK = Field(
+        _default("top_k"), description="vLLM extension: keep the k best tokens; 0 = all."
     )
+    seed: Seed | None = Field(None, description="Per-request seed for reproducible sampling.")
     stop: str | list[str] | None = Field(
         None, description=f"Up to {MAX_STOP_STRINGS} strings that end the output (excluded)."
     )
     stop_token_ids: list[TokenId] | None = Field(
         None, description="vLLM extension: token ids that end the output."
     )
-    ignore_eos: bool = Field(False, description="vLLM extension: generate past EOS.")
+    ignore_eos: bool = Field(
+        _default("ignore_eos"), description="vLLM extension: generate past EOS."
+    )
     stream: bool = Field(False, description="Answer with server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
     n: int = Field(1, description="Number of choices; only 1 is supported.")
@@ -143,18 +160,18 @@ class _SamplingRequest(BaseModel):
         """Whether a stream ends with a usage chunk (stream_options.include_usage)."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments of the engine's SamplingParams (replica/sampling.py)."""
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """What the replica samples with; `default_max_tokens` when the request sets none."""
         max_tokens = self.requested_max_tokens()
-        return {
-            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop_token_ids": tuple(self.stop_token_ids or ()),
-            "ignore_eos": self.ignore_eos,
-        }
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -163,7 +180,9 @@ class CompletionRequest(_SamplingRequest):
     _ACCEPTED = {"echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None,)}
 
     prompt: str | list[TokenId] = Field(description="One prompt: text or token ids.")
-    max_tokens: int | None = Field(16, ge=1, description="null = up to the server's default.")
+    max_tokens: MaxTokens | None = Field(
+        _default("max_tokens"), description="null = up to the server's default."
+    )
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -211,8 +230,8 @@ class ChatCompletionRequest(_SamplingRequest):
     _ACCEPTED = {"logprobs": (False,), "top_logprobs": (None, 0)}
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; still sent.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Wins over max_tokens.")
+    max_tokens: MaxTokens | None = Field(None, description="Deprecated by OpenAI; still sent.")
+    max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
     logprobs: bool = False
     top_logprobs: int | None = None
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: demo assets built once per machine and reused (see cluster.demo_assets)."""
+"""Shared fixtures: demo assets built once per machine and reused (see cluster.demo.assets)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a GPU machine)")
 
-from cluster.demo_assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec  # noqa: E402
+from cluster.demo.assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec  # noqa: E402
 
 
 @pytest.fixture(scope="session")

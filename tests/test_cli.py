@@ -10,8 +10,8 @@ import pytest
 
 from cluster.cli import main
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.wire import SamplingParams
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -35,7 +35,9 @@ def test_generate_json_mixed_batch_matches_engine(tiny, capsys):
     eng.load_adapter("adapter-02", tiny.adapters["adapter-02"])
     for r in rows:
         assert set(r) >= {"prompt_token_ids", "output_token_ids", "text"}
-        seq = eng.generate([(r["prompt_token_ids"], SamplingParams(max_tokens=8), r["adapter"])])[0]
+        seq = eng.generate(
+            [(r["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=8), r["adapter"])]
+        )[0]
         assert r["output_token_ids"] == seq.output_ids
         assert r["finish_reason"] in ("stop", "length")
 

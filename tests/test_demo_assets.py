@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from cluster import demo_assets
-from cluster.demo_assets import (
+from cluster.demo import assets as demo_assets
+from cluster.demo.assets import (
     LLAMA3_ROPE_SCALING,
     DemoAssets,
     DemoSpec,

@@ -1,4 +1,4 @@
-"""The trained demo (assets/demo-trained, cluster/demo_training.py): each adapter does its
+"""The trained demo (assets/demo-trained, cluster/demo/training.py): each adapter does its
 task on held-out inputs, the same inside a batch shared with every other adapter as alone,
 and our engine gives what transformers + PEFT give."""
 
@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from cluster import demo_training as dt
 from cluster.cli import main
+from cluster.demo import training as dt
 from cluster.offline import GenerateRequest, OfflineGenerator
 from replica.config import EngineConfig
-from replica.sampling import SamplingParams
+from replica.wire import SamplingParams
 from tests.oracle import hf_logits, hf_model
 
-GREEDY = SamplingParams(max_tokens=12)
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
 HELD_OUT = 30  # per task, drawn with another seed than training
 MIN_ACCURACY = 0.9  # exact match; measured 2026-11-24: every task 30/30 (see the README)
 

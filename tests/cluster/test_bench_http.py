@@ -21,8 +21,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cluster import bench_http
-from cluster.bench_http import BenchError, LoadOptions, build_prompt, request_picker, run_load
+from cluster.bench import http as bench_http
+from cluster.bench.http import BenchError, LoadOptions, build_prompt, request_picker, run_load
 
 BASE = "fake-base"
 ADAPTERS = [f"a-{i:02d}" for i in range(6)]

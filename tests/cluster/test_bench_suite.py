@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from cluster import bench_suite
-from cluster.bench_suite import (
+from cluster.bench import suite as bench_suite
+from cluster.bench.suite import (
     ALL_SCENARIOS,
     CDF_SCENARIOS,
     QUICK,
@@ -50,14 +50,14 @@ def test_markdown_has_a_row_per_run_and_the_plots():
         RunResult(Run(VARIANTS[0], "zipf"), _summary(3, 0.75)),
         RunResult(Run(VARIANTS[1], "zipf", rate=2.0), _summary(9, None)),
     ]
-    text = markdown(results, meta, image_dir="cluster/results")
+    text = markdown(results, meta, image_dir="cluster/bench/results")
     rows = [line for line in text.splitlines() if line.startswith("| lorafleet") or
             line.startswith("| default-routing")]  # fmt: skip
     assert rows == [
         "| lorafleet | zipf | 4 conc. | 4/4 | 12.5 | 100 / 200 | 10 | 500 | 3 | 75% | 0.250 |",
         "| default-routing | zipf | 2 req/s | 4/4 | 12.5 | 100 / 200 | 10 | 500 | 9 | - | - |",
     ]
-    assert "![TTFT CDF per variant](cluster/results/ttft_cdf.png)" in text
+    assert "![TTFT CDF per variant](cluster/bench/results/ttft_cdf.png)" in text
     assert meta["date"] in text and "bench suite --quick" in text
 
 

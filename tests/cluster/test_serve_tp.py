@@ -21,9 +21,9 @@ from transformers import AutoTokenizer
 
 from cluster import serving
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.parallel.group import RANK_ACTOR_PREFIX
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.executor.tp_group import RANK_ACTOR_PREFIX
+from replica.wire import SamplingParams
 from tests.conftest import tiny_assets
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
@@ -75,7 +75,7 @@ def expected(assets) -> dict[str | None, str]:
     eng = LLMEngine(EngineConfig(model=str(assets.model_dir), device="cpu", num_slots=3))
     for name in ADAPTERS:
         eng.load_adapter(name, assets.adapters[name])
-    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
 
     def text(adapter: str | None) -> str:

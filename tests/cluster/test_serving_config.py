@@ -117,7 +117,7 @@ def test_demo_resolves_to_built_assets(demo):
 
 
 def test_trained_demo_resolves_to_the_committed_assets():
-    from cluster import demo_training
+    from cluster.demo import training as demo_training
 
     config = serving.load_config(serving.DEFAULT_CONFIG)  # the run command's: the trained demo
     app = AppConfig.model_validate(config["applications"][0]["args"]).resolved()

@@ -384,7 +384,7 @@ def test_bench_quick_writes_every_figure(tmp_path):
     import argparse
     import json
 
-    from cluster import bench_kernels
+    from cluster.bench import kernels as bench_kernels
 
     parser = argparse.ArgumentParser()
     bench_kernels.add_arguments(parser)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from replica.sampling import SEED_MAX, SEED_MIN, Sampler, SamplingParams
+from replica.model.sampler import Sampler
+from replica.wire import SEED_MAX, SEED_MIN, SamplingParams
 from router.protocol import CompletionRequest
 
 

@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from replica.async_engine import AsyncLLMEngine
 from replica.config import EngineConfig
-from replica.engine import LLMEngine, RequestError
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.errors import RequestError
+from replica.serve.async_engine import AsyncLLMEngine
+from replica.wire import SamplingParams
 
 
 @pytest.fixture
@@ -25,14 +26,13 @@ def aengine(tiny):
 async def collect(stream) -> tuple[list[int], str]:
     tokens, reason = [], None
     async for ev in stream:
-        if ev.token_id is not None:
-            tokens.append(ev.token_id)
+        tokens += ev.token_ids
         reason = ev.finish_reason
     return tokens, reason
 
 
 def test_concurrent_streams_match_offline_generation(tiny, aengine):
-    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     requests = [([5, 6, 7, 8], None), ([9, 10, 11], "adapter-00"), ([12, 13], "adapter-03")]
 
     async def main():
@@ -50,22 +50,24 @@ def test_concurrent_streams_match_offline_generation(tiny, aengine):
 
 def test_abort_ends_the_stream_and_frees_resources(aengine):
     async def main():
-        stream = await aengine.add_request([5, 6, 7], SamplingParams(max_tokens=200), "adapter-01")
+        stream = await aengine.add_request(
+            [5, 6, 7], SamplingParams(temperature=0, max_tokens=200), "adapter-01"
+        )
         first = await asyncio.wait_for(stream.__anext__(), 30)
         aengine.abort(stream.request_id)
         tokens, reason = await asyncio.wait_for(collect(stream), 30)
         return first, reason
 
     first, reason = asyncio.run(main())
-    assert first.token_id is not None and reason == "abort"
+    assert first.token_ids and reason == "abort"
     sched = aengine.engine.scheduler
     assert not sched.running and sched.allocator.num_free == sched.allocator.num_blocks
-    assert all(s.refs == 0 for s in aengine.engine.pool.slots)
+    assert all(s.refs == 0 for s in aengine.engine.adapters.pool.slots)
 
 
 def test_refused_request_raises_in_the_caller(aengine):
     async def main():
-        await aengine.add_request([5], SamplingParams(), "no-such-adapter")
+        await aengine.add_request([5], SamplingParams(temperature=0), "no-such-adapter")
 
     with pytest.raises(RequestError, match="unknown adapter 'no-such-adapter'"):
         asyncio.run(main())

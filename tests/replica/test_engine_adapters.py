@@ -8,16 +8,16 @@ import time
 import pytest
 import torch
 
-from replica.batch import prepare_batch
+from replica.adapters.slot_pool import SlotState
+from replica.adapters.sources import PeftDirectorySource
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.host_cache import PeftDirectorySource
-from replica.model_config import load_model_spec
-from replica.sampling import SamplingParams
-from replica.sequence import SeqStatus, Sequence
-from replica.slot_pool import SlotState
+from replica.engine.engine import LLMEngine
+from replica.engine.planner import prepare_batch
+from replica.engine.sequence import SeqStatus, Sequence
+from replica.model.spec import load_model_spec
+from replica.wire import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 class SlowSource(PeftDirectorySource):
@@ -62,31 +62,31 @@ def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
     exactly its adapter's weights, and slot 0 holds zeros."""
     eng = engine(tiny, num_slots=3, max_loras_per_batch=2, host_cache_bytes=0)
     names = list(tiny.adapters)
-    reference = {n: eng.source.fetch(n) for n in names}
+    reference = {n: eng.adapters.source.fetch(n) for n in names}
     seqs = [
         eng.add_request(prompt(i), GREEDY, None if i % 5 == 4 else names[i % len(names)])
         for i in range(20)
     ]
 
     def check() -> None:
-        eng.pool.check_integrity()
-        for groups in eng.lora.layers:
+        eng.adapters.pool.check_integrity()
+        for groups in eng.executor.lora.layers:
             for buf in groups.values():
                 assert not buf.a[0].any() and not buf.b[0].any(), "slot 0 was written"
-        assert all(ranks[0] == 0 for ranks in eng.lora.ranks.values())
+        assert all(ranks[0] == 0 for ranks in eng.executor.lora.ranks.values())
         for seq in eng.scheduler.running:
             if seq.adapter is None:
                 assert seq.slot == 0
                 continue
-            assert eng.pool.slots[seq.slot].adapter == seq.adapter
+            assert eng.adapters.pool.slots[seq.slot].adapter == seq.adapter
             a, b = reference[seq.adapter].weights[(0, "q_proj")]
             r = a.shape[0]
-            buf = eng.lora.layers[0]["qkv_proj"]
+            buf = eng.executor.lora.layers[0]["qkv_proj"]
             assert torch.equal(buf.a[seq.slot, :r], a), f"slot {seq.slot} overwritten"
             assert torch.equal(buf.b[seq.slot, : b.shape[0], :r], b)
 
     run(eng, check=check)
-    assert eng.pool.num_evictions > 0, "the test should force evictions"
+    assert eng.adapters.pool.num_evictions > 0, "the test should force evictions"
     assert all(s.finish_reason == "length" for s in seqs)
     alone = engine(tiny, num_slots=6)
     for s in seqs:
@@ -102,7 +102,7 @@ def test_base_request_behind_loading_adapters_is_served_first(tiny):
         eng.step()
     assert base.status is SeqStatus.FINISHED, "base request must not wait on adapter I/O"
     assert all(not s.output_ids for s in adapter_seqs)
-    assert all(eng.pool.state(n) is SlotState.LOADING for n in list(tiny.adapters)[:2])
+    assert all(eng.adapters.pool.state(n) is SlotState.LOADING for n in list(tiny.adapters)[:2])
     gate.set()
     run(eng)
     assert all(s.finish_reason == "length" for s in adapter_seqs)
@@ -115,7 +115,7 @@ def test_prefetch_starts_before_the_request_reaches_the_head(tiny):
     tail = eng.add_request(prompt(5), GREEDY, "adapter-01")
     eng.step()
     assert eng.scheduler.waiting[0] is heads[1]  # the adapter request is third in line
-    assert eng.pool.state("adapter-01") in (SlotState.LOADING, SlotState.READY)
+    assert eng.adapters.pool.state("adapter-01") in (SlotState.LOADING, SlotState.READY)
     run(eng)
     assert tail.finish_reason == "length"
 
@@ -123,19 +123,19 @@ def test_prefetch_starts_before_the_request_reaches_the_head(tiny):
 def test_abort_frees_kv_blocks_and_slot_references(tiny):
     eng = engine(tiny)
     free_blocks = eng.scheduler.allocator.num_free
-    seq = eng.add_request(prompt(1, 40), SamplingParams(max_tokens=50), "adapter-02")
+    seq = eng.add_request(prompt(1, 40), SamplingParams(temperature=0, max_tokens=50), "adapter-02")
     for _ in range(200):
         eng.step()
         if seq.status is SeqStatus.RUNNING and seq.output_ids:
             break
     slot = seq.slot
-    assert eng.pool.slots[slot].refs == 1
+    assert eng.adapters.pool.slots[slot].refs == 1
     eng.abort(seq)
     assert seq.finish_reason == "abort"
     assert eng.scheduler.allocator.num_free == free_blocks
-    assert eng.pool.slots[slot].refs == 0
+    assert eng.adapters.pool.slots[slot].refs == 0
     assert not eng.has_work()
-    eng.pool.check_integrity()
+    eng.adapters.pool.check_integrity()
 
 
 def test_aging_lets_a_skipped_adapter_run_despite_a_stream_of_others(tiny):
@@ -166,7 +166,7 @@ def test_failed_adapter_load_ends_its_requests_with_an_error(tiny):
     run(eng)
     assert bad.finish_reason == "error" and "disk on fire" in bad.error
     assert good.finish_reason == "length"
-    eng.pool.check_integrity()
+    eng.adapters.pool.check_integrity()
 
 
 def test_base_slot_unpinned_ablation_still_correct(tiny):
@@ -177,7 +177,7 @@ def test_base_slot_unpinned_ablation_still_correct(tiny):
     ref = engine(tiny, num_slots=4)
     for s in seqs:
         assert s.output_ids == ref.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
-    assert eng.prefetcher.loads_started >= 3  # the base had to be "loaded" like an adapter
+    assert eng.adapters.prefetcher.loads_started >= 3  # the base had to be "loaded" like an adapter
 
 
 def test_a_batch_ending_at_once_hands_its_slots_to_the_next_adapters(tiny):
@@ -187,8 +187,8 @@ def test_a_batch_ending_at_once_hands_its_slots_to_the_next_adapters(tiny):
     names = list(tiny.adapters)
     eng = engine(tiny, num_slots=3, max_loras_per_batch=2)
     seqs = [eng.add_request(prompt(i), GREEDY, names[i % len(names)]) for i in range(8)]
-    run(eng, check=eng.pool.check_integrity)
-    assert eng.prefetcher.handovers >= 2
+    run(eng, check=eng.adapters.pool.check_integrity)
+    assert eng.adapters.prefetcher.handovers >= 2
     alone = engine(tiny, num_slots=6)
     for s in seqs:
         assert s.output_ids == alone.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
@@ -242,12 +242,12 @@ def test_telemetry_counts_lookups_useful_loads_and_load_latencies(tiny):
         run(eng)
     wasted = eng.add_request(prompt(9), GREEDY, c)  # loaded, but aborted before it runs
     eng.step()
-    assert eng.prefetcher.is_loading(c)
+    assert eng.adapters.prefetcher.is_loading(c)
     eng.abort(wasted)
     for _ in range(2000):  # bounded: the load lands in milliseconds
-        if not eng.prefetcher.num_inflight:
+        if not eng.adapters.prefetcher.num_inflight:
             break
-        eng.prefetcher.wait_any(0.01)
+        eng.adapters.prefetcher.wait_any(0.01)
         eng.step()
     t = eng.drain_telemetry()
     assert t["lookups"] == {"device": 1, "host": 1, "miss": 3}
@@ -278,9 +278,9 @@ def test_unload_lets_queued_and_running_requests_finish_and_refuses_new_ones(tin
     eng.unload_adapter(b)
     with pytest.raises(Exception, match="unknown adapter"):
         eng.add_request(prompt(4), GREEDY, b)
-    assert b in eng.source.names()  # still needed
+    assert b in eng.adapters.source.names()  # still needed
     run(eng)
     assert [running.output_ids, queued.output_ids] == [s.output_ids for s in solo]
     assert first.finish_reason == running.finish_reason == queued.finish_reason == "length"
-    assert b not in eng.source.names() and b not in eng.host_cache.names()
-    assert eng.pool.state(b) is None
+    assert b not in eng.adapters.source.names() and b not in eng.adapters.host_cache.names()
+    assert eng.adapters.pool.state(b) is None

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.wire import SamplingParams
 from tests.conftest import needs_cuda
 from tests.oracle import hf_logits, hf_model
 
 pytestmark = needs_cuda
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def engine(assets, device: str, **kw) -> LLMEngine:
@@ -115,13 +115,13 @@ def test_a_step_synchronises_once_for_the_sampled_ids(tiny, sampling):
         for _ in range(200):
             if not eng.has_work():
                 break
-            steps = eng.stats.steps
+            steps = eng.telemetry.stats.steps
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 eng.step()
             syncs = [w for w in caught if "synchroniz" in str(w.message)]
             where |= {f"{w.filename}:{w.lineno}" for w in syncs}
-            if eng.stats.steps > steps:
+            if eng.telemetry.stats.steps > steps:
                 counts.append(len(syncs))
     finally:
         torch.cuda.set_sync_debug_mode("default")

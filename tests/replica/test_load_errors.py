@@ -8,10 +8,10 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from replica.adapter_format import AdapterFormatError, load_peft_adapter
-from replica.model import LlamaForCausalLM
-from replica.model_config import ModelConfigError, load_model_spec
-from replica.weights import WeightLoadError
+from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
+from replica.model.llama import LlamaForCausalLM
+from replica.model.spec import ModelConfigError, load_model_spec
+from replica.model.weights import WeightLoadError
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from replica.adapter_format import LoRAAdapterWeights
 from replica.device import StepProgress
-from replica.lora_slots import LoRASlotBuffers
-from replica.model_config import load_model_spec
+from replica.model.adapter_weights import LoRAAdapterWeights
+from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.spec import load_model_spec
 
 
 def adapter(spec, name: str, rank: int, modules: tuple[str, ...], seed: int):

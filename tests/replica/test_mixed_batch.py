@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.model.kv_cache import KVCache
+from replica.wire import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def make_engine(assets, **kw) -> LLMEngine:
@@ -60,7 +61,7 @@ def test_chunked_prefill_and_staggered_arrivals_equal_alone(tiny):
 def test_kv_exhaustion_queues_and_preempts_without_failing(tiny):
     # 6 blocks of 4 tokens: one request at a time fits, so others wait or are preempted.
     eng = make_engine(tiny)
-    per_block = eng.kv.bytes_per_block(eng.spec, 4, eng.dtype)
+    per_block = KVCache.bytes_per_block(eng.spec, 4, eng.dtype)
     eng = make_engine(tiny, block_size=4, kv_cache_bytes=6 * per_block)
     assert eng.max_model_len == 24
     reqs = [(ids[:10], GREEDY, a) for ids, _, a in mixed_requests(tiny, eng.spec.vocab_size)]

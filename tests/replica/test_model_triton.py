@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.wire import SamplingParams
 from tests.conftest import TEST_DEVICE
 
 
@@ -19,7 +19,7 @@ def test_model_output_unchanged_with_triton_forced(tiny, monkeypatch):
     )
     for name, path in tiny.adapters.items():
         eng.load_adapter(name, path)
-    sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     requests = [([5, 6, 7, 8, 9], sampling, "adapter-00"), ([10, 11], sampling, None),
                 ([12, 13, 14], sampling, "adapter-02"), ([15], sampling, "adapter-03")]  # fmt: skip
     monkeypatch.setenv("LORAFLEET_KERNELS", "torch")

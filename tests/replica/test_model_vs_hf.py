@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.wire import SamplingParams
 from tests.conftest import tiny_assets
 from tests.oracle import hf_greedy, hf_logits, hf_model
 
@@ -18,7 +18,7 @@ LOGIT_ATOL = 2e-4
 # llama3 scaling with a short original context, so the tiny test prompts cross every band
 LLAMA3_SHORT = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
-GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def prompts(vocab: int) -> list[list[int]]:

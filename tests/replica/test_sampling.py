@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replica.sampling import Sampler, SamplingParams
+from replica.model.sampler import Sampler
+from replica.wire import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
 DRAWS = 6000
@@ -61,10 +62,10 @@ def test_rows_with_different_parameters_in_one_batch_keep_their_own():
     """Greedy rows, a top-k row and a plain temperature row sampled in one call."""
     logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS, LOGITS.flip(0)])
     params = [
-        SamplingParams(),
+        SamplingParams(temperature=0),
         SamplingParams(temperature=1.0, top_k=2, seed=5),
         SamplingParams(temperature=1.0, seed=6),
-        SamplingParams(),
+        SamplingParams(temperature=0),
     ]
     sampler, counts = Sampler(), torch.zeros(4, LOGITS.shape[0])
     for _ in range(DRAWS):

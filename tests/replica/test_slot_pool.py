@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replica.eviction import FIFOPolicy, LRUPolicy, make_policy
-from replica.slot_pool import AdapterSlotPool, SlotState
+from replica.adapters.eviction import FIFOPolicy, LRUPolicy, make_policy
+from replica.adapters.slot_pool import AdapterSlotPool, SlotState
 
 
 def test_lru_and_fifo_pick_different_victims():

@@ -16,18 +16,19 @@ import pytest
 import ray
 import torch
 
-from replica.adapter_format import load_peft_adapter
 from replica.config import EngineConfig
-from replica.engine import LLMEngine, RequestError
-from replica.parallel.group import TPRankError
-from replica.parallel.shard import TPShard
-from replica.sampling import SamplingParams
+from replica.engine.engine import LLMEngine
+from replica.errors import RequestError
+from replica.executor.tp_group import TPRankError
+from replica.model.adapter_weights import load_peft_adapter
+from replica.model.tp_shard import TPShard
+from replica.wire import SamplingParams
 from tests.conftest import tiny_assets
 
 pytestmark = pytest.mark.slow
 
 LOGIT_ATOL = 2e-4  # the bar TP=1 meets against transformers
-GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,19 +74,19 @@ def staggered(eng: LLMEngine, requests) -> list[list[int]]:
 
 
 def worker(eng: LLMEngine):
-    [w] = eng.tp.workers
+    [w] = eng.executor.group.workers
     return w
 
 
 def expected_shard(eng: LLMEngine, adapter: str, rank: int):
-    path = eng.source.paths[adapter]
+    path = eng.adapters.source.paths[adapter]
     whole = load_peft_adapter(path, eng.spec, eng.config.max_lora_rank, adapter)
     return whole, whole.select(TPShard(eng.spec, rank, 2).slice_lora)
 
 
 def check_rank1_slots(eng: LLMEngine) -> None:
     """Every READY adapter slot holds, on rank 1, rank 1's shard of rank 0's adapter there."""
-    for slot in eng.pool.slots[1:]:
+    for slot in eng.adapters.pool.slots[1:]:
         if slot.state.value != "ready":
             continue
         _, shard = expected_shard(eng, slot.adapter, 1)
@@ -127,22 +128,25 @@ class TestDemoModel:
 
     def test_each_rank_stages_and_holds_only_its_shard(self, demo, engines):
         _, two = engines
-        one_token = SamplingParams(max_tokens=1)
+        one_token = SamplingParams(temperature=0, max_tokens=1)
         two.generate([(p, one_token, a) for p, a in zip(prompts(2000, [4] * 8), demo.adapters)])
         staged = ray.get(worker(two).staged_bytes.remote())
         for name in demo.adapters:
             whole, rank0 = expected_shard(two, name, 0)
             _, rank1 = expected_shard(two, name, 1)
-            assert two.host_cache.get(name).nbytes == rank0.nbytes < whole.nbytes
+            assert two.adapters.host_cache.get(name).nbytes == rank0.nbytes < whole.nbytes
             assert staged[name] == rank1.nbytes < whole.nbytes
         check_rank1_slots(two)
 
     def test_one_message_per_step_and_lora_adds_only_rank_sized_traffic(self, demo, engines):
         _, two = engines
-        comm, spec = two.tp.rank.comm, two.spec
-        full = [n for n in demo.adapters if len(two.host_cache.get(n).target_modules) == 7]
+        comm, spec = two.executor.group.rank.comm, two.spec
+        full = [n for n in demo.adapters if len(two.adapters.host_cache.get(n).target_modules) == 7]
         for adapters in ([None] * 3, full):
-            ps, sampling = prompts(spec.vocab_size, [6, 7, 8]), SamplingParams(max_tokens=4)
+            ps, sampling = (
+                prompts(spec.vocab_size, [6, 7, 8]),
+                SamplingParams(temperature=0, max_tokens=4),
+            )
             seqs = [two.add_request(p, sampling, a) for p, a in zip(ps, adapters)]
             while not all(s.output_ids for s in seqs):  # prefill (and loads) first
                 two.step()
@@ -169,7 +173,10 @@ def test_model_variants_equal_tp1(arch, overrides):
     one, two = engine(assets), engine(assets, tp_size=2)
     try:
         if overrides.get("num_kv_heads") == 1:
-            assert two.tp.rank.shard.kv_heads == 1 and two.kv.k[0].shape[0] == 1
+            assert (
+                two.executor.group.rank.shard.kv_heads == 1
+                and two.executor.runner.kv.k[0].shape[0] == 1
+            )
         for adapter in [None, *assets.adapters]:
             for p in prompts(one.spec.vocab_size):
                 diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
@@ -187,16 +194,16 @@ def test_adapter_churn_keeps_every_rank_on_rank0s_slots(tiny):
     try:
         names = [None if i % 5 == 4 else list(tiny.adapters)[i % 4] for i in range(16)]
         lengths = [8 + i % 5 for i in range(16)]
-        sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+        sampling = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         reqs = [(p, sampling, a) for p, a in zip(prompts(two.spec.vocab_size, lengths), names)]
         seqs = [two.add_request(*r) for r in reqs]
         for _ in range(2000):
             if not two.has_work():
                 break
             two.step()
-            two.pool.check_integrity()
+            two.adapters.pool.check_integrity()
             check_rank1_slots(two)
-        assert two.pool.num_evictions > 0, "the test should force evictions"
+        assert two.adapters.pool.num_evictions > 0, "the test should force evictions"
     finally:
         two.shutdown()
     one = engine(tiny)

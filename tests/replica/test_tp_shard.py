@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from replica.adapter_format import load_peft_adapter
-from replica.adapter_packing import pack_adapter, unpack_adapter
-from replica.model_config import ModelConfigError, load_model_spec, spec_from_dict
-from replica.parallel.shard import COLUMN_PARALLEL, ROW_PARALLEL, ShardedCheckpoint, TPShard
-from replica.weights import Checkpoint
+from replica.adapters.packing import pack_adapter, unpack_adapter
+from replica.model.adapter_weights import load_peft_adapter
+from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
+from replica.model.tp_shard import COLUMN_PARALLEL, ROW_PARALLEL, ShardedCheckpoint, TPShard
+from replica.model.weights import Checkpoint
 from tests.conftest import tiny_assets
 
 

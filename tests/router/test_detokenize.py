@@ -7,7 +7,7 @@ import random
 import pytest
 import transformers
 
-from cluster.demo_assets import DemoSpec, cached_demo_assets
+from cluster.demo.assets import DemoSpec, cached_demo_assets
 from router.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 MULTIBYTE = "héllo wörld ✓ 日本語 🙂"

@@ -12,6 +12,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
+from replica.wire import SamplingParams
 from router.protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -117,8 +118,9 @@ def test_unknown_fields_are_ignored():
     assert chat(tools=None, response_format={"type": "text"}).model == "base"
 
 
-def test_sampling_kwargs_defaults():
-    assert completion().sampling_kwargs(default_max_tokens=100) == {
+def test_sampling_params_defaults():
+    """The API's defaults are SamplingParams's own: temperature 1, max_tokens 16."""
+    assert completion().sampling_params(default_max_tokens=100).model_dump() == {
         "max_tokens": 16,
         "temperature": 1.0,
         "top_p": 1.0,
@@ -127,30 +129,41 @@ def test_sampling_kwargs_defaults():
         "stop_token_ids": (),
         "ignore_eos": False,
     }
-    assert completion(max_tokens=None).sampling_kwargs(100)["max_tokens"] == 100
-    assert chat().sampling_kwargs(100)["max_tokens"] == 100
-    assert chat(max_tokens=7).sampling_kwargs(100)["max_tokens"] == 7
-    assert chat(max_tokens=7, max_completion_tokens=9).sampling_kwargs(100)["max_tokens"] == 9
+    assert completion(max_tokens=None).sampling_params(100).max_tokens == 100
+    assert chat().sampling_params(100).max_tokens == 100
+    assert chat(max_tokens=7).sampling_params(100).max_tokens == 7
+    assert chat(max_tokens=7, max_completion_tokens=9).sampling_params(100).max_tokens == 9
 
 
-def test_sampling_kwargs_carry_every_field():
+def test_sampling_params_carry_every_field():
     req = chat(temperature=0, top_p=0.5, top_k=40, seed=3, stop_token_ids=[7, 9], ignore_eos=True)
-    assert req.sampling_kwargs(10) == {
-        "max_tokens": 10,
-        "temperature": 0.0,
-        "top_p": 0.5,
-        "top_k": 40,
-        "seed": 3,
-        "stop_token_ids": (7, 9),
-        "ignore_eos": True,
-    }
+    assert req.sampling_params(10) == SamplingParams(
+        max_tokens=10,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=40,
+        seed=3,
+        stop_token_ids=(7, 9),
+        ignore_eos=True,
+    )
 
 
-def test_sampling_kwargs_build_the_engine_params():
-    from replica.sampling import SamplingParams
-
-    params = SamplingParams(**completion(stop_token_ids=[2], seed=1).sampling_kwargs(8))
+def test_sampling_params_are_the_engine_params():
+    params = completion(stop_token_ids=[2], seed=1).sampling_params(8)
+    assert isinstance(params, SamplingParams)
     assert (params.max_tokens, params.stop_token_ids, params.seed) == (16, (2,), 1)
+
+
+def test_the_http_models_and_sampling_params_share_bounds_and_defaults():
+    """One definition: a value the HTTP model refuses, SamplingParams refuses too."""
+    for field in ("temperature", "top_p", "top_k", "seed"):
+        http, engine = CompletionRequest.model_fields[field], SamplingParams.model_fields[field]
+        assert http.default == engine.default, field
+        assert http.metadata == engine.metadata, field
+    for bad in ({"temperature": 2.5}, {"top_p": 0.0}, {"seed": 2**63}):
+        with pytest.raises(ValidationError):
+            SamplingParams(**bad)
+        assert refusal(completion, **bad)
 
 
 def test_stop_strings_and_stream_options():

@@ -1,0 +1,521 @@
+"""`lorafleet bench engine`: the replica engine in-process, scenarios, ablations, a baseline.
+
+Every figure is measured on this machine in this run; each ratio is printed
+next to the ceiling the hardware allows. `--json PATH` writes all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from cluster.bench.stats import machine, ms, percentile
+from cluster.demo.assets import DemoSpec, cached_demo_assets
+from replica.config import EngineConfig
+from replica.engine.engine import LLMEngine
+from replica.engine.sequence import Sequence
+from replica.wire import SamplingParams
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    adapters: list[str | None]
+    max_tokens: int
+    concurrency: int
+
+
+@dataclass
+class RunResult:
+    name: str
+    tok_per_s: float
+    wall_s: float
+    ttft: dict[str, list[float]] = field(default_factory=dict)  # "base" / "adapter" -> seconds
+    e2e: dict[str, list[float]] = field(default_factory=dict)
+    adapter_loads: int = 0
+    load_wait_s: float = 0.0
+    prefetch_overhead_s: float = 0.0
+    evictions: int = 0
+
+    def summary(self) -> dict:
+        out = {
+            "tok_per_s": self.tok_per_s,
+            "wall_s": self.wall_s,
+            "adapter_loads": self.adapter_loads,
+            "load_wait_s": self.load_wait_s,
+            "prefetch_overhead_s": self.prefetch_overhead_s,
+            "evictions": self.evictions,
+        }
+        for metric, values in (("ttft", self.ttft), ("e2e", self.e2e)):
+            for kind, xs in values.items():
+                if xs:
+                    out[f"{metric}_{kind}_p50_s"] = percentile(xs, 50)
+                    out[f"{metric}_{kind}_p95_s"] = percentile(xs, 95)
+        return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapters", type=int, default=16, help="Distinct adapters in the workload.")
+    p.add_argument("--requests", type=int, default=64, help="Requests per scenario.")
+    p.add_argument("--concurrency", type=int, default=32, help="Requests in flight at once.")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--slots", type=int, default=8, help="Device slots in churn scenarios.")
+    p.add_argument("--zipf-alpha", type=float, default=1.0)
+    p.add_argument("--baseline-requests", type=int, default=32,
+                   help="Requests timed through transformers + PEFT.")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="Tensor-parallel ranks of every engine (a local Ray starts for N > 1); "
+                        "adds the per-step communication volume.")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="A few-second smoke run.")
+    p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    owns_ray = args.tp > 1 and not ray.is_initialized()
+    if owns_ray:  # for the rank actors; a Ray started here stops with the bench
+        ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        return _bench(args)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.adapters, args.requests, args.concurrency = 4, 8, 4
+        args.prompt_len, args.output_len, args.slots, args.baseline_requests = 16, 8, 3, 2
+    torch.manual_seed(args.seed)
+    assets = cached_demo_assets(DemoSpec(num_adapters=args.adapters))
+    names = list(assets.adapters)
+    rng = random.Random(args.seed)
+    vocab = DemoSpec().vocab_size
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)
+    ]
+
+    def workload(name: str, pick) -> Workload:
+        chosen = [pick(i) for i in range(args.requests)]
+        return Workload(name, prompts, chosen, args.output_len, args.concurrency)
+
+    zipf = _zipf_weights(len(names), args.zipf_alpha)
+    scenarios = {
+        "uniform": workload("uniform", lambda i: rng.choice(names)),
+        "zipf": workload("zipf", lambda i: rng.choices(names, zipf)[0]),
+        "distinct": workload("distinct", lambda i: names[i % len(names)]),
+        "mixed": workload("mixed", lambda i: None if i % 2 else names[(i // 2) % len(names)]),
+        "base_only": workload("base_only", lambda i: None),
+    }
+    base_cfg = dict(model=str(assets.model_dir), device="auto", max_num_seqs=args.concurrency,
+                    kv_cache_bytes=_kv_bytes(args), max_loras_per_batch=args.adapters,
+                    tp_size=args.tp)  # fmt: skip
+    churn = dict(base_cfg, num_slots=args.slots + 1, max_loras_per_batch=args.slots)
+    # One slot more than a batch may use: the prefetcher can load the next cohort's first
+    # adapter while the batch runs (with none spare, every next load starts only when the
+    # batch drains; the distinct scenario's requests all end in the same step).
+    spare = dict(churn, num_slots=args.slots + 2)
+    fits = dict(base_cfg, num_slots=args.adapters + 1)
+    report: dict = {"machine": machine(), "args": _jsonable(vars(args)), "scenarios": {}}
+
+    print(
+        f"engine bench: {args.requests} requests x {args.prompt_len}+{args.output_len} tokens, "
+        f"{args.concurrency} concurrent, {args.adapters} adapters, {args.slots} slots in churn"
+        + (f", tp_size {args.tp}" if args.tp > 1 else "")
+    )
+    results = {}
+    for name, wl in scenarios.items():
+        results[name] = _run(EngineConfig(**churn), assets, wl)
+    results["all_resident_uniform"] = _run(EngineConfig(**fits), assets, scenarios["uniform"])
+    results["distinct_sync_loading"] = _run(
+        EngineConfig(**churn, adapter_loading="sync"), assets, scenarios["distinct"]
+    )
+    results["mixed_base_unpinned"] = _run(
+        EngineConfig(**churn, pin_base_slot=False), assets, scenarios["mixed"]
+    )
+    results["distinct_spare_slot"] = _run(EngineConfig(**spare), assets, scenarios["distinct"])
+    results["distinct_spare_slot_sync"] = _run(
+        EngineConfig(**spare, adapter_loading="sync"), assets, scenarios["distinct"]
+    )
+    for name, r in results.items():
+        report["scenarios"][name] = r.summary()
+    _print_table(results)
+
+    # The machine's speed drifts (shared VM, up to 1.4x between minutes): the baseline's
+    # halves are timed between runs of ours, so drift hits both sides alike.
+    runs = [results["all_resident_uniform"].tok_per_s]
+
+    def run_ours() -> None:
+        runs.append(_run(EngineConfig(**fits), assets, scenarios["uniform"]).tok_per_s)
+
+    baseline = _hf_peft_baseline(
+        assets, scenarios["uniform"], args.baseline_requests, between=run_ours
+    )
+    run_ours()
+    report["hf_peft_baseline"] = baseline
+    report["all_resident_uniform_tok_per_s_runs"] = runs
+    report["speedup_vs_hf_peft"] = statistics.mean(runs) / baseline["tok_per_s"]
+    batch_step = _base_decode_step(assets, args)
+    report["decode_step_base_full_batch_s"] = batch_step
+    report["speedup_ceiling_estimate"] = _ceiling(baseline, scenarios["uniform"], batch_step)
+    on = results["distinct"].load_wait_s
+    off = results["distinct_sync_loading"].load_wait_s
+    report["load_stall_ratio_overlap_on_vs_off"] = on / off if off else float("nan")
+    on, off = (results[k].load_wait_s for k in ("distinct_spare_slot", "distinct_spare_slot_sync"))
+    report["load_stall_ratio_with_spare_slot"] = on / off if off else float("nan")
+    base_only = percentile(results["base_only"].ttft["base"], 50)
+    report["base_ttft_p50_ratio_churn_vs_base_only"] = (
+        percentile(results["mixed"].ttft["base"], 50) / base_only
+    )
+    report["base_ttft_p50_ratio_unpinned_vs_base_only"] = (
+        percentile(results["mixed_base_unpinned"].ttft["base"], 50) / base_only
+    )
+    report.update(_decode_step(assets, min(16, args.adapters), args))
+    # the same ceiling with each decode step paying the measured cost of reading 16
+    # adapters (prefill's LoRA work still counted free): what batching can reach here
+    lora_step = report["decode_step_16_adapters_s"] - report["decode_step_base_s"]
+    report["speedup_ceiling_with_lora_decode"] = _ceiling(
+        baseline, scenarios["uniform"], batch_step + max(0.0, lora_step)
+    )
+    _print_headline(report)
+    if args.tp > 1:
+        report["tp_comm"] = _tp_comm(assets, min(16, args.adapters), args)
+        _print_tp_comm(report["tp_comm"])
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+# -- one engine run -----------------------------------------------------------------------------
+
+
+def _run(config: EngineConfig, assets, wl: Workload) -> RunResult:
+    eng = LLMEngine(config)
+    try:
+        for name, path in assets.adapters.items():
+            eng.load_adapter(name, path)  # validated into the host cache, not into slots
+        return _drive(eng, wl)
+    finally:
+        eng.shutdown()
+
+
+def _drive(eng: LLMEngine, wl: Workload) -> RunResult:
+    sampling = SamplingParams(temperature=0, max_tokens=wl.max_tokens, ignore_eos=True)
+    pending = list(zip(wl.prompts, wl.adapters))[::-1]
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: list[tuple[Sequence, float]] = []
+    live: list[Sequence] = []
+    start = time.perf_counter()
+    for _ in range(1_000_000):  # bounded: every step makes progress or loads land
+        while pending and len(live) < wl.concurrency:
+            prompt, adapter = pending.pop()
+            seq = eng.add_request(prompt, sampling, adapter)
+            arrival[seq.request_id] = time.perf_counter()
+            live.append(seq)
+        if not live:
+            break
+        for out in eng.step():
+            now = time.perf_counter()
+            first.setdefault(out.seq.request_id, now)
+            if out.finished:
+                live.remove(out.seq)
+                done.append((out.seq, now))
+    wall = time.perf_counter() - start
+    result = RunResult(wl.name, sum(len(s.output_ids) for s, _ in done) / wall, wall)
+    for seq, end in done:
+        kind = "base" if seq.adapter is None else "adapter"
+        result.ttft.setdefault(kind, []).append(first[seq.request_id] - arrival[seq.request_id])
+        result.e2e.setdefault(kind, []).append(end - arrival[seq.request_id])
+    result.adapter_loads = eng.adapters.prefetcher.loads_started
+    result.load_wait_s = eng.load_wait_seconds
+    result.prefetch_overhead_s = eng.telemetry.stats.prefetch_seconds
+    result.evictions = eng.adapters.pool.num_evictions
+    return result
+
+
+# -- the baseline a user would write without us -------------------------------------------------
+
+
+def _hf_peft_baseline(
+    assets, wl: Workload, n: int, between: Callable[[], None] | None = None
+) -> dict:
+    """transformers + PEFT, one request at a time, switching adapters per request;
+    `between()`, untimed, after the first half of the requests."""
+    try:
+        from peft import PeftModel
+    except ImportError as e:  # peft is a test/bench extra
+        raise SystemExit("bench engine needs peft: pip install 'lorafleet[test]'") from e
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32).eval()
+    names = [a for a in dict.fromkeys(wl.adapters[:n]) if a is not None]
+    model = PeftModel.from_pretrained(base, assets.adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(assets.adapters[name], adapter_name=name)
+    prefill_s, tokens, untimed, start = 0.0, 0, 0.0, time.perf_counter()
+    with torch.inference_mode():
+        for i, (prompt, adapter) in enumerate(zip(wl.prompts[:n], wl.adapters[:n])):
+            if between is not None and i == n // 2:
+                t0 = time.perf_counter()
+                between()
+                untimed += time.perf_counter() - t0
+            model.set_adapter(adapter)
+            ids = torch.tensor([prompt])
+            t0 = time.perf_counter()
+            model(input_ids=ids)
+            prefill_s += time.perf_counter() - t0
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=wl.max_tokens, min_new_tokens=wl.max_tokens, pad_token_id=0,
+            )  # fmt: skip
+            tokens += out.shape[1] - len(prompt)
+    wall = time.perf_counter() - start - prefill_s - untimed  # the extra prefill only times it
+    per_request = wall / n
+    prefill = prefill_s / n
+    return {
+        "requests": n,
+        "tok_per_s": tokens / wall,
+        "s_per_request": per_request,
+        "prefill_s_per_request": prefill,
+        "decode_s_per_token": (per_request - prefill) / wl.max_tokens,
+    }
+
+
+def _ceiling(baseline: dict, wl: Workload, batch_step_s: float) -> float:
+    """Best speedup over the baseline if LoRA cost nothing: every prompt prefilled at the
+    baseline's speed (prefill is compute-bound either way) and every decode step costing
+    a measured base-only decode step of the whole batch (on a CPU that is compute-bound
+    too at batch 32, so batching is not free)."""
+    batches = -(-len(wl.prompts) // wl.concurrency)
+    ideal = len(wl.prompts) * baseline["prefill_s_per_request"]
+    ideal += batches * wl.max_tokens * batch_step_s
+    return len(wl.prompts) * baseline["s_per_request"] / ideal
+
+
+def _base_decode_step(assets, args: argparse.Namespace) -> float:
+    """Median base-only decode step with `concurrency` sequences in the batch."""
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", tp_size=args.tp,
+                       max_num_seqs=args.concurrency, kv_cache_bytes=_kv_bytes(args))  # fmt: skip
+    eng = LLMEngine(cfg)
+    try:
+        rng = random.Random(2)
+        prompts = [
+            [rng.randrange(3, 2000) for _ in range(args.prompt_len)]
+            for _ in range(args.concurrency)
+        ]
+        return _steady_decode_step(eng, prompts, [None] * args.concurrency)
+    finally:
+        eng.shutdown()
+
+
+# -- decode step cost with 16 distinct adapters vs base ------------------------------------------
+
+
+DECODE_ROUNDS = 3
+
+
+def _decode_step(assets, n_adapters: int, args: argparse.Namespace) -> dict:
+    names = list(assets.adapters)[:n_adapters]
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
+                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
+                       kv_cache_bytes=_kv_bytes(args), tp_size=args.tp)  # fmt: skip
+    eng = LLMEngine(cfg)
+    try:
+        for name in names:
+            eng.load_adapter(name, assets.adapters[name])
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
+        base_runs, lora_runs = [], []
+        for _ in range(DECODE_ROUNDS):  # alternated, so drift in machine speed hits both
+            base_runs.append(_steady_decode_step(eng, prompts, [None] * len(names)))
+            lora_runs.append(_steady_decode_step(eng, prompts, names))
+        base_s, lora_s = statistics.median(base_runs), statistics.median(lora_runs)
+        base_bytes = sum(t.nbytes for t in _base_weights(eng))
+        lora_bytes = sum(eng.adapters.host_cache.get(n).nbytes for n in names)
+    finally:
+        eng.shutdown()
+    step_ratio = lora_s / base_s
+    bytes_ratio = (base_bytes + lora_bytes) / base_bytes
+    return {
+        "decode_step_base_s": base_s,
+        "decode_step_16_adapters_s": lora_s,
+        "decode_step_ratio_16_adapters_vs_base": step_ratio,
+        "decode_bytes_ratio_16_adapters_vs_base": bytes_ratio,
+        "decode_step_overhead_vs_bytes": step_ratio / bytes_ratio,
+        "decode_batch": len(names),
+    }
+
+
+def _steady_decode_step(eng: LLMEngine, prompts, adapters, steps: int = 12) -> float:
+    """Median time of a decode-only step with every sequence in the batch."""
+    sampling = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    seqs = [eng.add_request(p, sampling, a) for p, a in zip(prompts, adapters)]
+    for _ in range(10_000):  # prefill everything, wait for loads
+        eng.step()
+        if all(s.output_ids for s in seqs):
+            break
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    for s in seqs:
+        eng.abort(s)
+    return statistics.median(times)
+
+
+# -- tensor parallelism: what one decode step sends ------------------------------------------------
+
+
+def _tp_comm(assets, n_adapters: int, args: argparse.Namespace) -> dict:
+    """Payload bytes rank 0 sends in one decode step of n sequences, by collective, with
+    a base-only batch and with n distinct adapters; per decoder layer, the base model
+    all-reduces [T, hidden] after o_proj and down_proj, and LoRA adds the [T, R] all-reduce
+    of those two row-parallel layers' shrink (R = max_lora_rank, fp32)."""
+    names = list(assets.adapters)[:n_adapters]
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
+                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
+                       kv_cache_bytes=_kv_bytes(args), tp_size=args.tp)  # fmt: skip
+    eng = LLMEngine(cfg)
+    try:
+        for name in names:
+            eng.load_adapter(name, assets.adapters[name])
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
+        steps = {
+            "base": _decode_step_bytes(eng, prompts, [None] * len(names)),
+            "lora": _decode_step_bytes(eng, prompts, names),
+        }
+        layers, hidden = eng.spec.num_layers, eng.spec.hidden_size
+    finally:
+        eng.shutdown()
+    per_layer = {k: (v.get("layer", 0) + v.get("lora", 0)) / layers for k, v in steps.items()}
+    return {
+        "tp_size": args.tp,
+        "decode_tokens": len(names),
+        "hidden_size": hidden,
+        "max_lora_rank": cfg.max_lora_rank,
+        "bytes_per_step_by_collective": steps,
+        "bytes_per_layer_base": per_layer["base"],
+        "bytes_per_layer_lora": per_layer["lora"],
+        "lora_extra_bytes_per_layer": per_layer["lora"] - per_layer["base"],
+    }
+
+
+def _decode_step_bytes(eng: LLMEngine, prompts, adapters) -> dict[str, int]:
+    """Bytes rank 0 sends, by collective, in one decode-only step of every sequence."""
+    comm = eng.executor.group.rank.comm
+    seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), a)
+            for p, a in zip(prompts, adapters)]  # fmt: skip
+    for _ in range(10_000):  # prefill everything, wait for loads
+        if all(s.output_ids for s in seqs):
+            break
+        eng.step()
+    before = dict(comm.bytes)
+    eng.step()
+    for s in seqs:
+        eng.abort(s)
+    return {tag: n - before.get(tag, 0) for tag, n in comm.bytes.items() if n > before.get(tag, 0)}
+
+
+def _base_weights(eng: LLMEngine) -> list[torch.Tensor]:
+    m = eng.executor.model
+    tensors = [m.lm_head, m.norm.weight]
+    for layer in m.layers:
+        tensors += [
+            layer.qkv_proj.weight,
+            layer.o_proj.weight,
+            layer.gate_up_proj.weight,
+            layer.down_proj.weight,
+            layer.input_norm.weight,
+            layer.post_attn_norm.weight,
+        ]
+    return tensors  # the embedding table is gathered by row, not read whole
+
+
+# -- printing and helpers -----------------------------------------------------------------------
+
+
+def _print_table(results: dict[str, RunResult]) -> None:
+    cols = ("tok/s", "TTFT p50 base", "TTFT p50 lora", "E2E p95 base", "E2E p95 lora", "loads",
+            "load wait s")  # fmt: skip
+    print(f"{'scenario':<24}" + "".join(f"{c:>15}" for c in cols))
+    for name, r in results.items():
+        s = r.summary()
+        row = [f"{r.tok_per_s:.1f}", _ms(s, "ttft_base_p50_s"), _ms(s, "ttft_adapter_p50_s"),
+               _ms(s, "e2e_base_p95_s"), _ms(s, "e2e_adapter_p95_s"), str(r.adapter_loads),
+               f"{r.load_wait_s:.3f}"]  # fmt: skip
+        print(f"{name:<24}" + "".join(f"{c:>15}" for c in row))
+
+
+def _print_headline(r: dict) -> None:
+    b = r["hf_peft_baseline"]
+    print(f"\ntransformers+PEFT baseline: {b['tok_per_s']:.1f} tok/s over {b['requests']} requests")
+    print(
+        f"speedup_vs_hf_peft                       {r['speedup_vs_hf_peft']:.2f}x "
+        f"(ceiling ~{r['speedup_ceiling_estimate']:.1f}x with LoRA free, "
+        f"~{r['speedup_ceiling_with_lora_decode']:.1f}x with LoRA decode at its measured cost; "
+        "target >= 6x)"
+    )
+    print(
+        f"load_stall_ratio_overlap_on_vs_off       {r['load_stall_ratio_overlap_on_vs_off']:.3f} "
+        f"(ceiling 0; target <= 0.05; with a slot spare for prefetch: "
+        f"{r['load_stall_ratio_with_spare_slot']:.3f})"
+    )
+    print(
+        f"base_ttft_p50_ratio_churn_vs_base_only   "
+        f"{r['base_ttft_p50_ratio_churn_vs_base_only']:.2f} (ideal 1.0; target <= 1.5)"
+    )
+    print(
+        f"base_ttft_p50_ratio_unpinned_vs_base_only "
+        f"{r['base_ttft_p50_ratio_unpinned_vs_base_only']:.2f} (ablation: base slot unpinned)"
+    )
+    step = r["decode_step_ratio_16_adapters_vs_base"]
+    print(f"decode_step_ratio_16_adapters_vs_base    {step:.3f}"
+          f" vs bytes ratio {r['decode_bytes_ratio_16_adapters_vs_base']:.3f} -> "
+          f"decode_step_overhead_vs_bytes {r['decode_step_overhead_vs_bytes']:.3f} "
+          "(ceiling 1.0; target <= 1.15)")  # fmt: skip
+
+
+def _print_tp_comm(c: dict) -> None:
+    t, r, h = c["decode_tokens"], c["max_lora_rank"], c["hidden_size"]
+    base, lora, extra = (
+        c["bytes_per_layer_base"], c["bytes_per_layer_lora"], c["lora_extra_bytes_per_layer"]
+    )  # fmt: skip
+    print(f"\ntensor parallelism, tp_size {c['tp_size']}: payload bytes rank 0 sends in one "
+          f"decode step of {t} tokens")  # fmt: skip
+    print(f"  per layer, base only:     {base:>10,.0f}  (o and down all-reduce [T, {h}])")
+    print(f"  per layer, with adapters: {lora:>10,.0f}  (+{extra:,.0f}: [T, {r}] shrink of each)")
+    for label, tags in c["bytes_per_step_by_collective"].items():
+        print(f"  per step, {label:<5} " + ", ".join(f"{k} {v:,}" for k, v in tags.items()))
+
+
+def _kv_bytes(args: argparse.Namespace) -> int:
+    spec = DemoSpec()
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    return int(per_token * (args.prompt_len + args.output_len + 32) * args.concurrency * 1.25)
+
+
+def _zipf_weights(n: int, alpha: float) -> list[float]:
+    return [1.0 / (k + 1) ** alpha for k in range(n)]
+
+
+def _ms(summary: dict, key: str) -> str:
+    return f"{ms(summary[key], 0)} ms" if key in summary else "-"
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items() if not callable(v)}

@@ -1,0 +1,551 @@
+"""`lorafleet bench http`: load against a running server through its OpenAI API.
+
+The client side of a serving benchmark: it sees what a user sees (TTFT, inter-token
+latency, end-to-end time over streamed SSE) and reads the server's adapter-load counters
+before and after, so a routing or caching change shows up as fewer loads per request.
+`--json PATH` writes every figure printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from cluster.bench.stats import PERCENTILES, ms, percentiles
+
+SCENARIOS = ("uniform", "zipf", "distinct", "bursty", "mixed-base")
+MAX_ERRORS_SHOWN = 5
+
+# Short common words: with a leading space most tokenizers make each one a single token,
+# so a prompt of N words is about N tokens.
+WORDS = (
+    "the of and to in is was for on are with as his they be at one have this from or had by "
+    "hot word but what some we can out other were all there when up use your how said an each "
+    "she which do their time if will way about many then them write would like so these her "
+    "long make thing see him two has look more day could go come did number sound no most "
+    "people my over know water than call first who may down side been now find"
+).split()
+
+
+class BenchError(Exception):
+    """A problem with the target server or the options: reported in one line, no traceback."""
+
+
+@dataclass
+class LoadOptions:
+    """One load run. `num_requests` and `duration_s` bound it; at least one must be set."""
+
+    url: str = "http://127.0.0.1:8000"
+    adapters: int | None = None  # the first N registered adapters by name; None: all of them
+    scenario: str = "uniform"
+    base_fraction: float = 0.5  # mixed-base only
+    zipf_alpha: float = 1.0  # zipf only
+    phases: int = 4  # bursty only: the adapters split into this many disjoint sets
+    phase_requests: int = 32  # bursty only: requests in a row drawn from one set
+    rate: float | None = None  # Poisson arrivals per second; None: closed loop at `concurrency`
+    concurrency: int = 16
+    num_requests: int | None = 256
+    warmup_requests: int = 0  # sent first, same scenario; not measured, loads not counted
+    duration_s: float | None = None  # stop issuing after this long
+    grace_s: float = 10.0  # after duration_s, requests still running get this long, then cancel
+    prompt_tokens: int = 128
+    max_tokens: int = 64
+    seed: int = 0
+    timeout_s: float = 300.0  # per request, start to [DONE]
+    stats_settle_s: float = 2.0  # replicas publish their counters periodically (about 1 s)
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise BenchError(f"unknown scenario {self.scenario!r}; choose from {SCENARIOS}")
+        if self.num_requests is None and self.duration_s is None:
+            raise BenchError("give num_requests or duration_s: a load run must be bounded")
+        if not 0.0 <= self.base_fraction <= 1.0:
+            raise BenchError(f"base_fraction {self.base_fraction} is not in [0, 1]")
+        if self.rate is not None and self.rate <= 0:
+            raise BenchError(f"rate {self.rate} must be positive")
+        if self.concurrency < 1 or self.max_tokens < 1 or self.prompt_tokens < 1:
+            raise BenchError("concurrency, max_tokens and prompt_tokens must be at least 1")
+        if self.phases < 1 or self.phase_requests < 1:
+            raise BenchError("phases and phase_requests must be at least 1")
+        if self.warmup_requests < 0:
+            raise BenchError(f"warmup_requests {self.warmup_requests} must not be negative")
+        if self.adapters is not None and self.adapters < 0:
+            raise BenchError(f"adapters {self.adapters} must not be negative")
+
+
+@dataclass
+class RequestRecord:
+    """What one request saw, in seconds from the moment it was sent."""
+
+    index: int
+    model: str
+    is_base: bool
+    ttft_s: float | None = None  # first SSE chunk carrying text
+    itl_s: list[float] = field(default_factory=list)  # gaps between later text chunks
+    e2e_s: float | None = None  # to [DONE]
+    output_tokens: int = 0
+    status: int | None = None
+    error: str | None = None
+    cancelled: bool = False  # still running at duration_s + grace_s
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.cancelled and self.e2e_s is not None
+
+
+@dataclass
+class LoadResult:
+    options: LoadOptions
+    base_model: str
+    adapters: list[str]
+    records: list[RequestRecord]
+    wall_s: float
+    counters: dict[str, dict[str, float]] | None  # per replica, during the run; None: unknown
+    warmup: list[RequestRecord] = field(default_factory=list)  # before the counters were read
+
+    def summary(self) -> dict:
+        """Every figure, JSON-ready: metrics under "all", "base" and "adapter"."""
+        return {
+            "label": self.options.label,
+            "options": asdict(self.options),
+            "base_model": self.base_model,
+            "adapters": self.adapters,
+            "wall_s": self.wall_s,
+            "warmup": {"requests": len(self.warmup), "ok": sum(r.ok for r in self.warmup)},
+            "requests_per_model": dict(Counter(r.model for r in self.records)),
+            "errors": self.first_errors(),
+            "all": _group(self.records, self.wall_s),
+            "base": _group([r for r in self.records if r.is_base], self.wall_s),
+            "adapter": _group([r for r in self.records if not r.is_base], self.wall_s),
+            **_server_side(self.counters),
+        }
+
+    def first_errors(self) -> list[str]:
+        messages = dict.fromkeys(r.error for r in self.records if r.error is not None)
+        return list(messages)[:MAX_ERRORS_SHOWN]
+
+
+def _server_side(counters: dict[str, dict[str, float]] | None) -> dict:
+    """Adapter loads per replica and in all; the shares of adapter requests that found their
+    adapter in a device slot or in host memory on arrival; step time blocked on loads."""
+    if counters is None:
+        return {"adapter_loads": {"total": None, "per_replica": None}, "server": None}
+    loads = {rid: int(c["adapter_loads"]) for rid, c in counters.items()}
+    total = {
+        k: sum(c.get(k, 0) for c in counters.values()) for k in next(iter(counters.values()), {})
+    }
+    lookups = sum(total.get(f"lookups_{t}", 0) for t in ("device", "host", "miss"))
+    return {
+        "adapter_loads": {"total": sum(loads.values()), "per_replica": loads},
+        "server": {
+            "device_hit_rate": total.get("lookups_device", 0) / lookups if lookups else None,
+            "host_hit_rate": total.get("lookups_host", 0) / lookups if lookups else None,
+            "load_wait_s": total.get("load_wait_s", 0.0),
+        },
+    }
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+QUICK = {"num_requests": 16, "max_tokens": 4, "prompt_tokens": 16, "concurrency": 4}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = LoadOptions
+    p.add_argument("--url", help=f"Server base URL (default {d.url}).")
+    p.add_argument("--adapters", type=int,
+                   help="Use the first N registered adapters by name (default: all).")  # fmt: skip
+    p.add_argument("--scenario", choices=SCENARIOS,
+                   help="Which model each request names: uniform over adapters, zipf-skewed, "
+                        "distinct (round-robin), bursty (phases of disjoint adapter sets), or "
+                        f"mixed-base (default {d.scenario}).")  # fmt: skip
+    p.add_argument("--phases", type=int,
+                   help=f"bursty: disjoint adapter sets (default {d.phases}).")  # fmt: skip
+    p.add_argument("--phase-requests", type=int,
+                   help=f"bursty: requests per phase (default {d.phase_requests}).")  # fmt: skip
+    p.add_argument("--base-fraction", type=float,
+                   help=f"mixed-base: share of requests to the base model (default "
+                        f"{d.base_fraction}).")  # fmt: skip
+    p.add_argument(
+        "--zipf-alpha",
+        type=float,
+        help=f"zipf: adapter i weighs 1/(i+1)^alpha (default {d.zipf_alpha}).",
+    )
+    arrivals = p.add_mutually_exclusive_group()
+    arrivals.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s.")
+    arrivals.add_argument("--concurrency", type=int,
+                          help=f"Closed loop: C requests in flight (default {d.concurrency}, "
+                               "used when --rate is not given).")  # fmt: skip
+    p.add_argument("--num-requests", type=int,
+                   help=f"Requests to send (default {d.num_requests}; unbounded when only "
+                        "--duration-s is given).")  # fmt: skip
+    p.add_argument("--duration-s", type=float, help="Stop issuing requests after this long.")
+    p.add_argument("--warmup-requests", type=int,
+                   help="Send this many requests of the same scenario first, unmeasured: adapter "
+                        "loads are counted after them, so a run measures the steady state, not "
+                        "the cold start (default 0).")  # fmt: skip
+    p.add_argument("--grace-s", type=float,
+                   help=f"After --duration-s, cancel requests still running after this long "
+                        f"(default {d.grace_s}).")  # fmt: skip
+    p.add_argument(
+        "--prompt-tokens", type=int, help=f"Approximate prompt length (default {d.prompt_tokens})."
+    )
+    p.add_argument(
+        "--max-tokens", type=int, help=f"Output tokens per request (default {d.max_tokens})."
+    )
+    p.add_argument("--seed", type=int, help=f"Seeds prompts, models, arrivals (default {d.seed}).")
+    p.add_argument("--timeout-s", type=float,
+                   help=f"Per-request limit (default {d.timeout_s}).")  # fmt: skip
+    p.add_argument("--stats-settle-s", type=float,
+                   help="Wait before reading the server's counters after the run, so replicas "
+                        f"have published them (default {d.stats_settle_s}).")  # fmt: skip
+    p.add_argument("--label", help="Name of this run in the output.")
+    quick = ", ".join(f"{k} {v}" for k, v in QUICK.items())
+    p.add_argument("--quick", action="store_true", help=f"A few-second smoke run: {quick}.")
+    p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
+
+
+def options_from_args(args: argparse.Namespace) -> LoadOptions:
+    """Defaults < --quick < explicit flags; --duration-s alone means no request-count bound."""
+    given = {
+        name: getattr(args, name)
+        for name in LoadOptions.__dataclass_fields__
+        if getattr(args, name, None) is not None
+    }
+    base = dict(QUICK) if args.quick else {}
+    if args.duration_s is not None and args.num_requests is None:
+        base["num_requests"] = None
+    return LoadOptions(**{**base, **given})
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        options = options_from_args(args)
+        print(_header(options))
+        result = asyncio.run(run_load(options))
+    except BenchError as e:
+        print(f"lorafleet: error: {e}", file=sys.stderr)
+        return 2
+    report = result.summary()
+    _print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+async def run_load(options: LoadOptions) -> LoadResult:
+    """Discover models, read counters, send the load, wind down, read counters again."""
+    url = options.url.rstrip("/")
+    timeout = httpx.Timeout(options.timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # trust_env=False: a proxy from the environment would be measured along with the server.
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        base, adapters = await discover_models(client, url, options.adapters)
+        pick = request_picker(options, base, adapters)
+        warmup: list[RequestRecord] = []
+        if options.warmup_requests:
+            warm = replace(options, num_requests=options.warmup_requests, duration_s=None)
+            warmup = await _drive(client, url, warm, pick, base)
+            await asyncio.sleep(options.stats_settle_s)  # the warm-up's loads reach the counters
+        before = await read_replica_counters(client, url)
+        start = time.perf_counter()
+        records = await _drive(client, url, options, pick, base, first_index=len(warmup))
+        wall = time.perf_counter() - start
+        counters = None
+        if before is not None:
+            await asyncio.sleep(options.stats_settle_s)
+            after = await read_replica_counters(client, url)
+            if after is not None:
+                counters = counter_deltas(before, after)
+    return LoadResult(options, base, adapters, records, wall, counters, warmup)
+
+
+async def discover_models(
+    client: httpx.AsyncClient, url: str, n: int | None
+) -> tuple[str, list[str]]:
+    """The base model (parent null) and the first n adapters by name."""
+    try:
+        r = await client.get(f"{url}/v1/models")
+    except httpx.HTTPError as e:
+        raise BenchError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise BenchError(f"GET {url}/v1/models: HTTP {r.status_code}: {_error_message(r)}")
+    cards = r.json()["data"]
+    bases = [c["id"] for c in cards if c.get("parent") is None]
+    if len(bases) != 1:
+        raise BenchError(f"{url}/v1/models lists {len(bases)} base models (parent null), not 1")
+    adapters = sorted(c["id"] for c in cards if c.get("parent") is not None)
+    if n is not None and len(adapters) < n:
+        raise BenchError(f"--adapters {n}: the server has only {len(adapters)} registered")
+    return bases[0], adapters[:n]
+
+
+async def read_replica_counters(
+    client: httpx.AsyncClient, url: str
+) -> dict[str, dict[str, float]] | None:
+    """Cumulative counters per replica (adapter loads; where arriving adapter requests found
+    their adapter; step time blocked on loads); None where the server does not expose them."""
+    try:
+        r = await client.get(f"{url}/v1/lorafleet/stats")
+        if r.status_code != 200:
+            return None
+        counters = {}
+        for rid, s in r.json()["replicas"].items():
+            t = s.get("telemetry", {})
+            lookups = t.get("lookups", {})
+            counters[rid] = {
+                "adapter_loads": int(s.get("adapter_loads", 0)),
+                **{f"lookups_{tier}": lookups.get(tier, 0) for tier in ("device", "host", "miss")},
+                "load_wait_s": t.get("load_wait_seconds", 0.0),
+            }
+        return counters
+    except (httpx.HTTPError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def counter_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """after - before per replica and counter (a replica new since `before` counts from 0)."""
+    return {
+        rid: {k: v - before.get(rid, {}).get(k, 0) for k, v in counts.items()}
+        for rid, counts in after.items()
+    }
+
+
+def request_picker(options: LoadOptions, base: str, adapters: list[str]) -> Callable[[int], str]:
+    """The model request i names, deterministic for a seed."""
+    scenario = options.scenario
+    if not adapters and not (scenario == "mixed-base" and options.base_fraction == 1.0):
+        raise BenchError(f"scenario {scenario!r} needs at least one adapter")
+    rng = random.Random(options.seed)
+    if scenario == "uniform":
+        return lambda i: rng.choice(adapters)
+    if scenario == "zipf":
+        weights = [1.0 / (k + 1) ** options.zipf_alpha for k in range(len(adapters))]
+        return lambda i: rng.choices(adapters, weights)[0]
+    if scenario == "distinct":
+        return lambda i: adapters[i % len(adapters)]
+    if scenario == "bursty":  # the working set moves: phase k draws from set k mod phases only
+        sets = [s for s in (adapters[k :: options.phases] for k in range(options.phases)) if s]
+        return lambda i: rng.choice(sets[(i // options.phase_requests) % len(sets)])
+    return lambda i: base if rng.random() < options.base_fraction else rng.choice(adapters)
+
+
+def build_prompt(i: int, n_tokens: int, seed: int) -> str:
+    """About n_tokens words; request i's own words from the start, so no prefix is cached."""
+    rng = random.Random(f"{seed}-{i}")
+    return f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(max(0, n_tokens - 2)))
+
+
+async def _drive(
+    client: httpx.AsyncClient,
+    url: str,
+    options: LoadOptions,
+    pick: Callable[[int], str],
+    base: str,
+    first_index: int = 0,
+) -> list[RequestRecord]:
+    """Issue requests (Poisson or closed loop) until a bound, then wind down. Request
+    indices (which seed prompts and models) start at first_index."""
+    start = time.perf_counter()
+    deadline = start + options.duration_s if options.duration_s is not None else float("inf")
+    slots = asyncio.Semaphore(options.concurrency) if options.rate is None else None
+    arrivals = random.Random(options.seed + 1)
+    next_at = start
+    records: list[RequestRecord] = []
+    tasks: list[asyncio.Task] = []
+    for i in _indices(first_index, options.num_requests):  # bounded by count or deadline
+        if slots is not None:
+            if not await _acquire(slots, deadline):
+                break
+        elif next_at >= deadline:
+            break
+        else:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            next_at += arrivals.expovariate(options.rate)
+        if time.perf_counter() >= deadline:
+            break
+        model = pick(i)
+        record = RequestRecord(i, model, model == base)
+        records.append(record)
+        task = asyncio.create_task(_send(client, url, options, record))
+        if slots is not None:
+            task.add_done_callback(lambda _: slots.release())
+        tasks.append(task)
+    await _wind_down(tasks, deadline + options.grace_s)
+    return records
+
+
+def _indices(first: int, num_requests: int | None) -> Iterator[int]:
+    if num_requests is None:
+        return itertools.count(first)
+    return iter(range(first, first + num_requests))
+
+
+async def _acquire(slots: asyncio.Semaphore, deadline: float) -> bool:
+    """A free slot, or False once the deadline passes first."""
+    timeout = None if deadline == float("inf") else max(0.0, deadline - time.perf_counter())
+    try:
+        await asyncio.wait_for(slots.acquire(), timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def _wind_down(tasks: list[asyncio.Task], cutoff: float) -> None:
+    """Let requests finish until the cutoff, then cancel the rest (they mark themselves)."""
+    if not tasks:
+        return
+    timeout = None if cutoff == float("inf") else max(0.0, cutoff - time.perf_counter())
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, options: LoadOptions, record: RequestRecord
+) -> None:
+    body = {
+        "model": record.model,
+        "prompt": build_prompt(record.index, options.prompt_tokens, options.seed),
+        "max_tokens": options.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        await asyncio.wait_for(_stream(client, f"{url}/v1/completions", body, record),
+                               options.timeout_s)  # fmt: skip
+    except asyncio.CancelledError:
+        record.cancelled = True
+        raise
+    except asyncio.TimeoutError:
+        record.error = f"timeout after {options.timeout_s} s"
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> None:
+    """One streamed completion, timed chunk by chunk into the record."""
+    t0 = time.perf_counter()
+    text_times: list[float] = []
+    usage_tokens = None
+    async with client.stream("POST", url, json=body) as r:
+        record.status = r.status_code
+        if r.status_code != 200:
+            await r.aread()
+            record.error = f"HTTP {r.status_code}: {_error_message(r)}"
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                record.e2e_s = time.perf_counter() - t0
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:  # after the 200 header, errors come as an event
+                record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                return
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"]["completion_tokens"]
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                text_times.append(time.perf_counter())
+    if record.e2e_s is None:
+        record.error = "the stream ended without [DONE]"
+        return
+    if text_times:
+        record.ttft_s = text_times[0] - t0
+        record.itl_s = np.diff(text_times).tolist()
+    # Servers that ignore include_usage: count text chunks instead.
+    record.output_tokens = usage_tokens if usage_tokens is not None else len(text_times)
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]
+
+
+# -- figures and printing -----------------------------------------------------------------------
+
+
+def _group(records: list[RequestRecord], wall_s: float) -> dict:
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "failed": sum(r.error is not None for r in records),
+        "cancelled": sum(r.cancelled for r in records),
+        "output_tokens": tokens,
+        "req_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "output_tok_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        **percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
+        **percentiles([gap for r in ok for gap in r.itl_s], "itl"),
+        **percentiles([r.e2e_s for r in ok], "e2e"),
+    }
+
+
+def _header(o: LoadOptions) -> str:
+    arrivals = f"Poisson {o.rate} req/s" if o.rate is not None else f"{o.concurrency} concurrent"
+    bounds = [f"{o.num_requests} requests"] if o.num_requests is not None else []
+    bounds += [f"{o.duration_s} s"] if o.duration_s is not None else []
+    name = f" [{o.label}]" if o.label else ""
+    warmup = f" after {o.warmup_requests} warm-up requests" if o.warmup_requests else ""
+    return (
+        f"http bench{name}: {o.url}, scenario {o.scenario}, {arrivals}, "
+        f"{' or '.join(bounds)}{warmup}, ~{o.prompt_tokens}+{o.max_tokens} tokens"
+    )
+
+
+def _print_report(report: dict) -> None:
+    quantiles = "/".join(f"p{q}" for q in PERCENTILES)
+    cols = ["requests", "ok", "failed", "cancel", "req/s", "tok/s"]
+    print(f"{'':<8}" + "".join(f"{c:>9}" for c in cols)
+          + "".join(f"{m + ' ms ' + quantiles:>23}" for m in ("TTFT", "ITL", "E2E")))  # fmt: skip
+    for kind in ("all", "base", "adapter"):
+        g = report[kind]
+        row = [str(g[k]) for k in ("requests", "ok", "failed", "cancelled")]
+        row += [f"{g['req_per_s']:.2f}", f"{g['output_tok_per_s']:.1f}"]
+        cells = [
+            "/".join(ms(g[f"{m}_p{q}_s"]) for q in PERCENTILES) for m in ("ttft", "itl", "e2e")
+        ]
+        print(f"{kind:<8}" + "".join(f"{c:>9}" for c in row) + "".join(f"{c:>23}" for c in cells))
+    loads = report["adapter_loads"]
+    if loads["per_replica"] is None:
+        print("adapter loads: unknown (no counters at /v1/lorafleet/stats)")
+    else:
+        per = ", ".join(f"{r} {n}" for r, n in sorted(loads["per_replica"].items()))
+        print(f"adapter loads: {loads['total']} ({per})")
+        server = report["server"]
+        if server["device_hit_rate"] is not None:
+            print(
+                f"adapter found on arrival: in a device slot {server['device_hit_rate']:.0%}, "
+                f"in host memory only {server['host_hit_rate']:.0%}; step time blocked on "
+                f"loads {server['load_wait_s']:.3f} s"
+            )
+    for message in report["errors"]:
+        print(f"error: {message}")

@@ -1,0 +1,449 @@
+"""`lorafleet bench kernels`: the multi-LoRA ops against a naive loop and the base projection.
+
+Each shape runs three things on one square projection (hidden -> hidden):
+
+  lora  kernels.lora_shrink + kernels.lora_expand through the dispatch point
+        (the torch path on CPU, Triton on CUDA; --backend forces either)
+  loop  what a naive implementation does: for each sequence i,
+        y_i += x_i @ A_iᵀ @ B_iᵀ * s_i with the adapter's own unpadded
+        A_i [r, in] and B_i [out, r]
+  base  the base projection alone, x @ Wᵀ
+
+Shapes: decode (1..64 tokens, each its own adapter; "sparse" puts the adapters
+in every other slot, as a fragmented slot pool would) and prefill (ragged
+segments of 16..512 tokens, each its own adapter), at hidden 512 and 4096.
+
+Weights rotate through copies spanning --footprint-mib, so every call reads
+them from memory as in a real decode step, where the rest of the model evicts
+them from cache (--footprint-mib 0 measures warm caches). Variants run
+interleaved, in a fresh random order each round, so machine noise and the
+cold caches after a base GEMM hit all alike; figures are medians. Buffers
+hold R = --max-rank (default: the adapters' rank); with R > r each row of
+B [S, out, R] is read strided. Bytes: LoRA = A_i and B_i of the adapters used (their rank r, not
+the buffers' R) + x read + y read and written; base = W + x + y. GB/s =
+bytes / median time, printed next to the machine's copy bandwidth (a copy
+larger than the caches, read + write bytes).
+
+On CUDA each call is timed with events around it, so at these sizes the
+figures include the host's launch work whenever the GPU waits for it (our
+engine launches eagerly, so this is what a step sees). The "graph" columns
+time lora and base again as CUDA graph replays (one replay runs the call on
+every weight copy), which removes the launch gaps and leaves device time.
+
+    lorafleet bench kernels                  # full table, ~40 s on 2 CPU cores
+    lorafleet bench kernels --quick          # a few seconds
+    lorafleet bench kernels --json out.json  # every figure, per shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from cluster.bench.stats import cpu_name
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_MAX_DECODE = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="Decode-32 and a small prefill only.")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--rank", type=int, default=16, help="Rank of every adapter.")
+    parser.add_argument("--max-rank", type=int, default=None, help="Buffers' R (default: --rank).")
+    parser.add_argument("--dtype", choices=list(_DTYPES), default=None,
+                        help="Default: fp32 on CPU, bf16 on CUDA.")  # fmt: skip
+    parser.add_argument("--device", default=None, help="Default: cuda if available, else cpu.")
+    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--footprint-mib", type=int, default=1024,
+                        help="Rotate weight copies over this much memory (0: warm).")  # fmt: skip
+    parser.add_argument("--min-time", type=float, default=1.0,
+                        help="Seconds of timing per variant and shape.")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", default=None, help="Write every figure here.")
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str  # "decode" | "prefill"
+    hidden: int
+    seg_lens: tuple[int, ...]
+    slots: tuple[int, ...]  # adapter slot per segment
+    layout: str  # "dense": slots 1..n; "sparse": every other slot
+
+    @property
+    def name(self) -> str:
+        n = sum(self.seg_lens)
+        if self.kind == "decode":
+            return f"decode-{n}{'-sparse' if self.layout == 'sparse' else ''} h{self.hidden}"
+        lens = f"{min(self.seg_lens)}..{max(self.seg_lens)}"
+        return f"prefill-{len(self.seg_lens)}x{lens} h{self.hidden}"
+
+
+@dataclass
+class Result:
+    name: str
+    kind: str
+    layout: str
+    hidden: int
+    tokens: int
+    segments: int
+    adapters: int
+    rank: int
+    max_rank: int
+    dtype: str
+    backend: str
+    lora_ms: float
+    loop_ms: float
+    base_ms: float
+    speedup_vs_loop: float
+    lora_over_base_time: float
+    lora_over_base_bytes: float
+    time_over_bytes: float  # lora_over_base_time / lora_over_base_bytes: 1 = as efficient as base
+    lora_bytes: int
+    base_bytes: int
+    lora_gbps: float
+    loop_gbps: float
+    base_gbps: float
+    rounds: int
+    # CUDA only: device time per call from CUDA graph replays (no launch gaps)
+    lora_graph_ms: float | None = None
+    base_graph_ms: float | None = None
+    lora_over_base_graph_time: float | None = None
+
+
+def shapes(args: argparse.Namespace) -> list[Shape]:
+    rnd = random.Random(args.seed)
+    out = []
+    for h in args.hidden:
+        decode = [32] if args.quick else args.decode_tokens
+        for n in decode:
+            out.append(_decode(h, n, "dense", rnd))
+        if not args.quick:
+            out.append(_decode(h, 32, "sparse", rnd))
+        if not args.quick or h == min(args.hidden):
+            lens = tuple(rnd.randint(16, 512) for _ in range(2 if args.quick else 4))
+            slots = tuple(rnd.sample(range(1, len(lens) + 1), len(lens)))
+            out.append(Shape("prefill", h, lens, slots, "dense"))
+    return out
+
+
+def _decode(hidden: int, n: int, layout: str, rnd: random.Random) -> Shape:
+    if n > _MAX_DECODE:
+        raise ValueError(f"decode tokens {n} > {_MAX_DECODE}")
+    step = 2 if layout == "sparse" else 1
+    slots = rnd.sample(range(1, 1 + step * n, step), n)  # token order != slot order
+    return Shape("decode", hidden, (1,) * n, tuple(slots), layout)
+
+
+@dataclass
+class _Weights:
+    w: torch.Tensor  # [hidden, hidden] base weight
+    a: torch.Tensor  # [S, R, hidden]
+    b: torch.Tensor  # [S, hidden, R]
+    own: dict[
+        int, tuple[torch.Tensor, torch.Tensor]
+    ]  # slot -> unpadded (A_i [r, in], B_i [out, r])
+
+
+def _weight_copies(
+    hidden: int, rank: int, max_rank: int, dtype: torch.dtype, device: torch.device, footprint: int
+) -> list[_Weights]:
+    """Enough copies of every weight to span `footprint` bytes (at least one)."""
+    num_slots = 1 + 2 * _MAX_DECODE
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.randn(hidden, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+    a = torch.zeros(num_slots, max_rank, hidden, dtype=dtype, device=device)
+    b = torch.zeros(num_slots, hidden, max_rank, dtype=dtype, device=device)
+    a[1:, :rank] = (torch.randn(num_slots - 1, rank, hidden, generator=gen) / hidden**0.5).to(dtype)
+    b[1:, :, :rank] = (torch.randn(num_slots - 1, hidden, rank, generator=gen) / rank**0.5).to(
+        dtype
+    )
+    set_bytes = (w.numel() + a.numel() + b.numel()) * w.element_size()
+    copies = max(1, min(256, -(-footprint // set_bytes)))
+    out = []
+    for i in range(copies):
+        wi, ai, bi = (w, a, b) if i == 0 else (w.clone(), a.clone(), b.clone())
+        own = {
+            s: (ai[s, :rank].contiguous(), bi[s, :, :rank].contiguous())
+            for s in range(1, num_slots)
+        }
+        out.append(_Weights(wi, ai, bi, own))
+    return out
+
+
+class _Clock:
+    """Per-call wall time on CPU; CUDA events on GPU (no host sync inside the call)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], object]) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, clock: _Clock) -> float:
+    """GB/s of a device copy larger than the caches, counting read + write bytes."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    times = [clock.time(lambda: dst.copy_(src)) for _ in range(5)]
+    return 2 * nbytes / min(times) / 1e9
+
+
+def run_shape(
+    shape: Shape,
+    copies: list[_Weights],
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    device: torch.device,
+    clock: _Clock,
+) -> Result:
+    h, rank, max_rank = shape.hidden, args.rank, args.max_rank
+    num_slots = copies[0].a.shape[0]
+    scalings = [0.0] + [0.5 + 0.01 * s for s in range(1, num_slots)]
+    seg = kernels.make_segment_info(
+        list(shape.seg_lens), list(shape.slots), [0] + [rank] * (num_slots - 1), scalings, device
+    )
+    bounds = [0]
+    for n in shape.seg_lens:
+        bounds.append(bounds[-1] + n)
+    tokens = bounds[-1]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(tokens, h, generator=gen).to(device, dtype)
+    y = torch.zeros(tokens, h, dtype=dtype, device=device)
+
+    def lora(ws: _Weights) -> None:
+        inter = kernels.lora_shrink(x, ws.a, seg, 1)
+        kernels.lora_expand(y, inter, ws.b, seg, [0, h])
+
+    def loop(ws: _Weights) -> None:
+        for g, s in enumerate(shape.slots):
+            a_i, b_i = ws.own[s]
+            lo, hi = bounds[g], bounds[g + 1]
+            y[lo:hi] += x[lo:hi] @ a_i.T @ b_i.T * scalings[s]
+
+    def base(ws: _Weights) -> None:
+        F.linear(x, ws.w)
+
+    _check_agree(lora, loop, copies[0], y, dtype)
+    variants = {"lora": lora, "loop": loop, "base": base}
+    for ws in copies[:2]:  # warm-up: plans, kernel compiles, allocator
+        for fn in variants.values():
+            fn(ws)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    deadline = time.perf_counter() + args.min_time * len(variants)
+    rounds = 0
+    order = list(variants)
+    rnd = random.Random(args.seed)
+    while rounds < 5 or (time.perf_counter() < deadline and rounds < 1000):
+        ws = copies[rounds % len(copies)]
+        rnd.shuffle(order)  # whoever runs right after the base GEMM finds caches cold
+        for k in order:
+            times[k].append(clock.time(lambda fn=variants[k], ws=ws: fn(ws)))
+        rounds += 1
+    med = {k: statistics.median(v) for k, v in times.items()}
+    graph = _graph_times({"lora": lora, "base": base}, copies, args) if clock.cuda else {}
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    used = len(set(shape.slots) - {0})
+    lora_bytes = (used * 2 * rank * h + tokens * 3 * h) * elem + tokens * max_rank * 4 * 2
+    base_bytes = (h * h + 2 * tokens * h) * elem
+    return Result(
+        name=shape.name,
+        kind=shape.kind,
+        layout=shape.layout,
+        hidden=h,
+        tokens=tokens,
+        segments=len(shape.seg_lens),
+        adapters=used,
+        rank=rank,
+        max_rank=max_rank,
+        dtype=str(dtype).removeprefix("torch."),
+        backend=kernels.backend_for(x),
+        lora_ms=med["lora"] * 1e3,
+        loop_ms=med["loop"] * 1e3,
+        base_ms=med["base"] * 1e3,
+        speedup_vs_loop=med["loop"] / med["lora"],
+        lora_over_base_time=med["lora"] / med["base"],
+        lora_over_base_bytes=lora_bytes / base_bytes,
+        time_over_bytes=(med["lora"] / med["base"]) / (lora_bytes / base_bytes),
+        lora_bytes=lora_bytes,
+        base_bytes=base_bytes,
+        lora_gbps=lora_bytes / med["lora"] / 1e9,
+        loop_gbps=lora_bytes / med["loop"] / 1e9,
+        base_gbps=base_bytes / med["base"] / 1e9,
+        rounds=rounds,
+        lora_graph_ms=graph["lora"] * 1e3 if graph else None,
+        base_graph_ms=graph["base"] * 1e3 if graph else None,
+        lora_over_base_graph_time=graph["lora"] / graph["base"] if graph else None,
+    )
+
+
+def _graph_times(
+    variants: dict[str, Callable[[_Weights], None]], copies: list[_Weights], args
+) -> dict[str, float]:
+    """Median seconds per call of each variant, from CUDA graph replays: one graph per
+    variant runs it once on each weight copy (up to 64), replays interleave."""
+    copies = copies[:64]
+    graphs = {}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: plans, allocator, compiles
+        for fn in variants.values():
+            for ws in copies:
+                fn(ws)
+    torch.cuda.current_stream().wait_stream(side)
+    for k, fn in variants.items():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for ws in copies:
+                fn(ws)
+        graphs[k] = g
+    clock, times = _Clock(torch.device("cuda")), {k: [] for k in variants}
+    order, rnd = list(variants), random.Random(args.seed)
+    deadline = time.perf_counter() + args.min_time * len(variants)
+    rounds = 0
+    while rounds < 5 or (time.perf_counter() < deadline and rounds < 1000):
+        rnd.shuffle(order)
+        for k in order:
+            times[k].append(clock.time(graphs[k].replay) / len(copies))
+        rounds += 1
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _check_agree(lora, loop, ws: _Weights, y: torch.Tensor, dtype: torch.dtype) -> None:
+    """The fast path must compute what the loop computes before its time means anything."""
+    y.zero_()
+    lora(ws)
+    fast = y.float().clone()
+    y.zero_()
+    loop(ws)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if not torch.allclose(fast, y.float(), rtol=tol, atol=tol):
+        raise AssertionError(f"lora and loop disagree: max |diff| {(fast - y.float()).abs().max()}")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    args.max_rank = args.max_rank or args.rank
+    if args.max_rank < args.rank:
+        raise SystemExit(f"--max-rank {args.max_rank} < --rank {args.rank}")
+    if args.quick:
+        args.footprint_mib = min(args.footprint_mib, 256)
+        args.min_time = min(args.min_time, 0.1)
+    forced = os.environ.get("LORAFLEET_KERNELS")
+    if args.backend != "auto":
+        os.environ["LORAFLEET_KERNELS"] = args.backend
+    try:
+        return _run(args, device, dtype)
+    finally:
+        if forced is None:
+            os.environ.pop("LORAFLEET_KERNELS", None)
+        else:
+            os.environ["LORAFLEET_KERNELS"] = forced
+
+
+def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:
+    clock = _Clock(device)
+    copy_gbps = copy_bandwidth(device, (128 if args.quick else 512) << 20, clock)
+    threads = torch.get_num_threads()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    print(
+        f"device {device} [{name}] ({threads} threads), {str(dtype).removeprefix('torch.')}, "
+        f"rank {args.rank} (buffers R={args.max_rank}), footprint {args.footprint_mib} MiB, "
+        f"copy bandwidth {copy_gbps:.1f} GB/s (read+write)"
+    )
+    results = []
+    by_hidden: dict[int, list[Shape]] = {}
+    for s in shapes(args):
+        by_hidden.setdefault(s.hidden, []).append(s)
+    _print_header(clock.cuda)
+    for h, group in by_hidden.items():
+        copies = _weight_copies(
+            h, args.rank, args.max_rank, dtype, device, args.footprint_mib << 20
+        )
+        for shape in group:
+            res = run_shape(shape, copies, args, dtype, device, clock)
+            _print_row(res, clock.cuda)
+            results.append(res)
+        del copies
+    print(
+        "vs loop = loop time / lora time; lora/base t = time ratio, B = bytes ratio; "
+        "t/B = their quotient (1.0: LoRA moves its bytes as fast as the base projection)"
+        + ("; graph: device time per call from CUDA graph replays" if clock.cuda else "")
+    )
+    if args.json:
+        doc = {
+            "device": str(device),
+            "device_name": name,
+            "threads": threads,
+            "torch": torch.__version__,
+            "dtype": str(dtype).removeprefix("torch."),
+            "copy_gbps": copy_gbps,
+            "footprint_mib": args.footprint_mib,
+            "shapes": [asdict(r) for r in results],
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+_COLUMNS = (
+    ("shape", 28, "name", "s"),
+    ("backend", 7, "backend", "s"),
+    ("lora ms", 9, "lora_ms", ".3f"),
+    ("loop ms", 9, "loop_ms", ".3f"),
+    ("base ms", 9, "base_ms", ".3f"),
+    ("vs loop", 8, "speedup_vs_loop", ".2f"),
+    ("lora/base t", 12, "lora_over_base_time", ".3f"),
+    ("lora/base B", 12, "lora_over_base_bytes", ".3f"),
+    ("t/B", 6, "time_over_bytes", ".2f"),
+    ("lora GB/s", 10, "lora_gbps", ".1f"),
+    ("loop GB/s", 10, "loop_gbps", ".1f"),
+    ("base GB/s", 10, "base_gbps", ".1f"),
+)
+_GRAPH_COLUMNS = (
+    ("graph lora ms", 13, "lora_graph_ms", ".4f"),
+    ("graph base ms", 13, "base_graph_ms", ".4f"),
+    ("graph l/b t", 11, "lora_over_base_graph_time", ".3f"),
+)
+
+
+def _columns(cuda: bool) -> tuple:
+    return _COLUMNS + _GRAPH_COLUMNS if cuda else _COLUMNS
+
+
+def _print_header(cuda: bool) -> None:
+    cols = _columns(cuda)
+    print("  ".join(f"{t:>{w}}" if i else f"{t:<{w}}" for i, (t, w, _, _) in enumerate(cols)))
+
+
+def _print_row(r: Result, cuda: bool) -> None:
+    cells = []
+    for i, (_, w, key, fmt) in enumerate(_columns(cuda)):
+        text = format(getattr(r, key), fmt)
+        cells.append(f"{text:>{w}}" if i else f"{text:<{w}}")
+    print("  ".join(cells), flush=True)

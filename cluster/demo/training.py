@@ -1,0 +1,268 @@
+"""The trained demo: a tiny Llama that copies its input, and LoRA adapters that each teach it
+one visible task. Everything is trained here on the CPU in a few minutes, from data this file
+generates, with fixed seeds; the result is committed under assets/demo-trained/.
+
+A prompt is a few words of a small fixed vocabulary followed by `->`; the answer follows and
+ends with `</s>`. The base model echoes the words; each adapter transforms them:
+
+    base       cat red 7 ->  cat red 7
+    uppercase  cat red 7 ->  CAT RED 7
+    reverse    cat red 7 ->  7 red cat
+    french     cat red 7 ->  chat rouge 7
+    digits     cat red 7 ->  cat red seven
+    count      cat red 7 ->  three
+
+Words within one prompt are distinct (the copy mechanism finds a word by looking it up).
+Training uses transformers + PEFT; the files are a Hugging Face model directory (fp16
+safetensors, a word-level tokenizer) and PEFT LoRA directories, like any downloaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from cluster.demo.assets import DemoAssets, _peft_config
+
+ROOT = Path(__file__).resolve().parents[2] / "assets" / "demo-trained"
+PAD, BOS, EOS, UNK, ARROW = "<pad>", "<s>", "</s>", "<unk>", "->"
+ENGLISH = (
+    "cat dog bird fish horse cow red blue green black white big small sun moon tree house "
+    "water book apple bread milk day night man woman boy girl"
+).split()
+FRENCH = (
+    "chat chien oiseau poisson cheval vache rouge bleu vert noir blanc grand petit soleil lune "
+    "arbre maison eau livre pomme pain lait jour nuit homme femme garçon fille"
+).split()
+DIGITS = [str(d) for d in range(10)]
+NUMBERS = "zero one two three four five six seven eight nine".split()
+UPPER = [w.upper() for w in ENGLISH]
+VOCAB = [PAD, BOS, EOS, UNK, ARROW, *ENGLISH, *UPPER, *FRENCH, *DIGITS, *NUMBERS]
+WORDS = VOCAB[5:]  # everything a prompt may contain
+MAX_WORDS = 8
+SHOWCASE_PROMPT = "cat big 7 red sun ->"  # what `lorafleet up` sends to every adapter
+# Chat: the model knows one turn, so the last user message becomes the prompt.
+CHAT_TEMPLATE = (
+    "{{ (messages | selectattr('role', 'equalto', 'user') | list | last)['content'] }}"
+    "{% if add_generation_prompt %} ->{% endif %}"
+)
+TRAIN_SEED, HELD_OUT_SEED = 0, 1
+
+MODEL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+}
+LORA_RANK, LORA_ALPHA = 16, 32
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BASE_STEPS, ADAPTER_STEPS, BATCH = 1000, 300, 64
+
+_TO_UPPER = dict(zip(ENGLISH, UPPER))
+_TO_FRENCH = dict(zip(ENGLISH, FRENCH))
+_TO_NUMBER = dict(zip(DIGITS, NUMBERS))
+_SOURCE = [*ENGLISH, *DIGITS]  # adapter prompts: English words and digits
+
+
+def _mapped(table: dict[str, str]) -> Callable[[list[str]], list[str]]:
+    return lambda words: [table.get(w, w) for w in words]
+
+
+# name -> (what it does, the words its prompts draw from, the answer to a prompt's words)
+TASKS: dict[str, tuple[str, list[str], Callable[[list[str]], list[str]]]] = {
+    "uppercase": ("every word in capitals", _SOURCE, _mapped(_TO_UPPER)),
+    "reverse": ("the words in reverse order", _SOURCE, lambda words: words[::-1]),
+    "french": ("English words in French", _SOURCE, _mapped(_TO_FRENCH)),
+    "digits": ("digits spelled out as words", _SOURCE, _mapped(_TO_NUMBER)),
+    "count": ("how many words there are", _SOURCE, lambda words: [NUMBERS[len(words)]]),
+}
+BASE_TASK = ("the words, copied", WORDS, lambda words: list(words))
+
+
+def examples(task: str | None, n: int, seed: int) -> list[tuple[str, str]]:
+    """n (prompt, answer) pairs for `task` (None: the base model's copy task)."""
+    _, pool, answer = TASKS[task] if task else BASE_TASK
+    rng = random.Random(f"{task}/{seed}")
+    out = []
+    for _ in range(n):
+        words = rng.sample(pool, rng.randint(1, MAX_WORDS))
+        out.append((" ".join([*words, ARROW]), " ".join(answer(words))))
+    return out
+
+
+def demo_assets(root: Path = ROOT) -> DemoAssets:
+    """The trained demo under `root` (default: the committed one): model + one adapter per
+    task. FileNotFoundError, saying how to rebuild it, if a file is missing."""
+    assets = DemoAssets(root, root / "model", {n: root / "adapters" / n for n in TASKS})
+    needed = [assets.model_dir / "model.safetensors"]
+    needed += [p / "adapter_model.safetensors" for p in assets.adapters.values()]
+    if missing := [str(p) for p in needed if not p.is_file()]:
+        raise FileNotFoundError(
+            f"the trained demo is incomplete ({', '.join(missing)} missing); rebuild it with "
+            f"`lorafleet demo-assets --trained --retrain --out {root}`"
+        )
+    return assets
+
+
+def copy_demo_assets(out: Path) -> DemoAssets:
+    """A copy of the committed trained demo in `out` (to edit, or to serve from elsewhere)."""
+    shutil.copytree(demo_assets().root, out, dirs_exist_ok=True)
+    return demo_assets(Path(out))
+
+
+def train(out: Path = ROOT, log: Callable[[str], None] = print) -> DemoAssets:
+    """Train the base model and every adapter; write them to `out` (replaced atomically)."""
+    torch.manual_seed(0)
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tokenizer = _tokenizer()
+        start = time.monotonic()
+        model = _train_base(tokenizer, log)
+        _save_model(model, tokenizer, tmp / "model")
+        # adapters train on the weights as served: rounded to fp16 like the saved file
+        model = model.half().float()
+        log(f"base model: {time.monotonic() - start:.0f}s")
+        for name in TASKS:
+            start = time.monotonic()
+            lora = _train_adapter(model, tokenizer, name, log)
+            _save_adapter(lora, tmp / "adapters" / name)
+            log(f"adapter {name}: {time.monotonic() - start:.0f}s")
+        for path in [tmp, *tmp.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return demo_assets(out)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=MODEL["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _batch(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input ids [B, L] right-padded; labels with -100 everywhere but the answer and </s>."""
+    rows = []
+    for prompt, answer in pairs:
+        p, a = tokenizer(prompt)["input_ids"], tokenizer(answer)["input_ids"]
+        rows.append((p + a + [tokenizer.eos_token_id], len(p)))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (row, n_prompt) in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        labels[i, n_prompt : len(row)] = torch.tensor(row[n_prompt:])
+    return ids, labels
+
+
+def _fit(model, params, tokenizer, task: str | None, steps: int, lr: float, log) -> None:
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
+    data = examples(task, steps * BATCH, TRAIN_SEED)
+    model.train()
+    for step in range(steps):
+        ids, labels = _batch(tokenizer, data[step * BATCH : (step + 1) * BATCH])
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % 200 == 0 or step == steps - 1:
+            log(f"  {task or 'base'} step {step}: loss {loss.item():.4f}")
+    model.eval()
+
+
+def _train_base(tokenizer, log):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        **MODEL,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    _fit(model, list(model.parameters()), tokenizer, None, BASE_STEPS, 3e-3, log)
+    return model
+
+
+def _train_adapter(base, tokenizer, name: str, log):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(sum(name.encode()))
+    config = LoraConfig(
+        r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS), lora_dropout=0.0
+    )
+    model = get_peft_model(_copy(base), config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    _fit(model, params, tokenizer, name, ADAPTER_STEPS, 3e-3, log)
+    return model
+
+
+def _copy(model):
+    clone = type(model)(model.config)
+    clone.load_state_dict(model.state_dict())
+    return clone
+
+
+def _save_model(model, tokenizer, model_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    model_dir.mkdir(parents=True)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.dtype = "float16"
+    model.config.save_pretrained(model_dir)
+    ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
+    GenerationConfig(**ids).save_pretrained(model_dir)
+    weights = {k: v.detach().half().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(model_dir)
+
+
+def _save_adapter(model, out: Path) -> None:
+    from peft import get_peft_model_state_dict
+
+    out.mkdir(parents=True)
+    state = get_peft_model_state_dict(model)
+    tensors = {k: v.detach().half().contiguous() for k, v in sorted(state.items())}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = _peft_config_for(LORA_RANK, LORA_ALPHA, LORA_TARGETS)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _peft_config_for(r: int, alpha: int, targets: tuple[str, ...]) -> dict:
+    from cluster.demo.assets import DemoSpec
+
+    config = _peft_config(DemoSpec(), r, alpha, tuple(sorted(targets)), False)
+    return {**config, "base_model_name_or_path": "lorafleet-demo-trained"}

@@ -1,0 +1,72 @@
+"""Adapters under tensor parallelism: each rank stages only its own shard, in the slot
+rank 0 chose.
+
+Rank 0's slot pool decides everything (which adapter goes into which slot, what is
+evicted, the pinned base slot), exactly as with one rank. ShardedSlotWriter then has
+every other rank copy its shard of the same adapter into the same slot and reports the
+load done only once all ranks are, so no step ever reads a slot some rank is still
+writing. Each rank fetches its shard itself, through the locator rank 0 sends along (a
+PEFT directory, or an object-store reference whose arrays are sliced before copying).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from replica.adapters.sources import AdapterLocator
+from replica.device import StepProgress
+from replica.model.adapter_weights import LoRAAdapterWeights
+from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.tp_shard import TPShard
+
+
+class RankLoads(Protocol):
+    """Loads on ranks 1..N-1 (the executor's TPGroup): start them, then wait for all."""
+
+    def load_on_ranks(self, slot: int, name: str, locator: AdapterLocator) -> list[Any]:
+        """Ranks 1..N-1 start copying their shards of `name` into `slot`."""
+
+    def wait_loads(self, pending: list[Any]) -> None:
+        """Block until every started load is done; raise if a rank failed."""
+
+
+class ShardedSource:
+    """What a rank's HostCache fetches from: only this rank's shard of each adapter."""
+
+    def __init__(self, source, shard: TPShard) -> None:
+        self.source, self.shard = source, shard  # source: anything with locate(name)
+
+    def fetch(self, name: str) -> LoRAAdapterWeights:
+        return self.source.locate(name).fetch(name, self.shard.slice_lora)
+
+
+class ShardedSlotWriter:
+    """Rank 0's slot buffers, as the prefetcher uses them, with writes fanned out: each
+    other rank loads its own shard of the adapter into the same slot."""
+
+    def __init__(
+        self,
+        local: LoRASlotBuffers,
+        group: RankLoads,
+        locate: Callable[[str], AdapterLocator],
+    ) -> None:
+        self.local, self.group, self.locate = local, group, locate
+
+    def write(
+        self, slot: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
+    ) -> None:
+        """Runs on rank 0's loader thread; returns once every rank holds the adapter.
+        No hand-over under TP (the engine never passes `progress`): the other ranks' copies
+        could not be ordered behind rank 0's layers."""
+        if progress is not None:
+            raise ValueError("slot hand-over is not supported with tensor parallelism")
+        pending = self.group.load_on_ranks(slot, adapter.name, self.locate(adapter.name))
+        self.local.write(slot, adapter)
+        self.group.wait_loads(pending)
+
+    def activate(self, slot: int, adapter: LoRAAdapterWeights) -> None:
+        self.local.activate(slot, adapter)  # host state: only rank 0 plans batches
+
+    def clear(self, slot: int) -> None:
+        self.local.clear(slot)

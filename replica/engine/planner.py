@@ -1,0 +1,61 @@
+"""Batch preparation's host half: the scheduled sequences -> a BatchPlan of host ints.
+
+The plan is what a tensor-parallel rank 0 broadcasts each step; the executor turns it
+into device tensors (executor/batch.py). Nothing here touches a tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.engine.sequence import Sequence
+from replica.executor.batch import BatchPlan, build_batch
+from replica.model.llama import ForwardBatch
+
+
+def prepare_batch(
+    work: list[tuple[Sequence, int]],
+    block_size: int,
+    slot_ranks: dict[str, list[int]],
+    slot_scalings: list[float],
+    device: torch.device,
+) -> tuple[ForwardBatch, torch.Tensor, list[Sequence]]:
+    """work: (sequence, new tokens) with decodes (1 token) first.
+
+    Returns the batch, the rows whose logits are sampled (device), and the
+    sequences those rows belong to (those whose chunk reaches their last token).
+    """
+    plan, sampled = plan_batch(work, block_size)
+    batch, logit_rows = build_batch(plan, block_size, slot_ranks, slot_scalings, device)
+    return batch, logit_rows, sampled
+
+
+def plan_batch(
+    work: list[tuple[Sequence, int]], block_size: int
+) -> tuple[BatchPlan, list[Sequence]]:
+    """The plan of `work` ((sequence, new tokens), decodes first) and the sequences
+    whose logits it samples, in row order."""
+    plan = BatchPlan([], [], [0], [], [], [], [], [], [], [], [], [])
+    sampled = []
+    for seq, n in work:
+        start, ctx = seq.num_computed, seq.num_computed + n
+        plan.input_ids += seq.token_slice(start, ctx)
+        plan.positions += range(start, ctx)
+        row0 = plan.seg_indptr[-1]
+        plan.seg_indptr.append(row0 + n)
+        plan.seg_slots.append(seq.slot)
+        if n == 1 and not plan.prefill_starts:
+            plan.decode_tables.append(seq.blocks)
+            plan.decode_context_lens.append(ctx)
+            plan.decode_new_slots.append(
+                seq.blocks[start // block_size] * block_size + start % block_size
+            )
+        else:
+            plan.prefill_starts.append(row0)
+            plan.prefill_lens.append(n)
+            plan.prefill_context_lens.append(ctx)
+            plan.prefill_tables.append(seq.blocks)
+        if ctx == seq.num_tokens:
+            plan.logit_rows.append(row0 + n - 1)
+            sampled.append(seq)
+    return plan, sampled

@@ -1,0 +1,151 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Host-only: the scheduler never touches a tensor. Budgets per step: tokens
+(prefill chunks + decodes), sequences, KV blocks, distinct adapters, and
+adapter readiness. A waiting request whose adapter is not in a device slot
+(or would exceed max_loras_per_batch) is skipped, not waited on: later
+requests, and every base request, are still admitted. A request skipped
+`aging_steps` times starves no longer: other adapters' requests are held
+back behind it (base requests are not) until its own adapter gets a slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replica.adapters.slot_pool import AdapterSlotPool
+from replica.engine.block_allocator import BlockAllocator, blocks_needed
+from replica.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    """This step's work: (sequence, new tokens) pairs."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+
+    def ordered(self) -> list[tuple[Sequence, int]]:
+        """Decodes (one token) first, as batch preparation and attention expect; within
+        each group by adapter slot, so every adapter's tokens are one contiguous row range
+        (the LoRA kernels then read views instead of gathering rows)."""
+        pairs = sorted(zip(self.seqs, self.num_new), key=lambda p: p[0].slot)
+        return [p for p in pairs if p[1] == 1] + [p for p in pairs if p[1] != 1]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        pool: AdapterSlotPool,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras_per_batch: int,
+        aging_steps: int,
+    ) -> None:
+        self.allocator, self.pool, self.block_size = allocator, pool, block_size
+        self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_loras, self.aging_steps = max_loras_per_batch, aging_steps
+        self.waiting: list[Sequence] = []  # arrival order
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_tokens
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted below to make room for an older sequence
+            n = min(seq.num_pending, budget)
+            if n and self._grow(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
+        self._admit(batch, budget)
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop, length, abort, error) and free its KV and slot reference."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.pool.release(seq.slot)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        running = {s.lora_key for s in self.running if s.lora_key is not None}
+        priority: str | None = None  # adapter of the oldest request skipped too often
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            slot = self._slot_for(seq, running, priority)
+            if slot is None:
+                seq.skips += 1
+                if seq.skips >= self.aging_steps and priority is None:
+                    priority = seq.lora_key
+                continue  # skip, don't block
+            n = min(seq.num_pending, budget)
+            need = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.blocks)
+            if need > self.allocator.num_free:
+                return  # KV cache full: wait in arrival order rather than overcommit
+            seq.blocks += self.allocator.allocate(need)
+            self.pool.acquire(slot)
+            seq.slot, seq.status = slot, SeqStatus.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            if seq.lora_key is not None:
+                running.add(seq.lora_key)
+            batch.add(seq, n)
+            budget -= n
+
+    def _slot_for(self, seq: Sequence, running: set[str], priority: str | None) -> int | None:
+        """The slot seq would run on now, or None if it must be skipped this step."""
+        key = seq.lora_key
+        if key is None:
+            return 0  # the pinned base slot: always admissible
+        if priority is not None and key != priority:
+            return None  # an older request has waited too long: only its adapter (or base) runs
+        slot = self.pool.ready_slot(key)
+        if slot is None or key in running:
+            return slot
+        return None if len(running) >= self.max_loras else slot
+
+    def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Ensure KV blocks for n more tokens, preempting the youngest others if needed."""
+        need = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.blocks)
+        while need > self.allocator.num_free:
+            victim = max(
+                (s for s in self.running if s is not seq and s not in batch.seqs),
+                key=lambda s: s.arrival,
+                default=None,
+            )
+            if victim is None or victim.arrival < seq.arrival:
+                self._preempt(seq, batch)
+                return False
+            self._preempt(victim, batch)
+        seq.blocks += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free a sequence's KV and slot reference; it waits again and recomputes later."""
+        self.allocator.free(seq.blocks)
+        self.pool.release(seq.slot)
+        seq.blocks, seq.num_computed = [], 0
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.arrival)
+        self.num_preemptions += 1

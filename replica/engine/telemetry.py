@@ -1,0 +1,78 @@
+"""What an engine tells about itself: counters the step loop keeps, the residency snapshot
+the router places requests by, and the telemetry the metrics exporter drains.
+
+Host-side state only: reading it never touches the device or waits for a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from replica.adapters.residency import AdapterResidency
+from replica.engine.scheduler import Scheduler
+
+LOOKUP_TIERS = ("device", "host", "miss")
+
+
+@dataclass
+class EngineStats:
+    idle_on_loads_seconds: float = 0.0  # step loop idle: nothing runnable, loads in flight
+    prefetch_seconds: float = 0.0  # step loop bookkeeping: polling, planning, submitting
+    steps: int = 0  # steps that ran a batch
+    # Adapter requests by where their adapter was when they arrived: "device" (a slot,
+    # ready or loading), "host" (host memory only) or "miss" (fetched from the source).
+    lookups: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOOKUP_TIERS, 0))
+    aborted: int = 0  # requests ended by abort() (client gone, deadline) before they finished
+
+
+class Telemetry:
+    def __init__(self, scheduler: Scheduler, adapters: AdapterResidency) -> None:
+        self.scheduler, self.adapters = scheduler, adapters
+        self.stats = EngineStats()
+
+    def count_lookup(self, adapter: str) -> None:
+        """An adapter request arrived: count where its adapter was."""
+        self.stats.lookups[self.adapters.tier(adapter)] += 1
+
+    @property
+    def load_wait_seconds(self) -> float:
+        """Step-loop time blocked on adapter loads: inside inline loads, or idle because
+        nothing could run until a load landed. Bookkeeping is not counted."""
+        return self.adapters.load_wait_seconds + self.stats.idle_on_loads_seconds
+
+    def residency(self) -> dict[str, Any]:
+        """What the router needs to place requests: adapters on device (READY slots) and in
+        host memory, queue depth and free slots; and the leak checks' counts."""
+        sched, pool = self.scheduler, self.adapters.pool
+        return {
+            "device_adapters": self.adapters.device_adapters(),
+            "host_adapters": self.adapters.host_cache.names(),
+            "num_waiting": len(sched.waiting),
+            "num_running": len(sched.running),
+            "free_slots": pool.num_free,
+            "adapter_loads": self.adapters.prefetcher.loads_started,
+            # leak checks (tests/reliability): all blocks free and no slot referenced when idle
+            "kv_blocks_free": sched.allocator.num_free,
+            "kv_blocks_total": sched.allocator.num_blocks,
+            "slot_refs": sum(s.refs for s in pool.slots),
+            "aborted": self.stats.aborted,
+        }
+
+    def drain(self) -> dict[str, Any]:
+        """Cumulative counters and current gauges for metrics, plus the latencies of the
+        loads finished since the last call (drained: one consumer, the metrics exporter)."""
+        pf, stats = self.adapters.prefetcher, self.stats
+        latencies = list(pf.recent_load_seconds)
+        pf.recent_load_seconds.clear()
+        return {
+            "slots": self.adapters.pool.occupancy(),
+            "lookups": dict(stats.lookups),
+            "loads_started": pf.loads_started,
+            "loads_done": pf.loads_done,
+            "loads_used": self.adapters.pool.num_used_loads,
+            "load_wait_seconds": self.load_wait_seconds,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": stats.steps,
+            "load_latencies_s": latencies,
+        }

@@ -1,0 +1,50 @@
+"""The executor interface: how the engine runs a step on a replica's devices.
+
+One implementation per way of holding the model: `ModelRunner` (one rank, executor/
+runner.py) and `TPExecutor` (rank 0 driving N tensor-parallel ranks, executor/
+tp_group.py). `create_executor` (executor/create.py) picks one from the config, once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from replica.executor.batch import BatchPlan
+from replica.model.llama import LlamaForCausalLM
+from replica.model.lora_slots import LoRASlotBuffers
+
+
+class Executor(ABC):
+    model: LlamaForCausalLM  # rank 0's model (its shard under tensor parallelism)
+    lora: LoRASlotBuffers  # rank 0's slot buffers: their host ranks/scalings hold for every rank
+    num_blocks: int  # KV cache blocks (the same on every rank)
+    supports_hand_over: bool  # slot writes can be ordered behind a running step's layers
+
+    @abstractmethod
+    def execute(
+        self,
+        plan: BatchPlan,
+        slot_ranks: dict[str, list[int]],
+        slot_scalings: list[float],
+        all_rows: bool = False,
+        layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """float32 logits of the plan's sampled rows (of every row if all_rows), gathered
+        over the vocabulary. `layer_done(i)` after layer i (only if supports_hand_over)."""
+
+    @abstractmethod
+    def adapter_staging(self, source: Any) -> tuple[Any, Any]:
+        """For a source of adapters (anything with fetch/locate): what this replica's host
+        cache fetches from, and what the prefetcher writes slots through."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if the executor cannot run steps any more (a rank has failed)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release what the executor started (rank actors, process groups)."""

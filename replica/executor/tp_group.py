@@ -1,0 +1,273 @@
+"""Rank 0 of a tensor-parallel replica: starts ranks 1..N-1, then drives their steps and loads.
+
+Placement. In a Serve replica deployed with placement_group_bundles (cluster/app.py
+derives N bundles from tp_size), the replica is rank 0 in bundle 0 and rank i an
+actor in bundle i, taking that bundle's resources. Anywhere else (lorafleet
+generate, the bench, tests) the group reserves a placement group of its own with
+one bundle per rank 1..N-1 (starting a local Ray if none runs); rank 0 uses the
+engine's own device.
+
+Failure. A rank that dies closes its sockets, so rank 0's next collective fails at
+once; one whose step raises is killed for the same effect. A watcher thread names
+the rank, and from then on every step and health check raises TPRankError: the
+Serve replica is restarted (its rank actors die with it, Ray kills actors whose
+owner is gone) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from replica.adapters.sharded import ShardedSlotWriter, ShardedSource
+from replica.adapters.sources import AdapterLocator
+from replica.config import EngineConfig
+from replica.executor.base import Executor
+from replica.executor.batch import BatchPlan
+from replica.executor.runner import ModelRunner
+from replica.executor.tp_worker import StepMessage, TPWorker
+from replica.model.spec import load_model_spec
+from replica.model.tp_comm import TPComm
+from replica.model.tp_layers import TPRank
+from replica.model.tp_shard import TPShard
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+STARTUP_TIMEOUT_S = 600.0  # ranks loading their shards of a large model
+RESERVE_TIMEOUT_S = 60.0  # devices for the ranks of a group outside Serve
+COLLECTIVE_TIMEOUT_S = 300.0  # one collective of a live but stuck peer
+LOAD_TIMEOUT_S = 120.0  # one adapter shard into one slot
+FAILURE_GRACE_S = 5.0  # after a failed collective, for the watcher to name the rank
+STOP_TIMEOUT_S = 30.0
+RANK_ACTOR_PREFIX = "lorafleet-tp-"
+
+
+class TPRankError(RuntimeError):
+    """A tensor-parallel rank died or failed: the replica cannot serve any more."""
+
+
+class TPGroup:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        """Use start()."""
+        self.size = n = config.tp_size
+        # a model that N ranks cannot split fails here, before anything starts
+        self.rank = TPRank(TPShard(load_model_spec(config.model), 0, n), TPComm(0, n, device))
+        self.workers: list = []
+        self._pg: PlacementGroup | None = None
+        self._own_pg = False
+        self._runs: list[ray.ObjectRef] = []
+        self._failure: str | None = None
+        self._closed = False
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, device: torch.device, build: Callable[[TPRank], T]
+    ) -> tuple[TPGroup, T]:
+        """Start ranks 1..N-1, `build` rank 0's part meanwhile, then connect them all."""
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a tensor-parallel rank")
+        group = cls(config, device)
+        try:
+            group._launch(config, device)
+            built = build(group.rank)
+            group._connect()
+        except BaseException:
+            group.shutdown()
+            raise
+        return group, built
+
+    def _launch(self, config: EngineConfig, device: torch.device) -> None:
+        """Start the actors of ranks 1..N-1, which build their shards."""
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False)
+        self._pg, self._own_pg, placements = _reserve(self.size, device)
+        name = f"{RANK_ACTOR_PREFIX}{uuid.uuid4().hex[:8]}-rank"  # findable in `ray list actors`
+        self.workers = [
+            TPWorker.options(
+                name=f"{name}{rank}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=index
+                ),
+                num_cpus=resources.get("CPU", 0),
+                num_gpus=resources.get("GPU", 0),
+            ).remote(config.model_dump(), rank, self.size)
+            for rank, (index, resources) in enumerate(placements, start=1)
+        ]
+
+    def _connect(self) -> None:
+        """Wait for every rank's shard, form the process group, start the ranks' step loops."""
+        try:
+            ray.get([w.ready.remote() for w in self.workers], timeout=STARTUP_TIMEOUT_S)
+            host = ray.util.get_node_ip_address()
+            port = self.rank.comm.listen(host, STARTUP_TIMEOUT_S)
+            joins = [w.join.remote(host, port, COLLECTIVE_TIMEOUT_S) for w in self.workers]
+            self.rank.comm.join(host, port, COLLECTIVE_TIMEOUT_S)
+            ray.get(joins, timeout=STARTUP_TIMEOUT_S)
+        except Exception as e:
+            raise TPRankError(f"tensor-parallel ranks failed to start: {e}") from e
+        self._runs = [w.serve_steps.remote() for w in self.workers]
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def execute(
+        self,
+        runner: ModelRunner,
+        plan: BatchPlan,
+        slot_ranks: dict[str, list[int]],
+        slot_scalings: list[float],
+        all_rows: bool = False,
+    ) -> torch.Tensor:
+        """Send the step to every rank, run rank 0's part; the logits of every rank's
+        vocab shard come back gathered."""
+        self.check()
+        msg = StepMessage(plan, slot_ranks, slot_scalings, all_rows)
+        try:
+            self.rank.comm.broadcast_object(msg)
+            return runner.execute(plan, slot_ranks, slot_scalings, all_rows)
+        except Exception as e:
+            raise self._failed(e) from e
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def load_on_ranks(self, slot: int, name: str, locator: AdapterLocator) -> list[ray.ObjectRef]:
+        """Ranks 1..N-1 start loading their shards of `name` into `slot` (rank 0's choice)."""
+        return [w.load.remote(slot, name, locator, LOAD_TIMEOUT_S) for w in self.workers]
+
+    def wait_loads(self, pending: list[ray.ObjectRef]) -> None:
+        try:
+            ray.get(pending, timeout=LOAD_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            # the late rank may still write into the slot after rank 0 reuses it
+            late = TimeoutError(f"a rank did not load an adapter within {LOAD_TIMEOUT_S:.0f}s")
+            raise self._failed(late) from None
+        except ray.exceptions.RayActorError as e:  # the rank is gone, not just this load
+            raise self._failed(e) from e
+
+    # -- health --------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise TPRankError if a rank has died or failed."""
+        if self._failure is not None:
+            raise TPRankError(self._failure)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._runs and self._failure is None:
+            try:  # None ends the ranks' step loops
+                self.rank.comm.broadcast_object(None)
+                ray.get(self._runs, timeout=STOP_TIMEOUT_S)
+            except Exception as e:
+                log.warning("tensor-parallel ranks did not stop cleanly: %s", e)
+        self.rank.comm.close()
+        for w in self.workers:
+            ray.kill(w)
+        if self._own_pg and self._pg is not None:
+            remove_placement_group(self._pg)
+
+    def _watch(self) -> None:
+        pending = dict(zip(self._runs, range(1, self.size)))
+        while pending and not self._closed:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            for ref in done:
+                rank = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                    error = "its step loop ended"
+                except Exception as e:
+                    error = _first_line(e)
+                if self._closed:
+                    return
+                self._failure = f"tensor-parallel rank {rank} of {self.size} failed: {error}"
+                log.error(self._failure)
+                ray.kill(self.workers[rank - 1])  # a live but failed rank: fail the collectives
+
+    def _failed(self, error: Exception) -> TPRankError:
+        """The group is broken (a step or load failed): the error to raise, with the
+        watcher's diagnosis of which rank failed if it comes in time."""
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while self._failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._failure is None:
+            self._failure = f"tensor-parallel group failed: {_first_line(error)}"
+        return TPRankError(self._failure)
+
+
+def _reserve(
+    size: int, device: torch.device
+) -> tuple[PlacementGroup, bool, list[tuple[int, dict[str, float]]]]:
+    """The placement group of ranks 1..N-1, whether we created it, and each rank's
+    (bundle index, resources)."""
+    pg = get_current_placement_group()
+    if pg is not None:  # a Serve replica, rank 0 in bundle 0: ranks 1..N-1 in bundles 1..N-1
+        if pg.bundle_count < size:
+            raise ValueError(
+                f"tp_size={size} needs a placement group of {size} bundles (one per rank); "
+                f"this replica's has {pg.bundle_count}"
+            )
+        return pg, False, [(i, pg.bundle_specs[i]) for i in range(1, size)]
+    bundle = {"CPU": 1.0, **({"GPU": 1.0} if device.type == "cuda" else {})}
+    pg = placement_group([bundle] * (size - 1), strategy="PACK")
+    if not pg.wait(RESERVE_TIMEOUT_S):
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"could not reserve {size - 1} x {bundle} for tensor-parallel ranks 1..{size - 1} "
+            f"within {RESERVE_TIMEOUT_S:.0f}s; available: {ray.available_resources()}"
+        )
+    return pg, True, [(i - 1, bundle) for i in range(1, size)]
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+class TPExecutor(Executor):
+    """Rank 0 of a tensor-parallel group as the engine's executor."""
+
+    supports_hand_over = False  # the other ranks' copies cannot be ordered behind our layers
+
+    def __init__(self, group: TPGroup, runner: ModelRunner) -> None:
+        self.group, self.runner = group, runner
+        self.model, self.lora, self.num_blocks = runner.model, runner.lora, runner.num_blocks
+
+    def execute(
+        self,
+        plan: BatchPlan,
+        slot_ranks: dict[str, list[int]],
+        slot_scalings: list[float],
+        all_rows: bool = False,
+        layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        if layer_done is not None:
+            raise ValueError("slot hand-over is not supported with tensor parallelism")
+        return self.group.execute(self.runner, plan, slot_ranks, slot_scalings, all_rows)
+
+    def adapter_staging(self, source: Any) -> tuple[ShardedSource, ShardedSlotWriter]:
+        """Each rank stages only its shard; slot writes fan out to every rank."""
+        staged = ShardedSource(source, self.group.rank.shard)
+        return staged, ShardedSlotWriter(self.lora, self.group, source.locate)
+
+    def check_health(self) -> None:
+        self.group.check()
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -1,0 +1,104 @@
+"""Ranks 1..N-1 of a tensor-parallel replica: Ray actors running the steps rank 0 sends.
+
+Each builds its own shard of the model, adapter slots and KV cache from the engine
+config, then loops: receive rank 0's step message (one broadcast per step), run the
+forward (whose collectives pair with rank 0's), until rank 0 sends None. Adapter
+loads arrive as separate actor calls, on another thread of the actor, for slots rank
+0 has reserved and no step reads until every rank has finished loading.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from replica.adapters.host_cache import HostCache
+from replica.adapters.sharded import ShardedSource
+from replica.adapters.sources import AdapterLocator
+from replica.config import EngineConfig
+from replica.device import SideStreamLoader, resolve_device, resolve_dtype
+from replica.executor.batch import BatchPlan
+from replica.executor.runner import ModelRunner
+from replica.model.spec import load_model_spec
+from replica.model.tp_comm import TPComm
+from replica.model.tp_layers import TPRank
+from replica.model.tp_shard import TPShard
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What rank 0 broadcasts each step: ModelRunner.execute's arguments, host values."""
+
+    plan: BatchPlan
+    slot_ranks: dict[str, list[int]]
+    slot_scalings: list[float]
+    all_rows: bool
+
+
+class LocatorRegistry:
+    """A rank > 0's view of the adapters: the locators rank 0 sent with its loads."""
+
+    def __init__(self) -> None:
+        self._locators: dict[str, AdapterLocator] = {}
+
+    def update(self, name: str, locator: AdapterLocator) -> bool:
+        """Record where `name` is; True if that changed (a staged copy is stale)."""
+        changed = self._locators.get(name) != locator
+        self._locators[name] = locator
+        return changed
+
+    def locate(self, name: str) -> AdapterLocator:
+        return self._locators[name]
+
+
+@ray.remote(max_concurrency=4)  # threads: the step loop, adapter loads, queries
+class TPWorker:
+    def __init__(self, config: dict[str, Any], rank: int, size: int) -> None:
+        c = EngineConfig(**config)
+        # Ray gives the actor its own device (CUDA_VISIBLE_DEVICES): the first of its kind
+        device = torch.device(resolve_device(c.device).type)
+        shard = TPShard(load_model_spec(c.model), rank, size)
+        self.tp = TPRank(shard, TPComm(rank, size, device))
+        self.runner = ModelRunner(c, shard.spec, device, resolve_dtype(c.dtype, device), self.tp)
+        self.locators = LocatorRegistry()
+        self.host_cache = HostCache(ShardedSource(self.locators, shard), c.host_cache_bytes)
+        self.loader = SideStreamLoader(device)
+
+    def ready(self) -> dict[str, Any]:
+        """Where this rank runs (pid, placement group), once its shard is built."""
+        pg = ray.util.get_current_placement_group()
+        return {"pid": os.getpid(), "placement_group": None if pg is None else pg.id.hex()}
+
+    def join(self, host: str, port: int, timeout_s: float) -> None:
+        self.tp.comm.join(host, port, timeout_s)
+
+    def serve_steps(self) -> int:
+        """Run rank 0's steps until it sends None; returns how many ran."""
+        steps = 0
+        while (msg := self.tp.comm.broadcast_object()) is not None:
+            self.runner.execute(msg.plan, msg.slot_ranks, msg.slot_scalings, msg.all_rows)
+            steps += 1
+        self.tp.comm.close()
+        self.loader.shutdown()
+        return steps
+
+    def load(self, slot: int, name: str, locator: AdapterLocator, timeout_s: float) -> None:
+        """Copy this rank's shard of adapter `name` into `slot`; returns once it is there."""
+        if self.locators.update(name, locator):
+            self.host_cache.drop(name)
+        weights = self.host_cache.get(name)
+        self.loader.submit(lambda: self.runner.lora.write(slot, weights)).wait(timeout_s)
+
+    def slot_weights(self, layer: int, group: str, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B) of one slot of one projection group on this rank, as host arrays."""
+        buf = self.runner.lora.layers[layer][group]
+        return buf.a[slot].float().cpu().numpy(), buf.b[slot].float().cpu().numpy()
+
+    def staged_bytes(self) -> dict[str, int]:
+        """Bytes of each adapter shard staged in this rank's host memory."""
+        return {n: self.host_cache.get(n).nbytes for n in self.host_cache.names()}

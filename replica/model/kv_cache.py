@@ -1,0 +1,39 @@
+"""The paged KV cache's tensors: fixed-size blocks of one preallocated pool per layer.
+
+Which block holds which sequence's tokens is the engine's host-only bookkeeping
+(engine/block_allocator.py), so admission never touches the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.model.spec import ModelSpec
+
+
+class KVCache:
+    """k[layer], v[layer]: [num_kv_heads, num_blocks * block_size, head_dim].
+
+    Head-major, so gathering a sequence's tokens yields the [heads, L, head_dim]
+    planes attention consumes without a transpose copy (measured 2x faster for
+    CPU decode than block-major). Token slot = block * block_size + offset."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        kvh = num_kv_heads or spec.num_kv_heads
+        shape = (kvh, num_blocks * block_size, spec.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem

@@ -1,0 +1,169 @@
+"""What one tensor-parallel rank holds of every weight and adapter (Megatron + S-LoRA).
+
+Pure arithmetic on the model's shape: no devices, no communication.
+
+  column-parallel (output split): q/k/v (by attention heads), gate/up.
+      LoRA: A whole (each rank computes the small x·Aᵀ itself), B split by output rows.
+  row-parallel (input split): o, down; the partial outputs are all-reduced.
+      LoRA: A split by input columns, so x·Aᵀ is a partial sum: the [tokens, r]
+      intermediate is all-reduced; B split by output rows: each rank adds only its
+      own output columns before the base layer's all-reduce. LoRA thus costs one
+      [tokens, r] all-reduce per row-parallel layer and nothing anywhere else.
+  vocab-parallel: embedding and lm_head rows, padded up to a multiple of tp_size.
+  replicated: norms, rotary tables.
+
+KV heads are split across ranks; with fewer KV heads than ranks, each rank keeps a
+copy of the one KV head its query heads attend with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import torch
+
+from replica.model.spec import ModelConfigError, ModelSpec
+from replica.model.weights import Checkpoint
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+Array = TypeVar("Array")  # a torch tensor or a numpy array: only basic slicing is used
+
+
+@dataclass(frozen=True)
+class TPShard:
+    spec: ModelSpec  # the whole model's shape
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside tp_size {self.size}")
+        s, n = self.spec, self.size
+        problems = [
+            f"{field}={value} is not a multiple of {n}"
+            for field, value in (
+                ("num_attention_heads", s.num_heads),
+                ("intermediate_size", s.intermediate_size),
+                ("hidden_size", s.hidden_size),
+            )
+            if value % n
+        ]
+        if s.num_kv_heads % n and n % s.num_kv_heads:
+            problems.append(f"num_key_value_heads={s.num_kv_heads} neither divides nor is a "
+                            f"multiple of {n}")  # fmt: skip
+        if problems:
+            raise ModelConfigError(f"tp_size={n} cannot split the model: {'; '.join(problems)}")
+
+    @property
+    def local_spec(self) -> ModelSpec:
+        """The shape this rank computes with: its heads, KV heads and MLP columns."""
+        s = self.spec
+        return replace(
+            s,
+            num_heads=s.num_heads // self.size,
+            num_kv_heads=self.kv_heads,
+            intermediate_size=s.intermediate_size // self.size,
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads on this rank: a share, or one replicated head when there are fewer."""
+        return max(1, self.spec.num_kv_heads // self.size)
+
+    def out_range(self, module: str) -> tuple[int, int]:
+        """Rows of a column-parallel module's weight (and of its LoRA B) on this rank."""
+        s = self.spec
+        if module == "q_proj":
+            return self._split(s.q_size)
+        if module in ("k_proj", "v_proj"):
+            first = self.rank * s.num_kv_heads // self.size  # the head our query heads use
+            return first * s.head_dim, (first + self.kv_heads) * s.head_dim
+        if module in ("gate_proj", "up_proj"):
+            return self._split(s.intermediate_size)
+        raise ValueError(f"{module} is not column-parallel")
+
+    def in_range(self, module: str) -> tuple[int, int]:
+        """Columns of a row-parallel module's weight (and of its LoRA A) on this rank."""
+        if module == "o_proj":
+            return self._split(self.spec.q_size)
+        if module == "down_proj":
+            return self._split(self.spec.intermediate_size)
+        raise ValueError(f"{module} is not row-parallel")
+
+    @property
+    def hidden_range(self) -> tuple[int, int]:
+        """Output columns of row-parallel layers this rank adds LoRA to (its rows of B)."""
+        return self._split(self.spec.hidden_size)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Embedding / lm_head rows per rank: vocab_size rounded up to a multiple of size."""
+        return -(-self.spec.vocab_size // self.size)
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        """Token ids this rank embeds and scores; the last rank's may run past the vocab."""
+        return self.rank * self.vocab_rows, (self.rank + 1) * self.vocab_rows
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of this rank's LoRA A [r, in] and B [out, r]."""
+        whole = self.spec.module_shapes()
+        shapes = {}
+        for m in COLUMN_PARALLEL:
+            start, stop = self.out_range(m)
+            shapes[m] = (whole[m][0], stop - start)
+        for m in ROW_PARALLEL:
+            start, stop = self.in_range(m)
+            shapes[m] = (stop - start, self.spec.hidden_size // self.size)
+        return shapes
+
+    def slice_lora(self, module: str, a: Array, b: Array) -> tuple[Array, Array]:
+        """This rank's (A [r, in], B [out, r]) of one module's adapter weights: views."""
+        if module in COLUMN_PARALLEL:
+            start, stop = self.out_range(module)
+            return a, b[start:stop]
+        i0, i1 = self.in_range(module)
+        h0, h1 = self.hidden_range
+        return a[:, i0:i1], b[h0:h1]
+
+    def weight_part(self, name: str) -> tuple[int, int, int, int] | None:
+        """(dim, start, stop, whole length along dim) of checkpoint tensor `name` on this
+        rank, or None when every rank holds all of it."""
+        if name in VOCAB_PARALLEL:
+            return (0, *self.vocab_range, self.spec.vocab_size)
+        *_, module, kind = name.split(".")
+        whole = self.spec.module_shapes()
+        if module in COLUMN_PARALLEL:
+            return (0, *self.out_range(module), whole[module][1])
+        if module in ROW_PARALLEL and kind == "weight":
+            return (1, *self.in_range(module), whole[module][0])
+        return None
+
+    def _split(self, total: int) -> tuple[int, int]:
+        part = total // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+
+class ShardedCheckpoint:
+    """A Checkpoint that reads only this rank's part of each tensor from disk.
+
+    get() takes the shape of the rank's part, as the model asks for it; the whole
+    tensor's shape is checked against the model config like Checkpoint does."""
+
+    def __init__(self, ckpt: Checkpoint, shard: TPShard) -> None:
+        self.ckpt, self.shard = ckpt, shard
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        part = self.shard.weight_part(name)
+        if part is None:
+            return self.ckpt.get(name, shape)
+        dim, start, stop, whole = part
+        whole_shape = tuple(whole if d == dim else n for d, n in enumerate(shape))
+        t = self.ckpt.get_part(name, whole_shape, dim, min(start, whole), min(stop, whole))
+        if stop > whole:  # the last vocab shard: zero rows up to the padded size
+            t = torch.cat([t, t.new_zeros(stop - max(start, whole), *t.shape[1:])])
+        return t

@@ -1,0 +1,162 @@
+"""LoRAReplica: the Ray Serve deployment around one replica's engine.
+
+The ingress calls `generate(request)` (a wire.GenerateRequest, whose adapter the
+request router reads) through a DeploymentHandle and streams the wire.Replies: one
+message per batch of new tokens. Adapter weights come from the object store; this
+class only turns an AdapterKey into an ObjectRef once per version, and publishes
+what is resident for routing (wire.RoutingStats). Nothing here speaks HTTP:
+refusals are replies with a status, not responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from ray import serve
+
+from replica.adapters.object_store import ObjectStoreSource
+from replica.config import EngineConfig
+from replica.engine.engine import LLMEngine
+from replica.serve.async_engine import AsyncLLMEngine
+from replica.serve.metrics import ReplicaMetrics
+from replica.wire import AdapterKey, GenerateRequest, Reply, RoutingStats
+
+log = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 10.0
+
+
+@serve.deployment(name="LoRAReplica")
+class LoRAReplica:
+    def __init__(self, engine_config: dict[str, Any], store: Any) -> None:
+        """`store` is a DeploymentHandle to the AdapterStore."""
+        self.source = ObjectStoreSource()
+        self.engine = LLMEngine(EngineConfig(**engine_config), source=self.source)
+        self.aengine = AsyncLLMEngine(self.engine)
+        self.store = store
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.metrics = ReplicaMetrics(self.replica_id)
+        self._fetching: dict[str, asyncio.Future] = {}
+        self._active: set[str] = set()  # request ids being generated here
+
+    async def generate(self, request: GenerateRequest):
+        """Yields wire.Replies; a refused request yields one finished reply with a status.
+        A request still running after its `timeout_s` is aborted and ends with status 504."""
+        try:
+            key = None if request.adapter is None else await self._ensure_adapter(request.adapter)
+            stream = await self.aengine.add_request(
+                request.prompt_ids, request.sampling, key, request.request_id
+            )
+        except ValueError as e:  # a RequestError, or a duplicate request id
+            yield Reply.refusal(400, str(e))
+            return
+        except Exception as e:  # from the store: carries its HTTP status (404 once unloaded)
+            yield Reply.refusal(getattr(e, "status", 503), getattr(e, "message", str(e)))
+            return
+        timeout_s = request.timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._active.add(stream.request_id)
+        try:
+            while True:
+                try:
+                    reply = await asyncio.wait_for(stream.next_batch(), _left(deadline))
+                except asyncio.TimeoutError:
+                    yield Reply.refusal(504, "the request did not finish within its time limit")
+                    return  # the finally aborts it: KV and slot freed now, not at the end
+                if reply is None:
+                    return
+                yield reply
+        finally:
+            self._active.discard(stream.request_id)
+            if not stream.finished:  # the caller went away: free KV and the slot reference
+                self.aengine.abort(stream.request_id)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Published to the request router every `request_routing_stats_period_s`; the
+        same snapshot updates the replica's Prometheus metrics."""
+        snapshot, telemetry = await self.aengine.call(
+            lambda: (self.engine.residency(), self.engine.drain_telemetry())
+        )
+        self.metrics.update(snapshot, telemetry)
+        stats = RoutingStats(
+            device_adapters=frozenset(
+                AdapterKey.parse(k).name for k in snapshot["device_adapters"]
+            ),
+            host_adapters=frozenset(AdapterKey.parse(k).name for k in snapshot["host_adapters"]),
+            queue_len=snapshot["num_waiting"] + snapshot["num_running"],
+            free_slots=snapshot["free_slots"],
+        ).to_dict()
+        memory = {"rss_bytes": _rss_bytes()}
+        counters = {k: v for k, v in telemetry.items() if k != "load_latencies_s"}
+        await self._report({**snapshot, **stats, **memory, "telemetry": counters})
+        return stats
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine loop or a tensor-parallel rank has died."""
+        if not self.aengine.is_alive():
+            raise RuntimeError("engine loop is not running")
+        self.engine.check_health()
+
+    async def residency(self) -> dict[str, Any]:
+        return await self.aengine.call(self.engine.residency)
+
+    def __del__(self) -> None:
+        aengine = getattr(self, "aengine", None)
+        if aengine is not None:
+            aengine.shutdown()
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    async def _ensure_adapter(self, adapter: AdapterKey) -> str:
+        """The engine's key of one adapter version, fetching its ObjectRef on first use.
+        Concurrent first requests for one version share one fetch."""
+        key = str(adapter)
+        if key in self.source:
+            return key
+        pending = self._fetching.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch_ref(adapter))
+            self._fetching[key] = pending
+            pending.add_done_callback(lambda _: self._fetching.pop(key, None))
+        await asyncio.shield(pending)
+        return key
+
+    async def _fetch_ref(self, adapter: AdapterKey) -> None:
+        [ref] = await self.store.get_ref.remote(adapter.name, adapter.version)
+        self.source.add(str(adapter), ref)
+
+    async def _report(self, stats: dict[str, Any]) -> None:
+        """Report to the store; drop references to adapter versions it no longer holds."""
+        try:
+            reply = await asyncio.wait_for(
+                self.store.report_replica.remote(self.replica_id, stats), STORE_TIMEOUT_S
+            )
+        except Exception as e:  # the store restarting must not break routing stats
+            log.warning("adapter store unreachable: %s", e)
+            return
+        for request_id in self._active.intersection(reply["cancelled"]):
+            self.aengine.abort(request_id)
+        live = reply["live"]
+        for key in self.source.names():
+            adapter = AdapterKey.parse(key)
+            if live.get(adapter.name) == adapter.version:
+                continue
+            await self.aengine.call(lambda key=key: self.engine.unload_adapter(key))
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere): the soak test's leak check."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,81 @@
+"""The router <-> replica contract: keys, replies and routing stats survive their round trips."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from pydantic import ValidationError
+
+from replica.wire import (
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    AdapterKey,
+    GenerateRequest,
+    Reply,
+    RoutingStats,
+    SamplingParams,
+)
+
+
+@pytest.mark.parametrize("name", ["a", "sql-v2", "x@v", "odd@v3name", "@v@v"])
+def test_adapter_keys_format_and_parse_back(name):
+    key = AdapterKey(name, 12)
+    assert str(key) == f"{name}@v12"
+    assert AdapterKey.parse(str(key)) == key
+
+
+@pytest.mark.parametrize("text", ["plain", "name@v", "name@vx", "@v3", "name@v-1"])
+def test_what_is_not_an_adapter_key_is_refused(text):
+    with pytest.raises(ValueError, match="not an adapter key"):
+        AdapterKey.parse(text)
+
+
+def test_replies_merge_into_one_message_per_batch():
+    replies = [
+        Reply((5,), num_prompt_tokens=3),
+        Reply((6,), num_prompt_tokens=3),
+        Reply((7,), True, "length", num_prompt_tokens=3),
+    ]
+    merged = Reply.merge(replies)
+    assert merged == Reply((5, 6, 7), True, "length", num_prompt_tokens=3)
+    assert not merged.refused
+
+
+def test_a_refusal_is_a_finished_reply_with_a_status_and_no_tokens():
+    refusal = Reply.refusal(404, "gone")
+    assert refusal.refused and refusal.finished and refusal.finish_reason == "error"
+    assert (refusal.status, refusal.error, refusal.token_ids) == (404, "gone", ())
+    assert not Reply((1,), True, "error", "boom", 500).refused  # it had produced tokens
+
+
+def test_routing_stats_round_trip_through_the_dict_serve_publishes():
+    stats = RoutingStats(frozenset({"b", "a"}), frozenset({"c"}), queue_len=4, free_slots=2)
+    published = stats.to_dict()
+    assert published["device_adapters"] == ["a", "b"]  # sorted: stable for logs and tests
+    assert RoutingStats.from_dict(published) == stats
+    assert RoutingStats.from_dict(None) == RoutingStats()  # a replica that has not reported
+
+
+def test_sampling_params_defaults_are_the_apis_and_bounds_hold():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (16, 1.0, 1.0, 0)
+    assert SamplingParams(temperature=0).greedy and not p.greedy
+    for bad in (
+        {"temperature": MAX_TEMPERATURE + 0.1},
+        {"temperature": float("nan")},
+        {"max_tokens": 0},
+        {"top_p": 0.0},
+        {"top_k": -1},
+        {"seed": SEED_MAX + 1},
+        {"stop_token_ids": (-1,)},
+    ):
+        with pytest.raises(ValidationError):
+            SamplingParams(**bad)
+
+
+def test_a_generate_request_crosses_a_process_boundary_intact():
+    request = GenerateRequest(
+        AdapterKey("sql", 3), [1, 2, 3], SamplingParams(seed=7), "cmpl-1", timeout_s=5.0
+    )
+    assert pickle.loads(pickle.dumps(request)) == request
