@@ -106,12 +106,7 @@ def test_no_import_cycles(graph):
 
 
 def test_arrows_point_down(graph):
-    upward = [
-        f"{a} -> {b}"
-        for a, targets in graph.items()
-        for b in targets
-        if layer(b) > layer(a)
-    ]
+    upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer(b) > layer(a)]
     assert not upward, "imports against the layering:\n" + "\n".join(sorted(upward))
 
 

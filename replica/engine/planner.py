@@ -1,7 +1,8 @@
 """Batch preparation's host half: the scheduled sequences -> a BatchPlan of host ints.
 
 The plan is what a tensor-parallel rank 0 broadcasts each step; the executor turns it
-into device tensors (executor/batch.py). Nothing here touches a tensor.
+into device tensors (executor/batch.py). plan_batch touches no tensor; prepare_batch runs
+both halves at once (tests, offline callers).
 """
 
 from __future__ import annotations

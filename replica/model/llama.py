@@ -108,7 +108,7 @@ class DecoderLayer:
 
 class LlamaForCausalLM:
     """Weights and forward of one model replica, or of one rank's shard of it when `tp`
-    is given (tensor parallelism: see replica/parallel/shard.py for who holds what)."""
+    is given (tensor parallelism: see model/tp_shard.py for who holds what)."""
 
     def __init__(
         self,
