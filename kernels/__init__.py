@@ -6,9 +6,10 @@
     lora_expand(y, inter, b, seg, slice_offsets)       # y += LoRA delta, in place
     b = lora_b_buffer(num_slots, out, max_rank, device, dtype)  # B slots, fastest layout
 
-Backends: CUDA tensors go to Triton (`kernels.sgmv_triton`, imported lazily),
-CPU tensors to the torch path (`kernels.torch_ops`). LORAFLEET_KERNELS=triton|torch
-forces either; Triton on CPU needs TRITON_INTERPRET=1 (the tests). Both ops
+Backends (kernels/backend.py, decided once): CUDA tensors go to Triton
+(`kernels.sgmv_triton`, imported lazily), CPU tensors to the torch path
+(`kernels.sgmv_torch`). LORAFLEET_KERNELS=triton|torch, read at import, or
+`force_backend` forces either; Triton on CPU needs TRITON_INTERPRET=1 (the tests). Both ops
 check shapes, dtypes, devices and metadata sizes here, before any backend runs;
 neither reads a device value for that. `kernels.reference` is the slow oracle
 both are tested against; `lorafleet bench kernels` times them.
@@ -17,11 +18,10 @@ both are tested against; `lorafleet bench kernels` times them.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from kernels import torch_ops
+from kernels.backend import backend_for, force_backend, forced_backend, implementation
 from kernels.segments import SegmentInfo, make_segment_info, make_segment_infos
 
 __all__ = [
@@ -31,20 +31,12 @@ __all__ = [
     "lora_shrink",
     "lora_expand",
     "backend_for",
+    "force_backend",
+    "forced_backend",
     "lora_b_buffer",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def backend_for(x: torch.Tensor) -> str:
-    """Which implementation runs for tensors on x's device."""
-    forced = os.environ.get("LORAFLEET_KERNELS", "").strip().lower()
-    if forced in ("triton", "torch"):
-        return forced
-    if forced:
-        raise ValueError(f"LORAFLEET_KERNELS={forced!r}: expected 'triton' or 'torch'")
-    return "triton" if x.is_cuda else "torch"
 
 
 def lora_b_buffer(
@@ -63,14 +55,6 @@ def lora_b_buffer(
     return rank_major.transpose(1, 2)
 
 
-def _backend(x: torch.Tensor):
-    if backend_for(x) == "triton":
-        from kernels import sgmv_triton  # lazy: CPU-only installs need no triton
-
-        return sgmv_triton
-    return torch_ops
-
-
 def lora_shrink(
     x: torch.Tensor,  # [T, in]
     a: torch.Tensor,  # [S, num_slices*R, in]; rows past a slot's rank are never read
@@ -85,7 +69,7 @@ def lora_shrink(
     inputs, fp32 accumulation and output. See kernels.reference.lora_shrink_reference.
     """
     _check_shrink(x, a, seg, num_slices)
-    return _backend(x).lora_shrink(x, a, seg, num_slices)
+    return implementation(x, "sgmv").lora_shrink(x, a, seg, num_slices)
 
 
 def lora_expand(
@@ -105,7 +89,7 @@ def lora_expand(
     left bit-identical. See kernels.reference.lora_expand_reference.
     """
     _check_expand(y, inter, b, seg, slice_offsets)
-    return _backend(y).lora_expand(y, inter, b, seg, slice_offsets)
+    return implementation(y, "sgmv").lora_expand(y, inter, b, seg, slice_offsets)
 
 
 _SEG_DTYPES = (torch.int32, torch.int32, torch.int32, torch.float32)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -353,16 +352,10 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.footprint_mib = min(args.footprint_mib, 256)
         args.min_time = min(args.min_time, 0.1)
-    forced = os.environ.get("LORAFLEET_KERNELS")
-    if args.backend != "auto":
-        os.environ["LORAFLEET_KERNELS"] = args.backend
-    try:
+    if args.backend == "auto":
         return _run(args, device, dtype)
-    finally:
-        if forced is None:
-            os.environ.pop("LORAFLEET_KERNELS", None)
-        else:
-            os.environ["LORAFLEET_KERNELS"] = forced
+    with kernels.forced_backend(args.backend):
+        return _run(args, device, dtype)
 
 
 def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:

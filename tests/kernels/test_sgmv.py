@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import SegmentInfo, make_segment_info, torch_ops
+from kernels import SegmentInfo, backend, make_segment_info, sgmv_torch
 from kernels.reference import lora_expand_reference, lora_shrink_reference
 from tests.conftest import CUDA, TEST_DEVICE
 
@@ -35,7 +35,7 @@ except ImportError:  # a platform without triton still tests the torch path
     sgmv_triton = None
 needs_triton = pytest.mark.skipif(sgmv_triton is None, reason="triton is not installed")
 
-BACKENDS = {"torch": torch_ops} | ({"triton": sgmv_triton} if sgmv_triton else {})
+BACKENDS = {"torch": sgmv_torch} | ({"triton": sgmv_triton} if sgmv_triton else {})
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (rtol, atol) for expand's output, rounded once into y's dtype: about one ulp of
 # y (|y| ~ 1). shrink's output is fp32 from exact products for every dtype.
@@ -252,9 +252,9 @@ def test_torch_runs_bridge_small_gaps_only():
     gets its own run, so its unused neighbours are never read."""
     ranks, scalings = (0,) + (16,) * 40, (0.0,) + (1.0,) * 40
     indptr, slots, cpu = (0, 1, 2, 3, 4), (5, 1, 3, 40), torch.device("cpu")
-    narrow = torch_ops._runs(indptr, slots, ranks, scalings, 16, 512 * 4, cpu)
+    narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, 16, 512 * 4, cpu)
     assert [(r.lo, r.hi) for r in narrow] == [(1, 6), (40, 41)]
-    wide = torch_ops._runs(indptr, slots, ranks, scalings, 16, 4 * 4096 * 4, cpu)
+    wide = sgmv_torch._runs(indptr, slots, ranks, scalings, 16, 4 * 4096 * 4, cpu)
     assert [(r.lo, r.hi) for r in wide] == [(1, 2), (3, 4), (5, 6), (40, 41)]
 
 
@@ -263,26 +263,43 @@ def test_torch_runs_merge_ranks_when_padding_is_cheap():
     small next to a run's fixed cost, and stay apart when it is not."""
     ranks, scalings = (0, 8, 64, 16), (0.0, 1.0, 1.0, 1.0)
     indptr, slots, cpu = (0, 1, 2, 3), (1, 2, 3), torch.device("cpu")
-    narrow = torch_ops._runs(indptr, slots, ranks, scalings, 64, 512 * 4, cpu)
+    narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, 64, 512 * 4, cpu)
     assert [(r.lo, r.hi, r.rank) for r in narrow] == [(1, 4, 64)]
-    wide = torch_ops._runs(indptr, slots, ranks, scalings, 64, 4 * 4096 * 4, cpu)
+    wide = sgmv_torch._runs(indptr, slots, ranks, scalings, 64, 4 * 4096 * 4, cpu)
     assert [(r.lo, r.hi, r.rank) for r in wide] == [(1, 2, 8), (2, 3, 64), (3, 4, 16)]
 
 
-def test_dispatch(monkeypatch):
+def test_dispatch():
     x = torch.zeros(1, 4)
-    monkeypatch.delenv("LORAFLEET_KERNELS", raising=False)
-    assert kernels.backend_for(x) == "torch"
-    monkeypatch.setenv("LORAFLEET_KERNELS", "triton")
-    assert kernels.backend_for(x) == "triton"
-    monkeypatch.setenv("LORAFLEET_KERNELS", "cuda")
+    with kernels.forced_backend(None):
+        assert kernels.backend_for(x) == "torch"
+        with kernels.forced_backend("triton"):
+            assert kernels.backend_for(x) == "triton"
+        assert kernels.backend_for(x) == "torch"
+    assert backend.parse_forced(" Triton ") == "triton" and backend.parse_forced("") is None
     with pytest.raises(ValueError, match="LORAFLEET_KERNELS"):
-        kernels.backend_for(x)
+        backend.parse_forced("cuda")
+    with pytest.raises(ValueError, match="LORAFLEET_KERNELS"):
+        kernels.force_backend("cuda")
+
+
+def test_the_environment_is_read_once_at_import():
+    """LORAFLEET_KERNELS decides the backend without a read per op."""
+    code = (
+        "import os; os.environ['LORAFLEET_KERNELS'] = 'triton'; import torch, kernels; "
+        "os.environ['LORAFLEET_KERNELS'] = 'torch'; print(kernels.backend_for(torch.zeros(1)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "triton", out.stderr
 
 
 @pytest.mark.parametrize("forced", list(BACKENDS))
-def test_public_ops_dispatch_and_match(monkeypatch, forced):
-    monkeypatch.setenv("LORAFLEET_KERNELS", forced)
+def test_public_ops_dispatch_and_match(forced):
+    with kernels.forced_backend(forced):
+        _check_public_ops()
+
+
+def _check_public_ops():
     case = make_case("skewed", 7, "prefill", torch.bfloat16, 3, seed=11)
     inter = kernels.lora_shrink(case.x, case.a, case.seg, case.num_slices)
     ref_inter = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
@@ -316,7 +333,7 @@ def test_public_ops_validate_before_launch():
 def test_torch_path_rejects_rank_past_buffer():
     seg = make_segment_info([2], [1], [0, 32], [0.0, 1.0])
     with pytest.raises(ValueError, match="rank 32"):
-        torch_ops.lora_shrink(torch.zeros(2, IN), torch.zeros(2, 16, IN), seg, 1)
+        sgmv_torch.lora_shrink(torch.zeros(2, IN), torch.zeros(2, 16, IN), seg, 1)
 
 
 @needs_triton

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
@@ -22,17 +23,17 @@ def test_model_output_unchanged_with_triton_forced(tiny, monkeypatch):
     sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     requests = [([5, 6, 7, 8, 9], sampling, "adapter-00"), ([10, 11], sampling, None),
                 ([12, 13, 14], sampling, "adapter-02"), ([15], sampling, "adapter-03")]  # fmt: skip
-    monkeypatch.setenv("LORAFLEET_KERNELS", "torch")
-    want = [s.output_ids for s in eng.generate(requests)]
-    want_logits = eng.score([5, 6, 7, 8, 9], "adapter-01")
-    monkeypatch.setenv("LORAFLEET_KERNELS", "triton")
+    with kernels.forced_backend("torch"):
+        want = [s.output_ids for s in eng.generate(requests)]
+        want_logits = eng.score([5, 6, 7, 8, 9], "adapter-01")
     from kernels import sgmv_triton
 
     calls = []
     real = sgmv_triton.lora_expand
     monkeypatch.setattr(sgmv_triton, "lora_expand", lambda *a: calls.append(1) or real(*a))
-    got = [s.output_ids for s in eng.generate(requests)]
-    got_logits = eng.score([5, 6, 7, 8, 9], "adapter-01")
+    with kernels.forced_backend("triton"):
+        got = [s.output_ids for s in eng.generate(requests)]
+        got_logits = eng.score([5, 6, 7, 8, 9], "adapter-01")
     assert calls, "the Triton backend was not used"
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
