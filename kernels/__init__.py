@@ -2,17 +2,21 @@
 
     seg = make_segment_info(seg_lens, seg_slots, slot_ranks, slot_scalings, device)
     segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, slot_scalings, device)
-    inter = lora_shrink(x, a, seg, num_slices)         # [T, num_slices*R] float32
+    inter = lora_shrink(x, a, seg, num_slices[, out])  # [T, num_slices*R] float32
     lora_expand(y, inter, b, seg, slice_offsets)       # y += LoRA delta, in place
     b = lora_b_buffer(num_slots, out, max_rank, device, dtype)  # B slots, fastest layout
+    o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                               block_size, scale, sliding_window)  # [D, H, hd]
 
 Backends (kernels/backend.py, decided once): CUDA tensors go to Triton
 (`kernels.sgmv_triton`, imported lazily), CPU tensors to the torch path
 (`kernels.sgmv_torch`). LORAFLEET_KERNELS=triton|torch, read at import, or
-`force_backend` forces either; Triton on CPU needs TRITON_INTERPRET=1 (the tests). Both ops
-check shapes, dtypes, devices and metadata sizes here, before any backend runs;
-neither reads a device value for that. `kernels.reference` is the slow oracle
-both are tested against; `lorafleet bench kernels` times them.
+`force_backend` forces either; Triton on CPU needs TRITON_INTERPRET=1 (the tests). The
+attention op has the same two backends (`kernels.paged_attention_{torch,triton}`). Every
+op checks shapes, dtypes, devices and metadata sizes here, before any backend runs, and
+none reads a device value for that. `kernels.reference` and
+`kernels.paged_attention_reference` are the slow oracles they are tested against;
+`lorafleet bench kernels` times the LoRA ops.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "force_backend",
     "forced_backend",
     "lora_b_buffer",
+    "paged_decode_attention",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,16 +65,19 @@ def lora_shrink(
     a: torch.Tensor,  # [S, num_slices*R, in]; rows past a slot's rank are never read
     seg: SegmentInfo,
     num_slices: int = 1,
-) -> torch.Tensor:  # [T, num_slices*R] float32
+    out: torch.Tensor | None = None,  # [T, num_slices*R] float32 zeros, filled in place
+) -> torch.Tensor:  # [T, num_slices*R] float32 (`out` when given)
     """Semantics, per segment g with slot s = seg_slots[g] != 0, r = slot_ranks[s]:
 
         out[rows_g, j*R : j*R+r] = x[rows_g].float() @ a[s, j*R : j*R+r].float()ᵀ
 
     for each slice j, zero everywhere else (slot 0, past the rank). fp32/fp16/bf16
-    inputs, fp32 accumulation and output. See kernels.reference.lora_shrink_reference.
+    inputs, fp32 accumulation and output. `out`, when given, must hold zeros (a region
+    of the step's zeroed workspace: no allocation or zero fill per op); it may be a view
+    with any row stride. See kernels.reference.lora_shrink_reference.
     """
-    _check_shrink(x, a, seg, num_slices)
-    return implementation(x, "sgmv").lora_shrink(x, a, seg, num_slices)
+    _check_shrink(x, a, seg, num_slices, out)
+    return implementation(x, "sgmv").lora_shrink(x, a, seg, num_slices, out)
 
 
 def lora_expand(
@@ -116,7 +124,13 @@ def _check_seg(seg: SegmentInfo, num_slots: int, device: torch.device) -> None:
         )
 
 
-def _check_shrink(x: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, num_slices: int) -> None:
+def _check_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    seg: SegmentInfo,
+    num_slices: int,
+    out: torch.Tensor | None = None,
+) -> None:
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(
             f"lora_shrink: x {tuple(x.shape)} must be [T, in], a {tuple(a.shape)} [S, ns*R, in]"
@@ -129,6 +143,15 @@ def _check_shrink(x: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, num_slices
         raise ValueError(f"lora_shrink: x {x.dtype} and a {a.dtype} must share one of {_DTYPES}")
     if a.device != x.device:
         raise ValueError(f"lora_shrink: x on {x.device}, a on {a.device}")
+    want = (x.shape[0], a.shape[1])
+    if out is not None and (
+        out.shape != want or out.dtype != torch.float32 or out.device != x.device
+        or out.stride(-1) != 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"lora_shrink: out {tuple(out.shape)} {out.dtype} on {out.device} must be "
+            f"{list(want)} float32 on {x.device}, unit stride along a row"
+        )
     _check_seg(seg, a.shape[0], x.device)
 
 
@@ -162,3 +185,98 @@ def _check_expand(
     if not (y.device == inter.device == b.device):
         raise ValueError(f"lora_expand: y on {y.device}, inter on {inter.device}, b on {b.device}")
     _check_seg(seg, b.shape[0], y.device)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [D, H, hd]: one query per decode sequence (its newest token)
+    k_cache: torch.Tensor,  # [KVH, num_blocks * block_size, hd], head-major;
+    # token slot = block * block_size + offset
+    v_cache: torch.Tensor,  # same shape and dtype as k_cache
+    block_tables: torch.Tensor,  # [D, W] int32: each sequence's block ids, in order
+    context_lens: torch.Tensor,  # [D] int32, 1 <= ctx <= W * block_size
+    block_size: int,  # host int
+    scale: float,  # host float: softmax scale
+    sliding_window: int | None = None,  # attend only to positions >= ctx - sliding_window
+    out: torch.Tensor | None = None,  # [D, H, hd] q.dtype, written in place and returned
+) -> torch.Tensor:  # [D, H, hd], q.dtype
+    """Decode attention straight from the paged KV cache. Per sequence i with
+    ctx = context_lens[i] (tokens in cache, the newest included: it is already written),
+    for each query head h with kv head k = h // (H // KVH):
+
+        out[i, h] = softmax(scale * q[i, h] · K[k, p]) @ V[k, p]   over p in [lo, ctx)
+
+    where lo = max(0, ctx - sliding_window) (0 without a window) and position p lives in
+    cache slot block_tables[i, p // block_size] * block_size + p % block_size. Softmax and
+    accumulation in fp32, rounded once into q.dtype (fp32, fp16 or bf16; the caches share
+    it). Entries of block_tables past a sequence's ceil(ctx / block_size) blocks may be any
+    valid block id: no slot outside [lo, ctx) is read, so whatever those slots hold (NaN
+    included) never reaches an output. D may be 0. Grids and code paths depend on host
+    values only (shapes, block_size, scale, sliding_window): nothing here or in a backend
+    reads a device value, so a call never syncs and replays as a CUDA graph.
+    See kernels.paged_attention_reference.paged_decode_attention_reference.
+    """
+    _check_paged_attention(
+        q, k_cache, v_cache, block_tables, context_lens, block_size, sliding_window, out
+    )
+    return implementation(q, "paged_attention").paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, block_size, scale, sliding_window, out
+    )
+
+
+def _check_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+) -> None:
+    name = "paged_decode_attention"
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} must be [D, H, hd], k_cache {tuple(k_cache.shape)} "
+            f"and v_cache {tuple(v_cache.shape)} one [KVH, slots, hd] shape"
+        )
+    d, h, hd = q.shape
+    kvh = k_cache.shape[0]
+    if k_cache.shape[2] != hd or kvh == 0 or h % kvh:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} [D, H, hd] needs k_cache [KVH, slots, {hd}] with "
+            f"H % KVH == 0; got k_cache {tuple(k_cache.shape)}"
+        )
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"{name}: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} must "
+            f"share one of {_DTYPES}"
+        )
+    if not isinstance(block_size, int) or block_size <= 0 or k_cache.shape[1] % block_size:
+        raise ValueError(
+            f"{name}: block_size {block_size!r} must be a positive int dividing the cache's "
+            f"{k_cache.shape[1]} slots"
+        )
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{name}: sliding_window {sliding_window!r} must be None or an int >= 1")
+    if block_tables.dim() != 2 or block_tables.shape[0] != d or context_lens.shape != (d,):
+        raise ValueError(
+            f"{name}: block_tables {tuple(block_tables.shape)} must be [{d}, W] and "
+            f"context_lens {tuple(context_lens.shape)} [{d}]"
+        )
+    if d and block_tables.shape[1] == 0:
+        raise ValueError(f"{name}: block_tables {tuple(block_tables.shape)} has no block column")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError(
+            f"{name}: block_tables {block_tables.dtype} and context_lens {context_lens.dtype} "
+            "must be int32"
+        )
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(
+            f"{name}: out {tuple(out.shape)} {out.dtype} must be {tuple(q.shape)} {q.dtype}"
+        )
+    tensors = (q, k_cache, v_cache, block_tables, context_lens) + (() if out is None else (out,))
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(
+            f"{name}: q, k_cache, v_cache, block_tables, context_lens, out must share one device; "
+            f"got {[str(t.device) for t in tensors]}"
+        )

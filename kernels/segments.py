@@ -26,6 +26,9 @@ class SegmentInfo:
     slot_scalings: torch.Tensor  # [S] float32: alpha/r (or alpha/sqrt(r) for rsLoRA) per slot
     max_seg_len: int  # host: longest segment, sizes the Triton grid without a sync
     has_lora: bool  # host: False when every segment is slot 0 (the whole LoRA path is skipped)
+    # host: one token per segment, read only on the device: every backend runs one fixed
+    # sequence of ops whatever the values (decode steps replayed as CUDA graphs)
+    graph_safe: bool = False
 
     @property
     def num_segments(self) -> int:
@@ -39,10 +42,15 @@ def make_segment_infos(
     slot_scalings: Sequence[float],
     device: torch.device | str = "cpu",
     copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    seg_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_tensors: tuple[Mapping[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, SegmentInfo]:
     """One SegmentInfo per projection group from host lists: the same segments (their
     device tensors shared), each group's own slot ranks. `copy` moves a host tensor to
     `device` (default `.to(device)`; the engine passes a pinned, non_blocking copy).
+    Values already on the device are used instead of copies of the host lists:
+    `seg_tensors` (indptr, slots: the caller copied them with its other metadata) and
+    `slot_tensors` (ranks per group, scalings: kept on the device between steps).
 
     has_lora is False when no non-empty segment runs on a slot with a nonzero rank for
     that group: the whole LoRA path is skipped, which changes nothing in the output."""
@@ -52,9 +60,18 @@ def make_segment_infos(
     indptr = [0]
     for n in seg_lens:
         indptr.append(indptr[-1] + n)
-    indptr_dev = move(torch.tensor(indptr, dtype=torch.int32))
-    slots_dev = move(torch.tensor(list(seg_slots), dtype=torch.int32))
-    scalings_dev = move(torch.tensor(list(slot_scalings), dtype=torch.float32))
+    if seg_tensors is None:
+        indptr_dev = move(torch.tensor(indptr, dtype=torch.int32))
+        slots_dev = move(torch.tensor(list(seg_slots), dtype=torch.int32))
+    else:
+        indptr_dev, slots_dev = seg_tensors
+    if slot_tensors is None:
+        ranks_dev = {
+            g: move(torch.tensor(list(r), dtype=torch.int32)) for g, r in group_ranks.items()
+        }
+        scalings_dev = move(torch.tensor(list(slot_scalings), dtype=torch.float32))
+    else:
+        ranks_dev, scalings_dev = slot_tensors
     used = {s for s, n in zip(seg_slots, seg_lens) if n > 0 and s != 0}
     infos = {}
     for group, ranks in group_ranks.items():
@@ -63,7 +80,7 @@ def make_segment_infos(
         infos[group] = SegmentInfo(
             seg_indptr=indptr_dev,
             seg_slots=slots_dev,
-            slot_ranks=move(torch.tensor(list(ranks), dtype=torch.int32)),
+            slot_ranks=ranks_dev[group],
             slot_scalings=scalings_dev,
             max_seg_len=max(seg_lens, default=0),
             has_lora=any(ranks[s] > 0 for s in used),

@@ -226,12 +226,16 @@ def lora_shrink(
     a: torch.Tensor,  # [S, num_slices*R, in]
     seg: SegmentInfo,
     num_slices: int = 1,
+    out: torch.Tensor | None = None,  # [T, num_slices*R] float32 zeros, written in place
 ) -> torch.Tensor:  # [T, num_slices*R] float32
     """out[rows_g, j*R : j*R+r] = x[rows_g] @ a[s, j*R : j*R+r]ᵀ, zero elsewhere
     (s = seg_slots[g] != 0, r = slot_ranks[s]); see kernels.reference."""
-    out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     if not seg.has_lora or x.shape[0] == 0:
         return out
+    if seg.graph_safe:
+        return _shrink_per_token(x, a, seg, num_slices, out)
     r_max = a.shape[1] // num_slices
     for run in _plan(seg, r_max, num_slices * a.shape[2] * a.element_size(), x.device):
         xs = _operand(x, run)  # [n or (hi-lo)*m, in]
@@ -261,6 +265,8 @@ def lora_expand(
     fp32 accumulation rounded once into y.dtype; see kernels.reference."""
     if not seg.has_lora or y.shape[0] == 0:
         return y
+    if seg.graph_safe:
+        return _expand_per_token(y, inter, b, seg, slice_offsets)
     r_max = b.shape[2]
     used_cols = slice_offsets[-1] - slice_offsets[0]
     for run in _plan(seg, r_max, used_cols * b.element_size(), y.device):
@@ -285,3 +291,46 @@ def _accumulate(y_cols: torch.Tensor, res: torch.Tensor, run: _Run) -> None:
         y_cols.index_add_(0, run.rows, res, alpha=run.alpha)
     else:
         y_cols[run.rows] = torch.add(y_cols[run.rows], res, alpha=run.alpha).to(y_cols.dtype)
+
+
+# -- graph-safe: one token per segment, metadata read only on the device ---------------------
+# A fixed sequence of ops whatever the slots (what a CUDA graph can replay, and what the
+# CPU tests of the static decode path trace): each token's slot weights are gathered
+# (BGMV), columns past the slot's rank masked. Reads every token's A and B, so it is
+# the slower CPU formulation; eager decode steps keep the runs above.
+
+
+def _rank_mask(seg: SegmentInfo, r_max: int, num_slices: int) -> torch.Tensor:
+    """[T, num_slices*R] bool: column j*R + c is inside the token's slot's rank."""
+    ranks = seg.slot_ranks.index_select(0, seg.seg_slots)  # [T]; slot 0 has rank 0
+    cols = torch.arange(r_max, device=ranks.device)
+    return (cols[None, :] < ranks[:, None]).repeat(1, num_slices)
+
+
+def _shrink_per_token(
+    x: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, num_slices: int, out: torch.Tensor
+) -> torch.Tensor:
+    w = a.index_select(0, seg.seg_slots)  # [T, num_slices*R, in]
+    res = torch.bmm(w.float(), x.float().unsqueeze(2)).squeeze(2)  # [T, num_slices*R]
+    mask = _rank_mask(seg, a.shape[1] // num_slices, num_slices)
+    return out.copy_(torch.where(mask, res, 0.0))  # rows past a rank may hold anything
+
+
+def _expand_per_token(
+    y: torch.Tensor,
+    inter: torch.Tensor,
+    b: torch.Tensor,
+    seg: SegmentInfo,
+    slice_offsets: list[int],
+) -> torch.Tensor:
+    r_max, num_slices = b.shape[2], len(slice_offsets) - 1
+    keep = _rank_mask(seg, r_max, 1)  # [T, R]
+    scale = seg.slot_scalings.index_select(0, seg.seg_slots)[:, None]  # [T, 1]
+    w = b.index_select(0, seg.seg_slots)  # [T, out_total, R]
+    w = torch.where(keep[:, None, :], w.float(), 0.0)  # B columns past a rank are never read
+    acc = y.float()
+    for j in range(num_slices):
+        c0, c1 = slice_offsets[j], slice_offsets[j + 1]
+        t = torch.where(keep, inter[:, j * r_max : (j + 1) * r_max], 0.0) * scale  # [T, R]
+        acc[:, c0:c1] += torch.bmm(w[:, c0:c1], t.unsqueeze(2)).squeeze(2)
+    return y.copy_(acc)

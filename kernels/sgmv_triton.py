@@ -327,6 +327,7 @@ def lora_shrink(
     a: torch.Tensor,  # [S, num_slices*R, K], contiguous
     seg: SegmentInfo,
     num_slices: int = 1,
+    out: torch.Tensor | None = None,  # [T, num_slices*R] float32 zeros, written in place
 ) -> torch.Tensor:  # [T, num_slices*R] float32
     """out[rows_g, j*R : j*R+r] = x[rows_g] @ a[s, j*R : j*R+r]ᵀ per segment g with
     slot s = seg_slots[g] != 0 and r = slot_ranks[s]; zero elsewhere (float32).
@@ -336,7 +337,8 @@ def lora_shrink(
         raise ValueError("lora_shrink: a must be contiguous")
     T, K = x.shape
     r_max = a.shape[1] // num_slices
-    out = torch.zeros(T, a.shape[1], dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.zeros(T, a.shape[1], dtype=torch.float32, device=x.device)
     if not seg.has_lora or T == 0 or seg.num_segments == 0:
         return out
     # one launch contract, two families: grid dims are (segment, row block, slice x rest)

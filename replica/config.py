@@ -59,6 +59,13 @@ class EngineConfig(BaseModel):
     aging_steps: int = Field(
         32, ge=1, description="Skips after which a request's adapter is given priority."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, replay decode-only steps as CUDA graphs, one per batch-size "
+        "bucket (1, 2, 4, 8, then multiples of 8 up to max_num_seqs), with and without "
+        "LoRA, captured at start; other steps, tensor-parallel replicas and CPUs run "
+        "eagerly.",
+    )
     tp_size: int = Field(
         1,
         ge=1,

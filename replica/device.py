@@ -5,6 +5,7 @@ Everything above this module is the same code on both.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,31 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if host.device == device:
         return host
     return pinned(host).to(device, non_blocking=True)
+
+
+def to_device_packed(
+    host: dict[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Host tensors -> device tensors through one copy: packed (8-byte aligned) into one
+    pinned buffer, copied without blocking, returned as typed views. CPU: the host ones."""
+    if device.type == "cpu":
+        return host
+    offsets, end = {}, 0
+    for name, t in host.items():
+        end = -(-end // 8) * 8
+        offsets[name] = end
+        end += t.numel() * t.element_size()
+    packed = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    for name, t in host.items():
+        size = t.numel() * t.element_size()
+        packed[offsets[name] : offsets[name] + size].view(t.dtype).copy_(t.reshape(-1))
+    on_device = packed.to(device, non_blocking=True)
+    return {
+        name: on_device[offsets[name] : offsets[name] + t.numel() * t.element_size()]
+        .view(t.dtype)
+        .view(t.shape)
+        for name, t in host.items()
+    }
 
 
 def collective_backend(device: torch.device) -> str:
@@ -188,3 +214,53 @@ class InlineLoader:
 
     def shutdown(self) -> None:
         pass
+
+
+class StagedBuffer:
+    """Persistent device tensors with pinned host mirrors, packed in one buffer: fill the
+    `host` fields, then `upload()` issues one non_blocking copy of the whole buffer. The
+    `device` fields keep their addresses for the buffer's life (CUDA graphs read them).
+    On CPU host and device are one tensor and upload() does nothing.
+
+    The host mirror is not refilled while a previous upload may still read it: the event
+    recorded after each copy is waited on first (long passed in a step loop that reads
+    the sampled tokens every step)."""
+
+    def __init__(
+        self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], device: torch.device
+    ) -> None:
+        """`layout`: name -> (dtype, shape) of each field, packed in this order."""
+        offsets, end = {}, 0
+        for name, (dtype, shape) in layout.items():
+            end = -(-end // 8) * 8  # 8-byte aligned: any dtype's view is valid
+            offsets[name] = end
+            end += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._device_bytes = torch.zeros(max(end, 1), dtype=torch.uint8, device=device)
+        cpu = device.type == "cpu"
+        self._host_bytes = self._device_bytes if cpu else pinned(self._device_bytes.cpu())
+        self._copied: torch.cuda.Event | None = None
+
+        def views(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+            out = {}
+            for name, (dtype, shape) in layout.items():
+                size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                out[name] = raw[offsets[name] : offsets[name] + size].view(dtype).view(shape)
+            return out
+
+        self.device, self.host = views(self._device_bytes), views(self._host_bytes)
+
+    def writable(self) -> dict[str, torch.Tensor]:
+        """The host fields, once no upload still reads them."""
+        if self._copied is not None:
+            if not self._copied.query():  # query() never synchronizes; done in steady state
+                self._copied.synchronize()
+            self._copied = None
+        return self.host
+
+    def upload(self) -> None:
+        """One copy of every field to the device, without blocking the host."""
+        if self._host_bytes is self._device_bytes:
+            return
+        self._device_bytes.copy_(self._host_bytes, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()

@@ -18,6 +18,7 @@ from pathlib import Path
 import ray
 import torch
 
+from cluster.bench.engine_gpu import gpu_section, print_gpu_section
 from cluster.bench.stats import machine, ms, percentile
 from cluster.demo.assets import DemoSpec, cached_demo_assets
 from replica.config import EngineConfig
@@ -79,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "adds the per-step communication volume.")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="A few-second smoke run.")
     p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
+    p.add_argument("--gpu-json", type=Path, default=None,
+                   help="On CUDA, also write the GPU section here (e.g. "
+                        "cluster/bench/results/engine-gpu.json).")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -189,6 +193,12 @@ def _bench(args: argparse.Namespace) -> int:
         baseline, scenarios["uniform"], batch_step + max(0.0, lora_step)
     )
     _print_headline(report)
+    if torch.cuda.is_available() and args.tp == 1:
+        report["gpu"] = gpu_section(assets, args)
+        print_gpu_section(report["gpu"])
+        if args.gpu_json:
+            args.gpu_json.write_text(json.dumps(report["gpu"], indent=2))
+            print(f"wrote {args.gpu_json}")
     if args.tp > 1:
         report["tp_comm"] = _tp_comm(assets, min(16, args.adapters), args)
         _print_tp_comm(report["tp_comm"])

@@ -49,12 +49,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(c.dtype, self.device)
         self.spec = load_model_spec(c.model)
         self.executor = create_executor(c, self.spec, self.device, self.dtype)
-        num_blocks = self.executor.num_blocks
-        self.max_model_len = min(
-            c.max_model_len or self.spec.max_position_embeddings,
-            self.spec.max_position_embeddings,
-            num_blocks * c.block_size,
-        )
+        num_blocks, self.max_model_len = self.executor.num_blocks, self.executor.max_model_len
         source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {})
         self.adapters = AdapterResidency(
             c, source, self.executor.lora, self.executor.adapter_staging, self.device

@@ -21,7 +21,8 @@ from replica.model.lora_slots import LoRASlotBuffers
 class Executor(ABC):
     model: LlamaForCausalLM  # rank 0's model (its shard under tensor parallelism)
     lora: LoRASlotBuffers  # rank 0's slot buffers: their host ranks/scalings hold for every rank
-    num_blocks: int  # KV cache blocks (the same on every rank)
+    num_blocks: int  # KV cache blocks the engine allocates (the same on every rank)
+    max_model_len: int  # longest prompt + output: the config's, the model's and the cache's
     supports_hand_over: bool  # slot writes can be ordered behind a running step's layers
 
     @abstractmethod

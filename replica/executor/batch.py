@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import make_segment_infos
-from replica.device import to_device
+from replica.device import to_device, to_device_packed
 from replica.model.attention import AttentionMetadata
 from replica.model.llama import ForwardBatch
 
@@ -40,12 +40,11 @@ def build_batch(
     slot_ranks: dict[str, list[int]],
     slot_scalings: list[float],
     device: torch.device,
+    slot_tensors: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[ForwardBatch, torch.Tensor]:
-    """The plan's ForwardBatch and its sampled rows (device), from host tensors."""
-
-    def dev(values, dtype=torch.int64) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=dtype), device)
-
+    """The plan's ForwardBatch and its sampled rows (device): host tensors, one copy.
+    `slot_tensors`: the slot ranks and scalings already on the device (SlotTensors),
+    else the host values are copied too."""
     pre_ctx, pre_lens = plan.prefill_context_lens, plan.prefill_lens
     pre_seq_slots = [  # one op per prefill
         _token_slots([blocks], block_size)[0, :ctx]
@@ -53,29 +52,48 @@ def build_batch(
     ]
     new_slots = [torch.tensor(plan.decode_new_slots, dtype=torch.int64)]
     new_slots += [s[c - n :] for s, c, n in zip(pre_seq_slots, pre_ctx, pre_lens)]
+    # a prefill whose whole prompt is in this step attends to its fresh K/V, not the cache
+    cached = [i for i, (c, n) in enumerate(zip(pre_ctx, pre_lens)) if c != n]
+    host = {
+        "input_ids": torch.tensor(plan.input_ids, dtype=torch.int64),
+        "positions": torch.tensor(plan.positions, dtype=torch.int64),
+        "slot_mapping": torch.cat(new_slots),
+        "logit_rows": torch.tensor(plan.logit_rows, dtype=torch.int64),
+        "block_tables": _block_tables(plan.decode_tables),
+        "context_lens": torch.tensor(plan.decode_context_lens, dtype=torch.int32),
+        "seg_indptr": torch.tensor(plan.seg_indptr, dtype=torch.int32),
+        "seg_slots": torch.tensor(plan.seg_slots, dtype=torch.int32),
+        **{f"prefill_slots_{i}": pre_seq_slots[i] for i in cached},
+    }
+    dev = to_device_packed(host, device)  # one host-to-device copy for the whole step
     attn = AttentionMetadata(
-        slot_mapping=to_device(torch.cat(new_slots), device),
+        slot_mapping=dev["slot_mapping"],
         num_decode=len(plan.decode_context_lens),
-        decode_slots=to_device(_token_slots(plan.decode_tables, block_size), device),
-        decode_context_lens=dev(plan.decode_context_lens),
+        block_size=block_size,
+        decode_block_tables=dev["block_tables"],
+        decode_context_lens=dev["context_lens"],
         prefill_starts=plan.prefill_starts,
         prefill_lens=pre_lens,
         prefill_context_lens=pre_ctx,
-        prefill_slots=[  # None: a whole-prompt prefill attends to its fresh K/V, not the cache
-            None if c == n else to_device(s, device)
-            for s, c, n in zip(pre_seq_slots, pre_ctx, pre_lens)
-        ],
+        prefill_slots=[dev.get(f"prefill_slots_{i}") for i in range(len(pre_lens))],
     )
     indptr = plan.seg_indptr
     lengths = [b - a for a, b in zip(indptr, indptr[1:])]
     # one SegmentInfo per projection group: the same segments, that group's slot ranks
     lora = make_segment_infos(
-        lengths, plan.seg_slots, slot_ranks, slot_scalings, device, lambda t: to_device(t, device)
+        lengths, plan.seg_slots, slot_ranks, slot_scalings, device,
+        lambda t: to_device(t, device), (dev["seg_indptr"], dev["seg_slots"]), slot_tensors,
+    )  # fmt: skip
+    batch = ForwardBatch(dev["input_ids"], dev["positions"], attn, lora)
+    return batch, dev["logit_rows"]
+
+
+def _block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[N, max blocks] host int32, short tables padded with block 0 (never read)."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(
+        len(tables), width
     )
-    batch = ForwardBatch(
-        input_ids=dev(plan.input_ids), positions=dev(plan.positions), attn=attn, lora=lora
-    )
-    return batch, dev(plan.logit_rows)
 
 
 def _token_slots(tables: list[list[int]], block_size: int) -> torch.Tensor:

@@ -15,9 +15,10 @@ import torch
 from replica.config import EngineConfig
 from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan, build_batch
+from replica.executor.static_decode import StaticDecode
 from replica.model.kv_cache import KVCache
 from replica.model.llama import LlamaForCausalLM
-from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.lora_slots import LoRASlotBuffers, SlotTensors
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import TPRank
 
@@ -43,7 +44,28 @@ class ModelRunner(Executor):
         self.num_blocks = c.kv_cache_bytes // per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} is below one block ({per_block})")
-        self.kv = KVCache(local, self.num_blocks, c.block_size, device, dtype)
+        self.max_model_len = min(
+            c.max_model_len or spec.max_position_embeddings,
+            spec.max_position_embeddings,
+            self.num_blocks * c.block_size,
+        )
+        # one block past those the allocator hands out: padding rows of static decode
+        # steps write and read only there
+        self.scratch_block = self.num_blocks
+        self.kv = KVCache(local, self.num_blocks + 1, c.block_size, device, dtype)
+        self.slot_tensors = SlotTensors(c.num_slots, device)
+        self.static_decode: StaticDecode | None = None
+        if c.cuda_graphs and device.type == "cuda" and tp is None:
+            self.static_decode = self.make_static_decode(c.max_num_seqs)
+            self.static_decode.capture()
+
+    def make_static_decode(self, max_num_seqs: int) -> StaticDecode:
+        """The fixed-shape decode path over this rank's model and cache."""
+        blocks = -(-self.max_model_len // self.block_size)
+        return StaticDecode(
+            self.model, self.kv, self.slot_tensors, max_num_seqs, blocks,
+            self.block_size, self.scratch_block, self.device,
+        )  # fmt: skip
 
     def execute(
         self,
@@ -53,8 +75,13 @@ class ModelRunner(Executor):
         all_rows: bool = False,
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        self.slot_tensors.update(slot_ranks, slot_scalings)
+        static = self.static_decode
+        if static is not None and not all_rows and layer_done is None and static.fits(plan):
+            return static.run(plan, slot_ranks)
+        slots = (self.slot_tensors.ranks, self.slot_tensors.scalings)
         batch, logit_rows = build_batch(
-            plan, self.block_size, slot_ranks, slot_scalings, self.device
+            plan, self.block_size, slot_ranks, slot_scalings, self.device, slots
         )
         rows = None if all_rows else logit_rows
         return self.model.forward(batch, self.kv, rows, layer_done)

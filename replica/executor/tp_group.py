@@ -248,6 +248,7 @@ class TPExecutor(Executor):
     def __init__(self, group: TPGroup, runner: ModelRunner) -> None:
         self.group, self.runner = group, runner
         self.model, self.lora, self.num_blocks = runner.model, runner.lora, runner.num_blocks
+        self.max_model_len = runner.max_model_len
 
     def execute(
         self,

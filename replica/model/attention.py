@@ -1,40 +1,32 @@
 """Attention over the paged KV cache for a flattened batch of mixed decode and prefill.
 
-Rows [0, num_decode) are decode tokens (one per sequence), attended in one
-batched call over gathered cache slots; each prefill (or prefill chunk)
-follows as its own segment.
+Rows [0, num_decode) are decode tokens (one per sequence), attended in one call of
+kernels.paged_decode_attention, which reads the block tables and context lengths on the
+device (on a GPU no per-layer gather, and no shape that depends on the context); each
+prefill (or prefill chunk) follows as its own segment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+import kernels
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block*block_size + offset) per new token
     num_decode: int  # host: number of decode sequences (= their tokens), rows [0, num_decode)
-    decode_slots: torch.Tensor  # [D, L] int64: cache slots of each decode sequence, 0-padded
-    decode_context_lens: torch.Tensor  # [D] int64: tokens in cache incl. the new one
+    block_size: int  # host: tokens per KV block
+    decode_block_tables: torch.Tensor  # [D, W] int32: KV blocks of each decode sequence
+    decode_context_lens: torch.Tensor  # [D] int32: tokens in cache incl. the new one
     prefill_starts: list[int]  # host: first row of each prefill segment
     prefill_lens: list[int]  # host: new tokens per prefill segment
     prefill_context_lens: list[int]  # host: tokens in cache after this step, per prefill segment
     prefill_slots: list[torch.Tensor | None]  # per prefill: [ctx] int64 slots; None if ctx == n
-    _masks: dict = field(default_factory=dict, repr=False)  # per-step cache of the decode mask
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[D, 1, 1, L] bool, built once per step and shared by every layer."""
-        if window not in self._masks:
-            pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)
-            ctx = self.decode_context_lens.unsqueeze(1)  # [D, 1]
-            mask = pos.unsqueeze(0) < ctx
-            if window is not None:
-                mask &= pos.unsqueeze(0) >= ctx - window
-            self._masks[window] = mask[:, None, None, :]
-        return self._masks[window]
 
 
 def paged_attention(
@@ -53,17 +45,10 @@ def paged_attention(
     out = torch.empty_like(q)
     d = meta.num_decode
     if d:
-        keys = _gather(k_cache, meta.decode_slots).transpose(0, 1)  # [D, KVH, L, hd]
-        values = _gather(v_cache, meta.decode_slots).transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            q[:d].unsqueeze(2),  # [D, H, 1, hd]
-            keys,
-            values,
-            attn_mask=meta.decode_mask(sliding_window),
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[:d] = o.squeeze(2)
+        kernels.paged_decode_attention(
+            q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+            meta.block_size, scale, sliding_window, out=out[:d],
+        )  # fmt: skip
     for start, n, ctx, slots in zip(
         meta.prefill_starts, meta.prefill_lens, meta.prefill_context_lens, meta.prefill_slots
     ):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kernels import SegmentInfo
 from replica.model.attention import AttentionMetadata, paged_attention
 from replica.model.kv_cache import KVCache
-from replica.model.lora import LoRALinear
+from replica.model.lora import LoRALinear, LoRAWorkspace
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.rope import RotaryEmbedding
 from replica.model.spec import ModelSpec, load_model_spec
@@ -86,11 +86,16 @@ class DecoderLayer:
         self.index = index
 
     def __call__(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, kv: KVCache
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: RotaryEmbedding,
+        kv: KVCache,
+        ws: LoRAWorkspace | None,
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"])
+        qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"], ws)
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
@@ -100,10 +105,10 @@ class DecoderLayer:
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.head_dim**-0.5, s.sliding_window,
         )  # fmt: skip
-        x = x + self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"])
-        gate_up = self.gate_up_proj(self.post_attn_norm(x), batch.lora["gate_up_proj"])
+        x = x + self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"], ws)
+        gate_up = self.gate_up_proj(self.post_attn_norm(x), batch.lora["gate_up_proj"], ws)
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up, batch.lora["down_proj"])
+        return x + self.down_proj(F.silu(gate) * up, batch.lora["down_proj"], ws)
 
 
 class LlamaForCausalLM:
@@ -121,6 +126,7 @@ class LlamaForCausalLM:
     ) -> None:
         self.spec = spec = spec or load_model_spec(model_dir)
         self.device, self.dtype, self.tp = torch.device(device), dtype, tp
+        self.lora_cols = 0 if lora is None else lora.workspace_cols
         ckpt = Checkpoint(model_dir)
         h, vocab, layer_spec = spec.hidden_size, spec.vocab_size, spec
         if tp is not None:
@@ -158,8 +164,11 @@ class LlamaForCausalLM:
             x = F.embedding(batch.input_ids, self.embed)
         else:  # vocab-parallel: each rank embeds its ids, an all-reduce sums the parts
             x = tp.embed(batch.input_ids, self.embed)
+        ws = None  # one zeroed intermediate for every LoRA projection of the step
+        if self.lora_cols and any(seg.has_lora for seg in batch.lora.values()):
+            ws = LoRAWorkspace(x.shape[0], self.lora_cols, x.device)
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, self.rope, kv)
+            x = layer(x, batch, self.rope, kv, ws)
             if layer_done is not None:
                 layer_done(i)
         if logit_rows is not None:

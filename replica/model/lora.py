@@ -31,6 +31,7 @@ class LoRABuffers:
     b: torch.Tensor  # [S, out_total, R]: slice j's B in rows [offsets[j], offsets[j+1])
     slice_offsets: list[int]  # [num_slices+1] host ints: output column range per slice
     slice_names: tuple[str, ...]  # module names of the slices, e.g. ("q_proj", "k_proj", "v_proj")
+    workspace_col: int = 0  # first column of this projection's intermediate in a LoRAWorkspace
 
     @property
     def max_rank(self) -> int:
@@ -39,6 +40,20 @@ class LoRABuffers:
     @property
     def num_slices(self) -> int:
         return len(self.slice_names)
+
+
+class LoRAWorkspace:
+    """One step's LoRA intermediates: a single zeroed fp32 allocation for every projection
+    of every layer (not one allocation and zero fill per op), a contiguous [T, width]
+    region each, at the columns LoRASlotBuffers assigned."""
+
+    def __init__(self, num_tokens: int, num_cols: int, device: torch.device) -> None:
+        self.num_tokens = num_tokens
+        self.flat = torch.zeros(num_tokens * num_cols, dtype=torch.float32, device=device)
+
+    def region(self, lora: LoRABuffers) -> torch.Tensor:  # [T, num_slices*R], zeros
+        t, width = self.num_tokens, lora.a.shape[1]
+        return self.flat[lora.workspace_col * t : (lora.workspace_col + width) * t].view(t, width)
 
 
 class LoRALinear:
@@ -52,9 +67,12 @@ class LoRALinear:
     ) -> None:
         self.weight, self.bias, self.lora = weight, bias, lora
 
-    def __call__(self, x: torch.Tensor, seg: SegmentInfo) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, seg: SegmentInfo, workspace: LoRAWorkspace | None = None
+    ) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and seg.has_lora:
-            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.num_slices)
+            out = None if workspace is None else workspace.region(self.lora)
+            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.num_slices, out=out)
             kernels.lora_expand(y, inter, self.lora.b, seg, self.lora.slice_offsets)
         return y

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import kernels
-from replica.device import StepProgress
+from replica.device import StagedBuffer, StepProgress
 from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora import MODULE_GROUPS, LoRABuffers
 from replica.model.spec import ModelSpec
@@ -33,8 +33,9 @@ class LoRASlotBuffers:
             raise ValueError("num_slots must be >= 1 (slot 0 is the base model)")
         self.spec, self.num_slots, self.max_rank = spec, num_slots, max_rank
         shapes = shapes or spec.module_shapes()
-        # layers[i][group] -> LoRABuffers
+        # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
         self.layers: list[dict[str, LoRABuffers]] = []
+        self.workspace_cols = 0
         for _ in range(spec.num_layers):
             groups = {}
             for group, names in MODULE_GROUPS.items():
@@ -44,7 +45,8 @@ class LoRASlotBuffers:
                     offsets.append(offsets[-1] + shapes[n][1])
                 a = torch.zeros(num_slots, len(names) * max_rank, in_f, device=device, dtype=dtype)
                 b = kernels.lora_b_buffer(num_slots, offsets[-1], max_rank, device, dtype)
-                groups[group] = LoRABuffers(a, b, offsets, names)
+                groups[group] = LoRABuffers(a, b, offsets, names, self.workspace_cols)
+                self.workspace_cols += a.shape[1]
             self.layers.append(groups)
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
@@ -109,6 +111,33 @@ class LoRASlotBuffers:
         for ranks in self.ranks.values():
             ranks[slot] = 0
         self.scalings[slot] = 0.0
+
+
+class SlotTensors:
+    """Slot ranks (per projection group) and scalings where the kernels read them: device
+    tensors at fixed addresses, rewritten in place (one copy) only when the values a step
+    runs with differ from the last ones sent: after a slot is activated or cleared, or for
+    the one step that runs with the view taken before a hand-over."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        layout = {g: (torch.int32, (num_slots,)) for g in MODULE_GROUPS}
+        self._buffer = StagedBuffer(layout | {"scalings": (torch.float32, (num_slots,))}, device)
+        self.ranks = {g: self._buffer.device[g] for g in MODULE_GROUPS}
+        self.scalings = self._buffer.device["scalings"]
+        self._sent: tuple | None = None
+        self.uploads = 0  # how often the values changed (tests: not every step)
+
+    def update(self, ranks: dict[str, list[int]], scalings: list[float]) -> None:
+        values = (tuple(tuple(ranks[g]) for g in MODULE_GROUPS), tuple(scalings))
+        if values == self._sent:
+            return
+        host = self._buffer.writable()
+        for g, group_ranks in zip(MODULE_GROUPS, values[0]):
+            host[g].copy_(torch.tensor(group_ranks, dtype=torch.int32))
+        host["scalings"].copy_(torch.tensor(values[1], dtype=torch.float32))
+        self._buffer.upload()
+        self._sent = values
+        self.uploads += 1
 
 
 def _copy_target(buf: torch.Tensor) -> np.ndarray | torch.Tensor:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import SegmentInfo
-from replica.model.lora import LoRABuffers
+from replica.model.lora import LoRABuffers, LoRAWorkspace
 from replica.model.tp_comm import TPComm
 from replica.model.tp_shard import TPShard
 
@@ -54,10 +54,13 @@ class RowParallelLoRALinear:
         self.weight, self.lora, self.comm = weight, lora, tp.comm  # weight [out, in / N]
         self.cols = slice(*tp.shard.hidden_range)
 
-    def __call__(self, x: torch.Tensor, seg: SegmentInfo) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, seg: SegmentInfo, workspace: LoRAWorkspace | None = None
+    ) -> torch.Tensor:
         y = F.linear(x, self.weight)  # [T, out]: this rank's partial sum
         if self.lora is not None and seg.has_lora:
-            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.num_slices)  # [T, R]
+            out = None if workspace is None else workspace.region(self.lora)
+            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.num_slices, out=out)
             self.comm.all_reduce(inter, "lora")
             kernels.lora_expand(y[:, self.cols], inter, self.lora.b, seg, self.lora.slice_offsets)
         return self.comm.all_reduce(y, "layer")

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from typing import Any
 
+import ray
+import torch
 from ray import serve
 
 from replica.adapters.object_store import ObjectStoreSource
@@ -34,6 +37,7 @@ STORE_TIMEOUT_S = 10.0
 class LoRAReplica:
     def __init__(self, engine_config: dict[str, Any], store: Any) -> None:
         """`store` is a DeploymentHandle to the AdapterStore."""
+        _use_assigned_cpus()
         self.source = ObjectStoreSource()
         self.engine = LLMEngine(EngineConfig(**engine_config), source=self.source)
         self.aengine = AsyncLLMEngine(self.engine)
@@ -147,6 +151,17 @@ class LoRAReplica:
             if live.get(adapter.name) == adapter.version:
                 continue
             await self.aengine.call(lambda key=key: self.engine.unload_adapter(key))
+
+
+def _use_assigned_cpus() -> int:
+    """torch's intra-op threads = the CPUs Ray assigned this replica (ray_actor_options
+    num_cpus; at least 1): a replica given N CPUs computes on N cores, and replicas
+    sharing a node do not oversubscribe it."""
+    assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    threads = max(1, math.floor(assigned))
+    torch.set_num_threads(threads)
+    log.info("engine compute threads: %d (assigned CPUs: %s)", threads, assigned)
+    return threads
 
 
 def _left(deadline: float | None) -> float | None:

@@ -195,6 +195,40 @@ def test_triton_decode_through_both_kernel_families(monkeypatch, family, num_sli
     assert calls
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("popularity", ["distinct", "uniform", "skewed"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_graph_safe_decode_matches_reference(backend, popularity, dtype):
+    """Decode batches whose metadata is read only on the device (the static decode path,
+    replayed as CUDA graphs): the same results, with NaN in every byte a kernel must not
+    read, rank padding included (the per-token torch path masks it instead of reading it)."""
+    seed = zlib.crc32(f"graph-{popularity}-{dtype}".encode())
+    case = make_case(popularity, 9, "decode", dtype, 3, seed)
+    case = dataclasses.replace(case, seg=dataclasses.replace(case.seg, graph_safe=True))
+    _check_case(backend, case)
+    rank_major = case.b.transpose(1, 2).contiguous().transpose(1, 2)
+    _check_case(backend, dataclasses.replace(case, b=rank_major))
+
+
+@pytest.mark.parametrize("graph_safe", [False, True])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_shrink_writes_into_a_region_of_the_steps_workspace(backend, graph_safe):
+    """One zeroed LoRA intermediate per step: each projection's shrink fills its own
+    columns of it (a view with the workspace's row stride) and nothing else."""
+    case = make_case("uniform", 7, "decode", torch.float32, 2, seed=5)
+    case = dataclasses.replace(case, seg=dataclasses.replace(case.seg, graph_safe=graph_safe))
+    if backend == "torch" and not graph_safe:
+        case = zero_rank_padding(case)
+    width = case.a.shape[1]
+    workspace = torch.zeros(case.x.shape[0], 3 * width, device=TEST_DEVICE)
+    region = workspace[:, width : 2 * width]
+    got = BACKENDS[backend].lora_shrink(case.x, case.a, case.seg, case.num_slices, out=region)
+    assert got.data_ptr() == region.data_ptr()
+    want = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
+    torch.testing.assert_close(region, want, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
+    assert not workspace[:, :width].any() and not workspace[:, 2 * width :].any()
+
+
 @pytest.mark.parametrize("num_slices", [1, 2, 3])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_slices_with_mixed_batch(backend, num_slices):

@@ -44,9 +44,16 @@ def _stream_a_little_and_leave(cluster, model: str, chunks: int = 3) -> None:
                 break  # leaving the block closes the connection mid-stream
 
 
-def _aborted(cluster) -> int:
-    """Requests the engines ended early (abort), over the live replicas."""
-    return sum(s["aborted"] for s in wait_idle(cluster).values())
+def _aborted(cluster, expected: int | None = None, timeout_s: float = 30.0) -> int:
+    """Requests the engines ended early (abort), over the live replicas, once they are
+    idle. With `expected`, polled until it is reached (or the time is up): a replica
+    whose report came late under load (over 3 s old) is left out of wait_idle's sum."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = sum(s["aborted"] for s in wait_idle(cluster).values())
+        if expected is None or total >= expected or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
 
 
 def test_clients_leaving_mid_stream_free_kv_and_slots(cluster):
@@ -54,14 +61,14 @@ def test_clients_leaving_mid_stream_free_kv_and_slots(cluster):
     models = ["adapter-01", "adapter-01", "tiny-base", "adapter-02"]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda m: _stream_a_little_and_leave(cluster, m), models))
-    assert _aborted(cluster) - before == 4  # and wait_idle saw every KV block free
+    assert _aborted(cluster, before + 4) - before == 4  # and wait_idle saw all KV free
 
 
 def test_non_streaming_client_timeout_aborts_the_request(cluster):
     before = _aborted(cluster)
     with pytest.raises(httpx.ReadTimeout):
         post(cluster, "/v1/completions", {"model": "adapter-00", **LONG}, timeout=0.3)
-    assert _aborted(cluster) - before == 1
+    assert _aborted(cluster, before + 1) - before == 1
 
 
 def test_a_request_past_its_deadline_is_504_and_aborted(cluster):
@@ -79,17 +86,22 @@ def test_a_request_past_its_deadline_is_504_and_aborted(cluster):
             events = [line for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504, events[-2:]
-        assert _aborted(cluster) - before == 2
+        assert _aborted(cluster, before + 2) - before == 2
     finally:
         serving.deploy(cluster["config"], timeout_s=120)
+
+
+# Two rounds of 2000-token requests on two replicas: ~55 s on the 2-core CI machine, so
+# the default 60 s client timeout was the test's margin, not what it checks.
+QUEUE_DRAIN_S = 180.0
 
 
 def test_a_full_queue_is_429_with_retry_after(cluster):
     n = 2 * (2 * MAX_ONGOING + MAX_QUEUED)  # twice what the replicas and the queue hold
     with ThreadPoolExecutor(n) as pool:
         replies = list(
-            pool.map(lambda _: post(cluster, "/v1/completions", {"model": "tiny-base", **LONG}),
-                     range(n))
+            pool.map(lambda _: post(cluster, "/v1/completions", {"model": "tiny-base", **LONG},
+                                    timeout=QUEUE_DRAIN_S), range(n))
         )  # fmt: skip
     codes = [r.status_code for r in replies]
     assert set(codes) <= {200, 429}, [r.text for r in replies if r.status_code not in (200, 429)]

@@ -74,7 +74,7 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
     adapters = [None if i % 5 == 4 else names[i % len(names)] for i in range(20)]
     requests = [(prompt(i), GREEDY, a) for i, a in enumerate(adapters)]
     gpu = engine(tiny, "cuda", num_slots=3, max_loras_per_batch=2, host_cache_bytes=0)
-    assert type(gpu.loader).__name__ == "SideStreamLoader"
+    assert type(gpu.adapters.loader).__name__ == "SideStreamLoader"
     for name, path in tiny.adapters.items():
         gpu.load_adapter(name, path)
     seqs = [gpu.add_request(p, s, a) for p, s, a in requests]
@@ -82,15 +82,17 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
         if not gpu.has_work():
             break
         gpu.step()
-        gpu.pool.check_integrity()
+        gpu.adapters.pool.check_integrity()
     assert not gpu.has_work()
     cpu = engine(tiny, "cpu", num_slots=len(names) + 1)
     for name, path in tiny.adapters.items():
         cpu.load_adapter(name, path)
     want = [s.output_ids for s in cpu.generate(requests)]
     assert [s.output_ids for s in seqs] == want
-    assert gpu.prefetcher.loads_started >= len(names) > gpu.config.num_slots - 1  # churned
-    assert gpu.prefetcher.handovers > 0  # loads ordered behind a step's layers by CUDA events
+    assert gpu.adapters.prefetcher.loads_started >= len(names) > gpu.config.num_slots - 1  # churned
+    assert (
+        gpu.adapters.prefetcher.handovers > 0
+    )  # loads ordered behind a step's layers by CUDA events
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "temperature", "top-k-top-p"])
@@ -126,3 +128,43 @@ def test_a_step_synchronises_once_for_the_sampled_ids(tiny, sampling):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert counts and set(counts) == {1}, (counts, sorted(where))
+
+
+def test_decode_graphs_are_captured_for_every_bucket(tiny):
+    eng = engine(tiny, "cuda", max_num_seqs=16)
+    static = eng.executor.static_decode
+    assert static is not None and static.buckets == [1, 2, 4, 8, 16]
+    assert static.num_graphs == 2 * len(static.buckets)  # with and without LoRA
+
+
+def test_graph_replay_equals_eager_across_adapter_loads(tiny):
+    """More adapters than slots, so adapters load and slots activate between replays: the
+    tokens of CUDA-graph decode equal those of eager decode on the same GPU."""
+    names = list(tiny.adapters)
+    adapters = [None if i % 4 == 3 else names[i % len(names)] for i in range(14)]
+    requests = [(prompt(i, 5 + i % 7), GREEDY, a) for i, a in enumerate(adapters)]
+    results = []
+    for graphs in (True, False):
+        eng = engine(tiny, "cuda", num_slots=3, max_loras_per_batch=2, cuda_graphs=graphs)
+        for name, path in tiny.adapters.items():
+            eng.load_adapter(name, path)
+        replays: list[int] = []
+        static = eng.executor.static_decode
+        if static is not None:
+            real = static.run
+            static.run = lambda *a, _real=real, _seen=replays: _seen.append(1) or _real(*a)
+        results.append([s.output_ids for s in eng.generate(requests)])
+        assert bool(replays) == graphs
+    assert results[0] == results[1]
+
+
+def test_a_failed_capture_leaves_decode_eager_and_the_engine_serving(tiny, monkeypatch):
+    def no_graphs(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(torch.cuda, "graph", no_graphs)
+    eng = engine(tiny, "cuda")
+    assert eng.executor.static_decode.num_graphs == 0
+    want = engine(tiny, "cuda", cuda_graphs=False).generate([(prompt(1), GREEDY, None)])
+    got = eng.generate([(prompt(1), GREEDY, None)])
+    assert got[0].output_ids == want[0].output_ids

@@ -1,0 +1,41 @@
+"""Slow, obviously-correct paged decode attention: the oracle for every fast path.
+
+A pure function of its inputs (no config, no environment, no globals). Unlike the fast
+paths it reads context_lens on the host: it is the oracle, not a step of the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,  # [D, H, hd]
+    k_cache: torch.Tensor,  # [KVH, num_blocks * block_size, hd]
+    v_cache: torch.Tensor,  # [KVH, num_blocks * block_size, hd]
+    block_tables: torch.Tensor,  # [D, W] int32
+    context_lens: torch.Tensor,  # [D] int32, >= 1
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [D, H, hd], q.dtype
+    """Per sequence i with ctx = context_lens[i], attending positions p in
+    [max(0, ctx - sliding_window), ctx) (all of [0, ctx) without a window), each held in
+    cache slot block_tables[i, p // block_size] * block_size + p % block_size:
+
+        out[i, h] = softmax(scale * q[i, h] · K[h // (H // KVH), p]) @ V[h // (H // KVH), p]
+
+    in float32, rounded once into q.dtype. Only the attended slots are read.
+    """
+    group = q.shape[1] // k_cache.shape[0]
+    offsets = torch.arange(block_size, device=k_cache.device)
+    out = torch.empty_like(q)
+    for i, ctx in enumerate(context_lens.tolist()):
+        lo = 0 if sliding_window is None else max(0, ctx - sliding_window)
+        blocks = block_tables[i, : -(-ctx // block_size)].long()  # the ceil(ctx/bs) used
+        slots = (blocks[:, None] * block_size + offsets).reshape(-1)[lo:ctx]  # [n]
+        keys = k_cache[:, slots].float().repeat_interleave(group, 0)  # [H, n, hd]
+        values = v_cache[:, slots].float().repeat_interleave(group, 0)  # [H, n, hd]
+        scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * scale  # [H, n]
+        out[i] = torch.einsum("hn,hnd->hd", scores.softmax(-1), values).to(q.dtype)
+    return out

@@ -1,0 +1,176 @@
+"""Triton paged decode attention: CUDA, or CPU under TRITON_INTERPRET=1.
+
+Imported lazily by `kernels.paged_decode_attention` when the triton backend is chosen,
+so importing `kernels` never needs triton.
+
+One program per (sequence, kv head): it loads the GROUP = H // KVH query rows of that
+kv head (padded to a 16-row tile for tl.dot) and reads each K/V position once for all
+of them. The grid is (D, KVH), host ints only; the loop bound is the sequence's
+context length, loaded inside the kernel, so nothing is sized by a device value and a
+launch has the same shape at every context length (CUDA-graph replayable).
+
+The loop walks positions [start, ctx), start = max(0, ctx - window), in tiles of
+BLOCK_N positions aligned to BLOCK_N; a tile may span several cache blocks (block
+size 1 or 4) or part of one. Each position looks up its block id in the table (a
+gather load), so one code path serves every block size. Positions outside
+[start, ctx) are masked at every load: no table entry past the context, no slot in
+the tail of the last block, no block before the window is read. Online softmax in
+fp32 (base 2, scale * log2(e) applied to the fp32 scores); every tile the loop visits
+holds at least one attended position, so the running max is finite after the first.
+
+Tiles are widened to fp32 before tl.dot (as in kernels.sgmv_triton: one code path for
+every dtype, and the interpreter's bf16 dot is never used). Q·K in tf32 is exact for
+fp16/bf16 data; P·V has fp32 probabilities, which tf32 rounds by 2^-11 (about one fp16
+ulp), so fp16 takes three tf32 passes there; fp32 data uses true fp32 dots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# Attending back this far is attending to everything: no context reaches it (int32).
+_NO_WINDOW = 2**31 - 1
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,  # [D, H, hd]
+    k_ptr,  # [KVH, slots, hd]
+    v_ptr,  # [KVH, slots, hd]
+    out_ptr,  # [D, H, hd]
+    tables_ptr,  # [D, W] int32
+    lens_ptr,  # [D] int32
+    qk_scale,  # fp32: softmax scale * log2(e)
+    window,  # int32: positions attended back from the newest, inclusive
+    head_dim,
+    stride_qd,
+    stride_qh,
+    stride_kh,
+    stride_kt,
+    stride_vh,
+    stride_vt,
+    stride_od,
+    stride_oh,
+    stride_td,
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_SIZE: tl.constexpr,  # cache block size (a constant: divisions become shifts)
+    BLOCK_G: tl.constexpr,  # >= GROUP, >= 16 (tl.dot's smallest tile)
+    BLOCK_D: tl.constexpr,  # >= head_dim
+    BLOCK_N: tl.constexpr,  # positions per tile
+    QK_PRECISION: tl.constexpr,
+    PV_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ctx = tl.load(lens_ptr + seq)
+    start = tl.maximum(ctx - window, 0)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    mask_q = (offs_g < GROUP)[:, None] & mask_d[None, :]
+    heads = kv_head * GROUP + offs_g
+    q_rows = q_ptr + seq.to(tl.int64) * stride_qd + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_rows, mask=mask_q, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+
+    table = tables_ptr + seq.to(tl.int64) * stride_td
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)  # running max (base 2)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for n0 in range(start // BLOCK_N * BLOCK_N, ctx, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        attended = (pos >= start) & (pos < ctx)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=attended, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BLOCK_N]
+        kv_mask = mask_d[:, None] & attended[None, :]  # [BLOCK_D, BLOCK_N]
+        k = tl.load(k_head + slot[None, :] * stride_kt + offs_d[:, None], mask=kv_mask, other=0.0)
+        s = tl.dot(q, k.to(tl.float32), input_precision=QK_PRECISION) * qk_scale  # [BG, BN]
+        s = tl.where(attended[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile holds an attended pos
+        alpha = tl.exp2(m_i - m_new)  # 0 on the first tile
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_head + slot[:, None] * stride_vt + offs_d[None, :],
+            mask=attended[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PRECISION)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    o_rows = out_ptr + seq.to(tl.int64) * stride_od + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=mask_q)
+
+
+def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
+    """Tile configuration of _paged_decode_kernel (host ints only)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = max(16, min(64, 4096 // block_d))  # a [BLOCK_D, BLOCK_N] tile of <= 4096
+    if dtype == torch.float32:
+        qk, pv = "ieee", "ieee"
+    else:
+        qk, pv = "tf32", "tf32x3" if dtype == torch.float16 else "tf32"
+    return dict(
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        QK_PRECISION=qk,
+        PV_PRECISION=pv,
+        num_warps=4,
+    )
+
+
+def _check_launch(*tensors: torch.Tensor) -> None:
+    """What the kernel assumes beyond kernels' shared checks: a device it can run on and
+    unit stride along the last dim (other strides are passed)."""
+    if tensors[0].device.type == "cpu" and not isinstance(
+        _paged_decode_kernel, InterpretedFunction
+    ):
+        raise RuntimeError(
+            "the triton backend got CPU tensors: set TRITON_INTERPRET=1 before triton is "
+            "imported, or use LORAFLEET_KERNELS=torch"
+        )
+    for t in tensors:
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"triton paged attention needs unit stride on the last dim, got {t.stride()}"
+            )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [D, H, hd]
+    k_cache: torch.Tensor,  # [KVH, num_blocks * block_size, hd]
+    v_cache: torch.Tensor,  # [KVH, num_blocks * block_size, hd]
+    block_tables: torch.Tensor,  # [D, W] int32
+    context_lens: torch.Tensor,  # [D] int32, 1 <= ctx <= W * block_size
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [D, H, hd], q.dtype
+) -> torch.Tensor:  # [D, H, hd], q.dtype
+    """See kernels.paged_decode_attention (arguments are checked there) and
+    kernels.paged_attention_reference. Reads no device value."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _check_launch(q, k_cache, v_cache, block_tables, context_lens, out)
+    d, h, hd = q.shape
+    kvh = k_cache.shape[0]
+    if d == 0:
+        return out
+    window = _NO_WINDOW if sliding_window is None else min(sliding_window, _NO_WINDOW)
+    cfg = decode_config(hd, h // kvh, q.dtype)
+    _paged_decode_kernel[(d, kvh)](
+        q, k_cache, v_cache, out, block_tables, context_lens, scale * math.log2(math.e),
+        window, hd, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), GROUP=h // kvh, BLOCK_SIZE=block_size, **cfg,
+    )  # fmt: skip
+    return out
