@@ -9,17 +9,22 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pydantic
 
 from cluster.config import DEMO_TRAINED
 from cluster.demo import assets as demo_assets
+from cluster.demo.showcase import ShowcaseError
 from cluster.engine_args import add_engine_arguments, engine_config_from_args
 from cluster.serving import ServeConfigError
 from replica.errors import RequestError
 from replica.model.adapter_weights import AdapterFormatError
 from replica.model.spec import ModelConfigError
 from replica.model.weights import WeightLoadError
+
+
+class UsageError(ValueError):
+    """A command line that cannot be run as given."""
+
 
 # Problems with what the user asked for: one line on stderr, exit code 2, no traceback.
 USER_ERRORS = (
@@ -29,6 +34,8 @@ USER_ERRORS = (
     WeightLoadError,
     pydantic.ValidationError,
     ServeConfigError,
+    ShowcaseError,
+    UsageError,
 )
 
 
@@ -48,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retrain", action="store_true",
                    help="With --trained: train it again, ~2 minutes on 2 CPU cores (needs "
                         "peft, a test dependency).")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="With --retrain: replace what --out (default: the committed "
+                        "assets/demo-trained) already holds.")  # fmt: skip
     p.add_argument("--adapters", type=int, default=demo_assets.DemoSpec.num_adapters)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", choices=demo_assets.ARCHS, default="llama")
@@ -78,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--config", default=None, help="Serve config file (default: configs/serve.yaml)."
     )
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: demo).")
+    p.add_argument("--model", default=None,
+                   help="A Hugging Face model directory (default: the config's, "
+                        "demo-trained).")  # fmt: skip
     p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
                    help="Register a PEFT adapter at start (repeatable); its parent directory "
                         "becomes an adapter root.")  # fmt: skip
@@ -133,8 +145,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except USER_ERRORS as e:
-        print(f"lorafleet: error: {e}", file=sys.stderr)
+        print(f"lorafleet: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _occupied(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def _holds_trained_demo(path: Path) -> bool:
+    from cluster.demo import training as demo_training
+
+    try:
+        demo_training.demo_assets(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _one_line(error: Exception) -> str:
+    """The error as one line: pydantic's field errors joined, other messages unwrapped."""
+    if isinstance(error, pydantic.ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()
+        )
+    return " ".join(str(error).split())
 
 
 def _demo_assets(args: argparse.Namespace) -> int:
@@ -145,9 +180,18 @@ def _demo_assets(args: argparse.Namespace) -> int:
         from cluster.demo import training as demo_training
 
         if args.retrain:
-            assets = demo_training.train(Path(args.out) if args.out else demo_training.ROOT)
+            out = Path(args.out) if args.out else demo_training.ROOT
+            if _occupied(out) and not args.force:
+                raise UsageError(
+                    f"{out} exists: --retrain replaces it only with --force (the committed "
+                    f"trained demo is {demo_training.ROOT}); or give --out NEW_DIR"
+                )
+            assets = demo_training.train(out)
         elif args.out:
-            assets = demo_training.copy_demo_assets(Path(args.out))
+            out = Path(args.out)
+            if _occupied(out) and not _holds_trained_demo(out):
+                raise UsageError(f"{out} exists and holds something else: give a new --out")
+            assets = demo_training.copy_demo_assets(out)
         else:
             assets = demo_training.demo_assets()
         for name, (what, *_) in demo_training.TASKS.items():
@@ -157,7 +201,10 @@ def _demo_assets(args: argparse.Namespace) -> int:
         return 2
     else:
         spec = demo_assets.DemoSpec(arch=args.arch, num_adapters=args.adapters, seed=args.seed)
-        assets = demo_assets.build_demo_assets(args.out, spec)
+        try:
+            assets = demo_assets.build_demo_assets(args.out, spec)
+        except FileExistsError as e:
+            raise UsageError(f"{e} (give a new --out)") from None
     print(f"model:    {assets.model_dir}")
     for name, path in assets.adapters.items():
         print(f"adapter:  {name}={path}")
@@ -234,15 +281,22 @@ def _up(args: argparse.Namespace) -> int:
     # SIGTERM (a supervisor, `kill`, a job launched with &) stops it like Ctrl-C does; set
     # after ray.init, which installs a handler of its own that would exit without cleanup
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    deployed = False
     try:
-        serving.deploy(config)
+        serving.deploy(config, join=bool(args.address))
+        deployed = True
         _announce(config, args)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        from ray import serve
+        pass
+    finally:
+        if deployed and args.address:  # a joined cluster: only what this command deployed
+            serving.remove(config)
+        elif not args.address:  # the Ray this command started, Serve and all
+            from ray import serve
 
-        serve.shutdown()
+            serve.shutdown()
     return 0
 
 
@@ -253,7 +307,9 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
 
     http = config.get("http_options", {})
     host = http.get("host", "127.0.0.1")
+    prefix = config["applications"][0].get("route_prefix", "/").rstrip("/")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
+    url += prefix
     print(f"lorafleet is serving at {url}  (Ctrl-C stops it)")
     if not args.verbose:
         print(f"logs: {serving.log_dir()}  (--verbose prints them here)")
@@ -264,11 +320,13 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
         prompt = demo_training.SHOWCASE_PROMPT
         notes = {"demo-base": demo_training.BASE_TASK[0]}
         notes |= {name: what for name, (what, *_) in demo_training.TASKS.items()}
+    key = serving.client_api_key(config)
     if args.no_demo_requests:
-        names = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]]
+        names = showcase.model_names(url, key)
     else:
-        names = showcase.show(url, prompt, notes=notes)
-    print(showcase.try_it(url, names[-1], prompt), flush=True)
+        names = showcase.show(url, prompt, notes=notes, api_key=key)
+    key_env = serving.api_key_env(config) if key is not None else None
+    print(showcase.try_it(url, names[-1], prompt, key_env), flush=True)
 
 
 def _deploy(args: argparse.Namespace) -> int:
@@ -285,9 +343,9 @@ def _deploy(args: argparse.Namespace) -> int:
 def _parse_lora(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise SystemExit(f"--lora {spec!r}: expected NAME=PATH")
+        raise UsageError(f"--lora {spec!r}: expected NAME=PATH")
     if not Path(path).is_dir():
-        raise SystemExit(f"--lora {spec!r}: {path} is not a directory")
+        raise UsageError(f"--lora {spec!r}: {path} is not a directory")
     return name, path
 
 
@@ -297,7 +355,7 @@ def _pair_adapters(prompts: list[str], adapters: list[str]) -> list[str | None]:
     if len(adapters) == 1:
         adapters = adapters * len(prompts)
     if len(adapters) != len(prompts):
-        raise SystemExit(
+        raise UsageError(
             f"{len(adapters)} --adapter values for {len(prompts)} prompts: give one, or one each"
         )
     return [None if a in ("base", "") else a for a in adapters]

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
+from replica.model.spec import ModelConfigError
 from replica.wire import SamplingParams
 
 
@@ -40,8 +41,12 @@ class GenerateResult:
 
 class OfflineGenerator:
     def __init__(self, config: EngineConfig, loras: dict[str, str]) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config)  # first: it names what is wrong with a model directory
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except (OSError, ValueError) as e:
+            self.engine.shutdown()
+            raise ModelConfigError(f"{config.model}: no usable tokenizer ({e})") from None
         try:
             for name, path in loras.items():
                 self.engine.load_adapter(name, path)

@@ -9,6 +9,7 @@ in place: unchanged replicas keep running and keep their requests.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -89,20 +90,115 @@ def apply_overrides(
     return config
 
 
-def deploy(config: dict[str, Any], timeout_s: float = 300.0) -> None:
-    """Deploy to the Ray cluster this process is connected to; wait until every app runs."""
+def deploy(config: dict[str, Any], timeout_s: float = 300.0, join: bool = False) -> None:
+    """Deploy to the Ray cluster this process is connected to; wait until every app runs.
+
+    Without `join` the config is the cluster's whole declarative Serve config, as with
+    `serve deploy` (applications it does not list, deployed from a config earlier, go).
+    With `join` (`lorafleet up --address`) the config's applications are added beside
+    those already running: one whose name or route prefix is taken is refused, as is an
+    HTTP address other than that of a Serve instance already running there (Serve would
+    keep its own). Every refusal comes before anything is deployed."""
     from ray.serve._private import api as serve_api
     from ray.serve.config import gRPCOptions
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(config)
+    running = running_http_address()
+    wanted = (schema.http_options.host, schema.http_options.port)
+    if running is not None and running != wanted:
+        raise ServeConfigError(
+            f"Serve already runs on this Ray cluster with HTTP on {running[0]}:{running[1]}, "
+            f"not {wanted[0]}:{wanted[1]}: use --port {running[1]} (and --host {running[0]}), "
+            "or stop that Serve instance first (serve shutdown)"
+        )
+    if join:
+        others = _running_app_configs()
+        _check_free(schema, others)
+        apps = [*others.values(), *(a.model_dump(exclude_unset=True) for a in schema.applications)]
+        schema = ServeDeploySchema.model_validate({**config, "applications": apps})
     client = serve_api.serve_start(
         http_options=schema.http_options.model_dump(),
         proxy_location=schema.proxy_location,
         grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
     )
     client.deploy_apps(schema, _blocking=False)
-    wait_until_running([a.name for a in schema.applications], timeout_s)
+    wait_until_running([a["name"] for a in config["applications"]], timeout_s)
+
+
+def _running_app_configs() -> dict[str, dict[str, Any]]:
+    """name -> deployed config of the applications a config deployed on this cluster
+    (their declarative config is what a new deploy must repeat to keep them)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return {}
+    apps = client.get_serve_details().get("applications", {})
+    configs = {}
+    for name, details in apps.items():
+        deployed = details.get("deployed_app_config")
+        if deployed is None:
+            raise ServeConfigError(
+                f"application {name!r} on this cluster was started by serve.run, not from a "
+                "config: lorafleet cannot deploy beside it without removing it"
+            )
+        configs[name] = deployed
+    return configs
+
+
+def _check_free(schema: Any, others: dict[str, dict[str, Any]]) -> None:
+    taken = {cfg.get("route_prefix", "/"): name for name, cfg in others.items()}
+    for app in schema.applications:
+        if app.name in others:
+            raise ServeConfigError(
+                f"an application named {app.name!r} already runs on this cluster: "
+                "`lorafleet deploy` updates it; `up` would replace it and remove it on exit"
+            )
+        if app.route_prefix in taken:
+            raise ServeConfigError(
+                f"route prefix {app.route_prefix!r} is taken by application "
+                f"{taken[app.route_prefix]!r} on this cluster: give yours another"
+            )
+
+
+def client_api_key(config: dict[str, Any]) -> str | None:
+    """The API key the first application's Ingress requires, as it resolves it: the
+    config's api_key, else its api_key_env variable from the app's runtime_env, else from
+    this process's environment (a Ray started here passes it on to the Ingress)."""
+    app = config["applications"][0]
+    args = app.get("args") or {}
+    if args.get("api_key"):
+        return str(args["api_key"])
+    env = api_key_env(config)
+    runtime = (app.get("runtime_env") or {}).get("env_vars") or {}
+    return runtime.get(env) or os.environ.get(env) or None
+
+
+def api_key_env(config: dict[str, Any]) -> str:
+    """The environment variable the first application's Ingress reads its key from."""
+    args = config["applications"][0].get("args") or {}
+    return args.get("api_key_env") or "LORAFLEET_API_KEY"
+
+
+def running_http_address() -> tuple[str, int] | None:
+    """(host, port) of the Serve instance running on the connected cluster, if any."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    http = client.http_config
+    return http.host, http.port
+
+
+def remove(config: dict[str, Any]) -> None:
+    """Delete the config's applications, and nothing else of the Serve instance (a joined
+    cluster may serve other applications)."""
+    from ray import serve
+
+    for app in config["applications"]:
+        serve.delete(app["name"])
 
 
 def wait_until_running(app_names: list[str], timeout_s: float) -> None:
@@ -123,14 +219,21 @@ def wait_until_running(app_names: list[str], timeout_s: float) -> None:
 
 
 def connect(address: str | None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
-    """Join the cluster at `address` ('auto': the local one), or start a local Ray.
+    """Join the cluster at `address` ('auto': the local one), or start a fresh local Ray
+    (never a leftover one that RAY_ADDRESS or Ray's last-cluster file points at).
     log_to_driver=False keeps the actors' logs in Ray's log files only."""
     if ray.is_initialized():
         return
+    if address and num_cpus is not None:
+        raise ServeConfigError("--num-cpus sizes a Ray started here: leave it out with --address")
     if address:
-        ray.init(address=address, namespace="serve", log_to_driver=log_to_driver)
+        try:
+            ray.init(address=address, namespace="serve", log_to_driver=log_to_driver)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise ServeConfigError(f"cannot join the Ray cluster at {address!r}: {e}") from None
     else:
         ray.init(
+            address="local",
             num_cpus=num_cpus,
             namespace="serve",
             include_dashboard=False,

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -26,6 +27,7 @@ import numpy as np
 from cluster.bench.stats import PERCENTILES, ms, percentiles
 
 SCENARIOS = ("uniform", "zipf", "distinct", "bursty", "mixed-base")
+API_KEY_ENV = "LORAFLEET_API_KEY"
 MAX_ERRORS_SHOWN = 5
 
 # Short common words: with a leading space most tokenizers make each one a single token,
@@ -66,6 +68,7 @@ class LoadOptions:
     timeout_s: float = 300.0  # per request, start to [DONE]
     stats_settle_s: float = 2.0  # replicas publish their counters periodically (about 1 s)
     label: str | None = None
+    api_key: str | None = None  # sent as a bearer token (a server with api_key_for_inference)
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -213,6 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Wait before reading the server's counters after the run, so replicas "
                         f"have published them (default {d.stats_settle_s}).")  # fmt: skip
     p.add_argument("--label", help="Name of this run in the output.")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"Bearer token of a secured server (default: ${API_KEY_ENV}).")  # fmt: skip
     quick = ", ".join(f"{k} {v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"A few-second smoke run: {quick}.")
     p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
@@ -244,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
+    if report["all"]["requests"] and not report["all"]["ok"]:
+        first = report["errors"][0] if report["errors"] else "no error recorded"
+        print(f"lorafleet: error: every request failed; the first: {first}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -256,7 +265,10 @@ async def run_load(options: LoadOptions) -> LoadResult:
     timeout = httpx.Timeout(options.timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: a proxy from the environment would be measured along with the server.
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    headers = {} if options.api_key is None else {"Authorization": f"Bearer {options.api_key}"}
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, trust_env=False, headers=headers
+    ) as client:
         base, adapters = await discover_models(client, url, options.adapters)
         pick = request_picker(options, base, adapters)
         warmup: list[RequestRecord] = []

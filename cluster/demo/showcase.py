@@ -10,6 +10,27 @@ import httpx
 PROMPT = "The quick brown fox"  # for a model of the user's; the trained demo has its own
 
 
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+def model_names(url: str, api_key: str | None = None) -> list[str]:
+    """The served models, the base first (GET /v1/models, with the key when one is set)."""
+    r = httpx.get(f"{url}/v1/models", headers=_headers(api_key), timeout=60)
+    return _names(r)
+
+
+def _names(r: httpx.Response) -> list[str]:
+    if r.status_code != 200:
+        message = r.json().get("error", {}).get("message", r.text) if r.content else r.text
+        raise ShowcaseError(f"GET /v1/models: HTTP {r.status_code}: {message}")
+    return [m["id"] for m in r.json()["data"]]
+
+
+class ShowcaseError(RuntimeError):
+    """The server answered the showcase with an error."""
+
+
 async def _ask(client: httpx.AsyncClient, url: str, model: str, prompt: str, n: int) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0}
     r = await client.post(f"{url}/v1/completions", json=body)
@@ -18,20 +39,27 @@ async def _ask(client: httpx.AsyncClient, url: str, model: str, prompt: str, n: 
     return r.json()["choices"][0]["text"]
 
 
-async def _all(url: str, prompt: str, max_tokens: int) -> list[tuple[str, str]]:
-    async with httpx.AsyncClient(timeout=120) as client:
-        models = [m["id"] for m in (await client.get(f"{url}/v1/models")).json()["data"]]
+async def _all(
+    url: str, prompt: str, max_tokens: int, api_key: str | None
+) -> list[tuple[str, str]]:
+    async with httpx.AsyncClient(timeout=120, headers=_headers(api_key)) as client:
+        models = _names(await client.get(f"{url}/v1/models"))
         asks = (_ask(client, url, m, prompt, max_tokens) for m in models)
         texts = await asyncio.gather(*asks)
     return list(zip(models, texts))
 
 
 def show(
-    url: str, prompt: str = PROMPT, max_tokens: int = 16, notes: dict[str, str] | None = None
+    url: str,
+    prompt: str = PROMPT,
+    max_tokens: int = 16,
+    notes: dict[str, str] | None = None,
+    api_key: str | None = None,
 ) -> list[str]:
     """Print the side-by-side answers, each with its model's note (what it was trained to
-    do) if given; returns the model names (the base model first)."""
-    results = asyncio.run(_all(url, prompt, max_tokens))
+    do) if given; returns the model names (the base model first). `api_key`: sent as a
+    bearer token (a server started with api_key_for_inference needs it)."""
+    results = asyncio.run(_all(url, prompt, max_tokens, api_key))
     notes = notes or {}
     width = max(len(m) for m, _ in results)
     answers = [repr(text.strip()) for _, text in results]
@@ -43,12 +71,17 @@ def show(
     return [m for m, _ in results]
 
 
-def try_it(url: str, model: str, prompt: str = PROMPT) -> str:
+def try_it(url: str, model: str, prompt: str = PROMPT, key_env: str | None = None) -> str:
+    """How to send requests yourself; on a secured server the commands read the key from
+    the environment variable `key_env` (the key itself is never printed)."""
+    auth = f' -H "Authorization: Bearer ${key_env}"' if key_env else ""
+    key = f"os.environ['{key_env}']" if key_env else "'none'"
+    imports = "import openai, os" if key_env else "import openai"
     return f"""
 try it:
-  curl {url}/v1/models
-  curl {url}/v1/completions -H 'Content-Type: application/json' \\
+  curl {url}/v1/models{auth}
+  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{model}", "prompt": "{prompt}", "max_tokens": 16, "temperature": 0}}'
-  python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='none'); \\
+  python -c "{imports}; c = openai.OpenAI(base_url='{url}/v1', api_key={key}); \\
 print(c.completions.create(model='{model}', prompt='{prompt}', max_tokens=16).choices[0].text)"
 """

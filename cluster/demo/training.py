@@ -120,10 +120,27 @@ def copy_demo_assets(out: Path) -> DemoAssets:
     return demo_assets(Path(out))
 
 
+TRAIN_THREADS = 2  # the committed weights were trained with 2 intra-op threads
+
+
 def train(out: Path = ROOT, log: Callable[[str], None] = print) -> DemoAssets:
-    """Train the base model and every adapter; write them to `out` (replaced atomically)."""
+    """Train the base model and every adapter; write them to `out` (replaced atomically).
+
+    Reproducible on one machine: seeded data and initialisation, deterministic algorithms,
+    and a fixed thread count (a float sum split over another number of threads rounds
+    differently). Another CPU may still differ in the last bits (its vector kernels)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TRAIN_THREADS)
+    torch.use_deterministic_algorithms(True)
+    try:
+        return _train(Path(out).absolute(), log)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+
+
+def _train(out: Path, log: Callable[[str], None]) -> DemoAssets:
     torch.manual_seed(0)
-    out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

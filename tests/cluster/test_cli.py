@@ -86,3 +86,53 @@ def test_demo_assets_command(tmp_path, capsys):
     assert code == 0
     assert (tmp_path / "model" / "config.json").is_file()
     assert out.count("adapter:") == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "no config.json"),
+        (["generate", "--model", "{tmp}", "--prompt", "hi"], "no config.json"),
+        (["generate", "--model", "{model}", "--prompt", "hi", "--lora", "x"], "NAME=PATH"),
+        (["generate", "--model", "{model}", "--prompt", "hi", "--lora", "a=/no/such"],
+         "is not a directory"),
+        (["generate", "--model", "{model}", "--prompt", "a", "--prompt", "b", "--adapter",
+          "x", "--adapter", "y", "--adapter", "z"], "3 --adapter values for 2 prompts"),
+        (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "9"],
+         "temperature"),
+        (["up", "--config", "/no/such.yaml"], "does not exist"),
+        (["up", "--address", "auto", "--num-cpus", "2"], "leave it out with --address"),
+        (["deploy", "{tmp}/none.yaml"], "does not exist"),
+    ],
+)  # fmt: skip
+def test_user_errors_are_one_line_and_status_2(tiny, tmp_path, capsys, argv, message):
+    """What a user can get wrong is one line on stderr and status 2, never a traceback."""
+    argv = [a.format(tmp=tmp_path, model=tiny.model_dir) for a in argv]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert message in err and err.startswith("lorafleet: error:"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_up_help_names_the_real_default_model(capsys):
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    assert "demo-trained" in capsys.readouterr().out
+
+
+def test_demo_asset_builds_never_clobber_a_directory(tmp_path, capsys):
+    """`--retrain` never replaces the committed trained demo (or any existing --out)
+    without --force, and a build never lands in a directory holding something else."""
+    code, _, err = run_cli(capsys, "demo-assets", "--trained", "--retrain")
+    assert code == 2 and "only with --force" in err and "assets/demo-trained" in err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    for argv in (["--out", str(other)], ["--trained", "--out", str(other)]):
+        code, _, err = run_cli(capsys, "demo-assets", *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "give a new --out" in err
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    copy = tmp_path / "copy"
+    assert run_cli(capsys, "demo-assets", "--trained", "--out", str(copy))[0] == 0
+    assert run_cli(capsys, "demo-assets", "--trained", "--out", str(copy))[0] == 0  # again: fine

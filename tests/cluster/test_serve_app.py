@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -567,3 +571,69 @@ def test_redeploy_with_edited_autoscaling_keeps_replicas(cluster, client, assets
     config = serve.status().applications["lorafleet"].deployments["LoRAReplica"]
     assert config.status == "HEALTHY"
     assert (_autoscaling()["max_replicas"], _autoscaling()["target_ongoing_requests"]) == (3, 16)
+
+
+def _joined_config(assets, port: int) -> dict:
+    """A second application for the running cluster: its own name and route prefix."""
+    config = _config(assets, port)
+    app = config["applications"][0]
+    app.update(name="joined", route_prefix="/joined")
+    app["args"]["adapters"] = {}
+    app["deployments"] = [
+        {"name": "LoRAReplica", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}
+    ]
+    return config
+
+
+def _up(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cluster.cli", "up", "--no-demo-requests", *args]
+
+
+def test_up_joining_a_cluster_adds_its_app_and_removes_only_that(cluster, assets, tmp_path):
+    """`lorafleet up --address` beside an application deployed earlier: another HTTP port
+    is refused in one line before anything deploys; its own app is served beside the
+    other and is all it removes when stopped."""
+    address = ray.get_runtime_context().gcs_address
+    path = tmp_path / "joined.yaml"
+    path.write_text(yaml.safe_dump(_joined_config(assets, cluster["port"])))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    other_port = str(_free_port())
+    refused = subprocess.run(
+        _up("--address", address, "--config", str(path), "--port", other_port),
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"Serve already runs on this Ray cluster with HTTP on 127.0.0.1:{cluster['port']}" in (
+        refused.stderr
+    )
+    assert "Traceback" not in refused.stderr
+    assert set(serve.status().applications) == {"lorafleet"}
+
+    proc = subprocess.Popen(
+        _up("--address", address, "--config", str(path)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any("try it" in x for x in lines):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        out = "".join(lines)
+        assert f"serving at http://127.0.0.1:{cluster['port']}/joined" in out, out[-3000:]
+        apps = serve.status().applications
+        assert apps["joined"].status == "RUNNING" and apps["lorafleet"].status == "RUNNING"
+        r = httpx.get(f"{cluster['url']}/joined/v1/models", timeout=30)
+        assert [m["id"] for m in r.json()["data"]] == ["tiny-base"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 60
+    while "joined" in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.5)
+    apps = serve.status().applications
+    assert "joined" not in apps and apps["lorafleet"].status == "RUNNING"
+    assert httpx.get(f"{cluster['url']}/v1/models", timeout=30).status_code == 200

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.bench import http as bench_http
@@ -40,10 +40,20 @@ class FakeState:
     seen: set[str] = field(default_factory=set)  # adapters loaded on their home replica
     hits: dict[str, int] = field(default_factory=lambda: {"r0": 0, "r1": 0})  # found resident
     received: list[str] = field(default_factory=list)
+    key: str | None = None  # when set, every endpoint wants "Authorization: Bearer <key>"
+    authorizations: list[str | None] = field(default_factory=list)
 
 
 def _fake_app(state: FakeState) -> FastAPI:
     app = FastAPI()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        given = request.headers.get("authorization")
+        state.authorizations.append(given)
+        if state.key is not None and given != f"Bearer {state.key}":
+            return JSONResponse({"error": {"message": "a valid API key is required"}}, 401)
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -308,3 +318,31 @@ def test_cli_reports_user_errors_without_traceback(fake, capsys):
     bench_http.add_arguments(parser)
     assert bench_http.run(parser.parse_args(["--url", url, "--adapters", "9", "--quick"])) == 2
     assert "only 6 registered" in capsys.readouterr().err
+
+
+def test_cli_sends_the_api_key(fake, capsys):
+    """A server started with api_key_for_inference wants the key on every request."""
+    url, state = fake
+    state.key = "k-123"
+    parser = argparse.ArgumentParser()
+    bench_http.add_arguments(parser)
+    args = parser.parse_args(["--url", url, "--quick", "--stats-settle-s", "0"])
+    assert bench_http.run(args) == 2  # no key: /v1/models is refused, one line
+    assert "HTTP 401" in capsys.readouterr().err
+    args = parser.parse_args(
+        ["--url", url, "--quick", "--stats-settle-s", "0", "--api-key", "k-123"]
+    )
+    assert bench_http.run(args) == 0
+    assert state.authorizations[-1] == "Bearer k-123"
+
+
+def test_cli_fails_when_every_request_failed(fake, capsys):
+    url, state = fake
+    state.missing = set(ADAPTERS) | {BASE}
+    parser = argparse.ArgumentParser()
+    bench_http.add_arguments(parser)
+    assert (
+        bench_http.run(parser.parse_args(["--url", url, "--quick", "--stats-settle-s", "0"])) == 1
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("lorafleet: error: every request failed") and "HTTP 404" in err

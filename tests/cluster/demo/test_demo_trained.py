@@ -135,16 +135,22 @@ def _free_port() -> int:
 
 
 @pytest.mark.serve
-def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
+@pytest.mark.parametrize("secured", [False, True], ids=["open", "api-key-for-inference"])
+def test_run_command_serves_the_trained_demo_and_shows_every_adapter(secured):
     """`lorafleet up` (the README's run command, configs/serve.yaml) on a Ray it starts: the
     showcase prints each adapter's answer to one prompt, sent together; then SIGTERM stops
-    it cleanly."""
+    it cleanly. Secured (a key required on inference too), the showcase sends the key and
+    the printed commands read it from the environment."""
     port = _free_port()
+    command = [sys.executable, "-m", "cluster.cli", "up", "--port", str(port), "--num-cpus", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LORAFLEET_API_KEY", None)
+    if secured:
+        command += ["--set", "api_key_for_inference=true"]
+        env["LORAFLEET_API_KEY"] = "test-key-5566"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", "--port", str(port), "--num-cpus", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 300
@@ -162,6 +168,8 @@ def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
             assert f"{task} | {' '.join(answer(words))!r}" in out, out
             assert f"({what})" in out
         assert f"http://127.0.0.1:{port}/v1/completions" in out
+        assert ("Authorization: Bearer $LORAFLEET_API_KEY" in out) == secured
+        assert "test-key-5566" not in out
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
