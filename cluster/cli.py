@@ -40,6 +40,16 @@ USER_ERRORS = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except USER_ERRORS as e:
+        print(f"lorafleet: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and flag (tests check the README's commands against it)."""
     parser = argparse.ArgumentParser(prog="lorafleet", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -140,13 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)
     p.set_defaults(func=bench_kernels.run)
-
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except USER_ERRORS as e:
-        print(f"lorafleet: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+    return parser
 
 
 def _occupied(path: Path) -> bool:
