@@ -18,11 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the engine seeds a 64-bit torch.Generator
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs
+MAX_N = 16  # choices per request
 
 # Field types with their bounds: SamplingParams and the HTTP request models share them.
 MaxTokens = Annotated[int, Field(ge=1)]
@@ -31,28 +33,104 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 TokenId = Annotated[int, Field(ge=0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's range
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]  # OpenAI's range
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class SamplingParams(BaseModel):
-    """How one request picks its tokens. Defaults are the OpenAI API's (temperature 1);
-    temperature 0 means greedy."""
+class StructuredOutput(BaseModel):
+    """A constraint the output must satisfy (OpenAI's response_format)."""
 
     model_config = ConfigDict(frozen=True)
 
-    max_tokens: MaxTokens = Field(16, description="Maximum number of tokens to generate.")
+    kind: Literal["json_object", "json_schema"]
+    json_schema: str | None = Field(
+        None, description="json_schema: the JSON Schema, as JSON text (compiled once, cached)."
+    )
+
+
+class SamplingParams(BaseModel):
+    """How one request picks its tokens. Defaults are the OpenAI API's (temperature 1);
+    temperature 0 means greedy.
+
+    Order of a row's logit processing (vLLM's): logit_bias, min_tokens (the row's stop
+    and EOS tokens masked until it has that many), repetition penalty (over prompt and
+    output tokens: positive logits divided, negative multiplied), presence and frequency
+    penalties (over output tokens), the structured-output mask; then temperature, top-k,
+    top-p, min_p and the draw. Logprobs are log_softmax of the raw logits (before any of
+    that) in fp32, vLLM's default."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_tokens: int | None = Field(
+        16,
+        ge=0,
+        description="Maximum number of tokens to generate (0 only with prompt_logprobs); "
+        "None: the rest of the model's context.",
+    )
     temperature: Temperature = Field(1.0, description="0 = greedy; higher = more random.")
     top_p: TopP = Field(1.0, description="Nucleus sampling mass.")
     top_k: TopK = Field(0, description="Keep the k most likely tokens; 0 = all.")
+    min_p: MinP = Field(0.0, description="Drop tokens below min_p x the top token's probability.")
     seed: Seed | None = Field(None, description="Per-request seed for reproducible sampling.")
     stop_token_ids: tuple[TokenId, ...] = Field((), description="Tokens that end the request.")
     ignore_eos: bool = Field(False, description="Keep generating past the model's EOS token.")
+    min_tokens: int = Field(
+        0, ge=0, description="Tokens generated before EOS or a stop token may end it."
+    )
+    presence_penalty: Penalty = Field(0.0, description="Subtracted once from seen tokens' logits.")
+    frequency_penalty: Penalty = Field(0.0, description="Subtracted per occurrence in the output.")
+    repetition_penalty: RepetitionPenalty = Field(
+        1.0, description="vLLM's: > 1 discourages tokens of the prompt and output."
+    )
+    logit_bias: tuple[tuple[TokenId, Bias], ...] = Field(
+        (), description="(token id, bias) added to the logits before sampling."
+    )
+    n: NumChoices = Field(1, description="Choices generated from one prefill of the prompt.")
+    logprobs: NumLogprobs | None = Field(
+        None, description="Per generated token: its logprob and this many top alternatives."
+    )
+    prompt_logprobs: NumLogprobs | None = Field(
+        None, description="Per prompt token after the first: its logprob and top alternatives."
+    )
+    structured_output: StructuredOutput | None = Field(
+        None, description="A JSON constraint on the output (response_format)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingParams:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be at least 1 (0 only to score the prompt)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})"
+            )
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+        return self
 
     @property
     def greedy(self) -> bool:
         # below this, dividing float32 logits by the temperature overflows (vLLM: the same)
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but temperature / top-k / top-p: the sampler's fast path for the row."""
+        return (
+            self.min_p == 0.0
+            and self.min_tokens == 0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and self.repetition_penalty == 1.0
+            and not self.logit_bias
+            and self.structured_output is None
+        )
 
 
 @dataclass(frozen=True, order=True)
@@ -88,9 +166,21 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's logprob and the best alternatives at its position (log_softmax of the
+    raw logits, fp32), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), as many as requested
+
+
+@dataclass(frozen=True)
 class Reply:
-    """One message of a replica's answer: the tokens made since the last message, and
-    whether the request ended (finish_reason) or was refused or failed (error, status)."""
+    """One message of a replica's answer for one choice: the tokens made since the last
+    message, and whether the choice ended (finish_reason) or the request was refused or
+    failed (error, status). A request of n choices streams replies of every index; it
+    has ended when each index has had a finished reply."""
 
     token_ids: tuple[int, ...] = ()
     finished: bool = False
@@ -98,6 +188,12 @@ class Reply:
     error: str | None = None
     status: int | None = None  # an HTTP status for refusals and failures
     num_prompt_tokens: int = 0
+    index: int = 0  # which of the request's n choices
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token of token_ids, when requested
+    # the first reply of a request asking for them: one per prompt token (None for the
+    # first, which has no context)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    stop_token: int | None = None  # the stop token id that ended the choice, if one did
 
     @classmethod
     def refusal(cls, status: int, message: str) -> Reply:
@@ -106,13 +202,22 @@ class Reply:
 
     @classmethod
     def merge(cls, replies: list[Reply]) -> Reply:
-        """Consecutive messages as one (one message per engine batch crosses to the ingress)."""
+        """Consecutive messages of one choice as one (one message per engine batch crosses
+        to the ingress)."""
         last = replies[-1]
-        tokens = tuple(t for r in replies for t in r.token_ids)
+        prompt = next((r.prompt_logprobs for r in replies if r.prompt_logprobs is not None), None)
         return cls(
-            tokens, last.finished, last.finish_reason, last.error, last.status,
-            last.num_prompt_tokens,
-        )  # fmt: skip
+            token_ids=tuple(t for r in replies for t in r.token_ids),
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            error=last.error,
+            status=last.status,
+            num_prompt_tokens=last.num_prompt_tokens,
+            index=last.index,
+            logprobs=tuple(lp for r in replies for lp in r.logprobs),
+            prompt_logprobs=prompt,
+            stop_token=last.stop_token,
+        )
 
     @property
     def refused(self) -> bool:

@@ -1,12 +1,15 @@
 """Incremental text for streaming: token ids -> text deltas -> text cut at stop strings.
 
 IncrementalDetokenizer decodes a short window of recent tokens on each step instead of the
-whole output (O(n) overall, not O(n^2)). Decoding a window alone can differ from the full
-decode at the window's *start* (a character cut in half, a leading space a SentencePiece
-decoder strips), never at its *end*: so the window keeps a few already-emitted tokens as
-context, and positions are counted from the end of the window's text. A byte-level BPE
-splits one character over several tokens; while the text ends in the replacement character
-U+FFFD its last character may still change, so that one character is held back.
+whole output (O(n) overall, not O(n^2)), as vLLM does. Decoding a window alone can differ
+from the full decode at the window's *start* (a character cut in half, the leading space a
+SentencePiece decoder strips), so the window keeps a few already-emitted tokens as context
+and always starts where a character starts. A character can span several tokens (a
+byte-level BPE, SentencePiece's byte fallback): while the text ends in U+FFFD it may still
+change, and nothing is emitted until it does not. Byte fallback decodes a whole run of byte
+tokens at once (one U+FFFD per byte while the run is not valid UTF-8), so a character
+already emitted can turn back into U+FFFD for a few tokens: the window only ever starts at
+a token where the text was complete, never inside such a run.
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas whose concatenation is the full decode.
 
     After the last `add`, call `flush` for a held-back incomplete character: the result
-    then equals `tokenizer.decode(all_ids, skip_special_tokens=...)`. `context_ids` (say,
-    the prompt) are decoded for context but never emitted, as vLLM does so that the first
-    output token keeps its leading space under a SentencePiece tokenizer.
+    then equals `tokenizer.decode(all_ids, skip_special_tokens=...)`. With `context_ids`
+    (the prompt), the result is what the output adds to the context's text:
+    `decode(context + output)` less `decode(context)`, so that the first output token keeps
+    its leading space under a SentencePiece tokenizer (vLLM's behaviour). Context ids are
+    decoded, never emitted.
     """
 
     # tokens of context the window keeps when it slides; it slides at twice this length
     CONTEXT = 8
+    # a text still ending in U+FFFD after this many tokens is garbage (a character has at
+    # most 4 bytes): emit it as it is rather than let the window grow
+    MAX_WAIT = 4 * CONTEXT
 
     def __init__(
         self,
@@ -43,35 +51,54 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._window = list(context_ids[-self.CONTEXT :])
-        # characters at the end of the window's text not emitted yet (0 or 1)
-        self._held = 0
-        self._emitted = len(self._decode(self._window))
+        context = list(context_ids)
+        start = max(0, len(context) - self.CONTEXT)
+        # a window starting inside a character decodes to U+FFFD there, and a byte fallback
+        # run cut in two would stay U+FFFD: start a little earlier, at a character
+        while 0 < start and len(context) - start < 2 * self.CONTEXT:
+            if not self._decode(context[start:]).startswith(REPLACEMENT_CHAR):
+                break
+            start -= 1
+        self._ids = context[start:]  # the window: decoding starts at its first token
+        text = self._decode(self._ids)
+        # characters of the window's text already emitted (or the context's). An
+        # incomplete character at the context's end (at most 3 bytes, one U+FFFD each) is
+        # not: the output may complete it.
+        self._emitted = len(text) - min(3, len(text) - len(text.rstrip(REPLACEMENT_CHAR)))
+        self._read = len(self._ids)  # tokens whose text is emitted
+        self._marks = [self._read]  # positions where the text was complete: window starts
 
     def add(self, token_id: int) -> str:
         """The text that `token_id` completes (often "", or several characters)."""
-        self._window.append(token_id)
-        text = self._decode(self._window)
-        stable = len(text) - 1 if text.endswith(REPLACEMENT_CHAR) else len(text)
-        delta = text[self._emitted : stable]
-        self._emitted = max(self._emitted, stable)
-        self._held = len(text) - self._emitted
-        if len(self._window) > 2 * self.CONTEXT:
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        if text.endswith(REPLACEMENT_CHAR) and len(self._ids) - self._read < self.MAX_WAIT:
+            return ""  # an incomplete character: its tokens may still change it
+        delta = text[self._emitted :]
+        self._emitted = max(self._emitted, len(text))
+        self._read = len(self._ids)
+        self._marks.append(self._read)
+        if len(self._ids) > 2 * self.CONTEXT:
             self._slide()
         return delta
 
     def flush(self) -> str:
         """The held-back tail at the end of the stream (an incomplete character, as U+FFFD)."""
-        text = self._decode(self._window)
+        text = self._decode(self._ids)
         tail = text[self._emitted :]
-        self._emitted, self._held = len(text), 0
+        self._emitted, self._read = max(self._emitted, len(text)), len(self._ids)
         return tail
 
     def _slide(self) -> None:
-        # the held tail lies within the last few tokens (a character is at most 4 bytes), so
-        # cutting CONTEXT tokens back leaves it intact: re-count what is emitted from the end
-        self._window = self._window[-self.CONTEXT :]
-        self._emitted = len(self._decode(self._window)) - self._held
+        # restart the window at the latest complete position at least CONTEXT tokens back:
+        # everything up to the window's end is emitted, so re-count from the new start
+        cut = max((m for m in self._marks if m <= len(self._ids) - self.CONTEXT), default=0)
+        if cut == 0:
+            return
+        self._ids = self._ids[cut:]
+        self._marks = [m - cut for m in self._marks if m >= cut]
+        self._read -= cut
+        self._emitted = len(self._decode(self._ids))
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

@@ -12,9 +12,10 @@ class APIError(Exception):
     status = 500
     headers: dict[str, str] | None = None  # extra response headers (Retry-After, ...)
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault (OpenAI's error.param), if one is
 
 
 class BadRequestError(APIError):

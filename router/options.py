@@ -9,7 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 class IngressOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request omits it.")
+    default_max_tokens: int = Field(
+        16,
+        ge=1,
+        description="max_tokens when a completions request omits it (chat: the rest of the "
+        "context, as vLLM).",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request still unfinished after this long is aborted: 504."
     )

@@ -10,6 +10,7 @@ here touches Ray or tensors.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -23,12 +24,22 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from replica.wire import (
+    MAX_LOGPROBS,
+    MAX_N,
+    Bias,
     MaxTokens,
+    MinP,
+    NumChoices,
+    NumLogprobs,
+    Penalty,
+    RepetitionPenalty,
     SamplingParams,
     Seed,
+    StructuredOutput,
     Temperature,
     TokenId,
     TopK,
@@ -41,11 +52,6 @@ _LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SSE_DONE = "data: [DONE]\n\n"
 
 FinishReason = Literal["stop", "length"]
-
-
-def _default(name: str) -> Any:
-    """A sampling field's default: SamplingParams's, the one definition."""
-    return SamplingParams.model_fields[name].default
 
 
 def random_uuid() -> str:
@@ -76,24 +82,63 @@ def sse_event(chunk: BaseModel) -> str:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = Field(False, description="Send a last chunk with token usage.")
+    include_usage: bool | None = Field(None, description="Send a last chunk with token usage.")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM extension: usage so far in every chunk."
+    )
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The schema's name (reported, not used).")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON Schema.")
+    strict: bool | None = Field(None, description="Always strict here: the grammar enforces it.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput(kind="json_object")
+        schema = self.json_schema.schema_ if self.json_schema else None
+        return StructuredOutput(kind="json_schema", json_schema=json.dumps(schema or {}))
 
 
 class _SamplingRequest(BaseModel):
-    """Fields common to /v1/completions and /v1/chat/completions."""
+    """Fields common to /v1/completions and /v1/chat/completions.
 
-    model_config = ConfigDict(extra="ignore")
+    Every field is honoured or refused: unknown fields are a 400 naming them, and fields
+    of OpenAI's schema we do not implement accept only their "off" values (_ACCEPTED). An
+    explicit null means the default, as OpenAI and vLLM treat it. A sampling field left
+    null takes the model's default (its generation_config.json), else SamplingParams's."""
+
+    model_config = ConfigDict(extra="forbid")
     # field -> the only values we accept; anything else is refused as "not supported"
     _ACCEPTED: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
 
     model: str = Field(description="The base model's name or a loaded adapter's lora_name.")
-    temperature: Temperature = Field(_default("temperature"), description="0 = greedy.")
-    top_p: TopP = Field(_default("top_p"), description="Nucleus sampling mass.")
-    top_k: TopK = Field(
-        _default("top_k"), description="vLLM extension: keep the k best tokens; 0 = all."
-    )
+    temperature: Temperature | None = Field(None, description="0 = greedy.")
+    top_p: TopP | None = Field(None, description="Nucleus sampling mass.")
+    top_k: TopK | None = Field(None, description="vLLM extension: keep the k best; 0 = all.")
+    min_p: MinP | None = Field(None, description="vLLM extension: drop tokens below min_p x max.")
     seed: Seed | None = Field(None, description="Per-request seed for reproducible sampling.")
     stop: str | list[str] | None = Field(
         None, description=f"Up to {MAX_STOP_STRINGS} strings that end the output (excluded)."
@@ -101,13 +146,30 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(
         None, description="vLLM extension: token ids that end the output."
     )
-    ignore_eos: bool = Field(
-        _default("ignore_eos"), description="vLLM extension: generate past EOS."
+    ignore_eos: bool | None = Field(None, description="vLLM extension: generate past EOS.")
+    min_tokens: int | None = Field(
+        None, ge=0, description="vLLM extension: tokens before EOS or a stop may end it."
     )
-    stream: bool = Field(False, description="Answer with server-sent events.")
+    presence_penalty: Penalty | None = Field(None, description="-2..2, over output tokens.")
+    frequency_penalty: Penalty | None = Field(None, description="-2..2, per output occurrence.")
+    repetition_penalty: RepetitionPenalty | None = Field(
+        None, description="vLLM extension: > 1 discourages prompt and output tokens."
+    )
+    logit_bias: dict[str, Bias] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, -100..100."
+    )
+    n: NumChoices | None = Field(None, description=f"Choices, 1..{MAX_N}: one prefill.")
+    stream: bool | None = Field(None, description="Answer with server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
-    n: int = Field(1, description="Number of choices; only 1 is supported.")
-    user: str | None = Field(None, description="End-user id, accepted and ignored.")
+    user: str | None = Field(
+        None, description="Your end-user id: logged with the request, not used otherwise."
+    )
+    skip_special_tokens: bool | None = Field(
+        None, description="vLLM extension: leave special tokens out of the text (default true)."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM extension: keep the matched stop string in the text."
+    )
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -125,11 +187,12 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _check_n(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported (one choice per request)")
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
     @field_validator("stream_options")
@@ -152,70 +215,134 @@ class _SamplingRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
 
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated token, or None when none are asked for."""
+        raise NotImplementedError
+
+    def structured_output(self) -> StructuredOutput | None:
+        return None
+
     def stop_strings(self) -> list[str]:
         """`stop` as a list, whether the client sent one string, a list or nothing."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (stream_options.include_usage)."""
-        return self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """What the replica samples with; `default_max_tokens` when the request sets none."""
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(
+        self,
+        default_max_tokens: int | None,
+        model_defaults: Mapping[str, Any] | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """What the replica samples with. A field the request leaves null takes the
+        model's default (generation_config.json: temperature, top_p, top_k, min_p,
+        repetition_penalty), else SamplingParams's; max_tokens, when unset,
+        `default_max_tokens` (None: the rest of the context)."""
+        defaults = dict(model_defaults or {})
         max_tokens = self.requested_max_tokens()
-        return SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-        )
+        values: dict[str, Any] = {
+            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "logit_bias": tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items())),
+            "logprobs": self.num_logprobs(),
+            "prompt_logprobs": prompt_logprobs,
+            "structured_output": self.structured_output(),
+        }
+        for name in _SAMPLING_FIELDS:
+            given = getattr(self, name)
+            if given is not None:
+                values[name] = given
+            elif name in defaults:
+                values[name] = defaults[name]
+        return SamplingParams(**values)
+
+
+# Request fields passed to SamplingParams under the same name, null meaning "the default".
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
+)  # fmt: skip
 
 
 class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions: one prompt, as text or as token ids."""
+    """POST /v1/completions: one prompt, or a batch of them (one choice per prompt, and
+    per each of its n), as text or as token ids."""
 
-    _ACCEPTED = {"echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None,)}
+    _ACCEPTED = {"suffix": (None,)}
 
-    prompt: str | list[TokenId] = Field(description="One prompt: text or token ids.")
-    max_tokens: MaxTokens | None = Field(
-        _default("max_tokens"), description="null = up to the server's default."
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        description="A prompt (text or token ids), or a list of them."
     )
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    max_tokens: int | None = Field(
+        None, ge=0, description="null: the server's default_max_tokens (16); 0 with echo."
+    )
+    echo: bool | None = Field(None, description="Return the prompt, with its logprobs.")
+    logprobs: NumLogprobs | None = Field(
+        None, description=f"Logprobs of each token and this many alternatives (<= {MAX_LOGPROBS})."
+    )
+    best_of: NumChoices | None = Field(None, description="Only null or equal to n.")
     suffix: str | None = None
+    add_special_tokens: bool | None = Field(
+        None, description="vLLM extension: add the tokenizer's BOS (default true)."
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        # the API allows a batch of prompts; we take a batch of one and refuse more
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) > 1:
-                raise ValueError("only one prompt per request is supported")
-            value = value[0]
+    def _prompts_not_empty(cls, value: Any) -> Any:
         if isinstance(value, (str, list)) and not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if any(not p for p in value):
+                raise ValueError("prompt must not be empty")
         return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != (info.data.get("n") or 1):
+            raise ValueError("only best_of equal to n is supported")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: one entry per prompt of a batch."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+    name: str | None = Field(None, description="A participant's name, passed to the template.")
+    tool_call_id: str | None = Field(None, description="A tool message's call id (template).")
 
     def text(self) -> str:
         """The content as one string: text parts joined by newlines (as vLLM does)."""
@@ -227,22 +354,93 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
-    _ACCEPTED = {"logprobs": (False,), "top_logprobs": (None, 0)}
+    # OpenAI's fields for what we do not serve (tools, audio, ...): their "off" values only
+    _ACCEPTED = {
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None,),
+        "functions": (None,),
+        "function_call": (None, "none"),
+        "audio": (None,),
+        "modalities": (None, ["text"]),
+        "prediction": (None,),
+        "reasoning_effort": (None,),
+        "verbosity": (None,),
+        "web_search_options": (None,),
+        "store": (None, False),
+        "metadata": (None,),
+        "service_tier": (None, "auto", "default"),
+        "moderation": (None,),
+        "prompt_cache_key": (None,),
+        "prompt_cache_options": (None,),
+        "prompt_cache_retention": (None,),
+        "safety_identifier": (None,),
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: MaxTokens | None = Field(None, description="Deprecated by OpenAI; still sent.")
+    max_tokens: MaxTokens | None = Field(
+        None, description="Deprecated by OpenAI; null: the rest of the context."
+    )
     max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, description="Logprobs of each generated token.")
+    top_logprobs: NumLogprobs | None = Field(None, description="Alternatives per token.")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, json_schema."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: extra variables for the chat template."
+    )
+    add_generation_prompt: bool | None = Field(
+        None, description="vLLM extension: end the prompt with the assistant's turn (default)."
+    )
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    moderation: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured_output(self) -> StructuredOutput | None:
+        return None if self.response_format is None else self.response_format.structured_output()
+
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as the plain dicts a Hugging Face chat template expects."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            message = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
 
 
 def _check_lora_name(name: str) -> str:
@@ -299,10 +497,33 @@ class UsageInfo(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the first prompt token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # each token's start in the text
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
     # vLLM extension: the stop string or stop token id that ended the output, if any
     stop_reason: int | str | None = None
@@ -320,7 +541,7 @@ class CompletionResponse(BaseModel):
 class CompletionStreamChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
@@ -344,7 +565,7 @@ class AssistantMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
     stop_reason: int | str | None = None
 
@@ -368,7 +589,7 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 

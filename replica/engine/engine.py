@@ -20,9 +20,11 @@ from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
-from replica.engine.planner import plan_batch
+from replica.engine.planner import plan_batch, plan_step
 from replica.engine.scheduler import Scheduler
-from replica.engine.sequence import SeqStatus, Sequence
+from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from replica.engine.step_draw import Draw, StepDraw, step_draws
+from replica.engine.structured import StructuredOutputs
 from replica.engine.telemetry import Telemetry
 from replica.errors import RequestError
 from replica.executor.batch import BatchPlan
@@ -30,16 +32,19 @@ from replica.executor.create import create_executor
 from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.sampler import Sampler
 from replica.model.spec import load_model_spec
-from replica.wire import SamplingParams
+from replica.wire import SamplingParams, TokenLogprobs
 
 __all__ = ["LLMEngine", "StepOutput"]
 
 
 @dataclass
 class StepOutput:
-    seq: Sequence
-    new_token: int | None  # None when the sequence ended without a token (abort, error)
+    seq: Sequence  # one choice of a request
+    new_token: int | None  # None when it ended without a token (abort, error, max_tokens 0)
     finished: bool
+    logprobs: TokenLogprobs | None = None  # the new token's, when the request asked
+    # choice 0's first output of a request asking for prompt logprobs: all of them
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class LLMEngine:
@@ -63,7 +68,8 @@ class LLMEngine:
             c.max_loras_per_batch,
             c.aging_steps,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.spec.eos_token_ids)
+        self.structured = StructuredOutputs(c.model, self.spec.vocab_size, self.spec.eos_token_ids)
         self.telemetry = Telemetry(self.scheduler, self.adapters)
         self._arrivals = itertools.count()
 
@@ -101,17 +107,33 @@ class LLMEngine:
         adapter: str | None = None,
         request_id: str | None = None,
     ) -> Sequence:
-        sampling = sampling or SamplingParams()
+        """Queue a request; returns its choice 0 (all n: `.choices`). RequestError if the
+        engine cannot serve it."""
+        sampling = self._bounded(prompt_ids, sampling or SamplingParams())
         arrival = next(self._arrivals)
         self._check_request(prompt_ids, sampling, adapter)
         key = adapter if adapter is not None else (None if self.config.pin_base_slot else BASE_KEY)
-        seq = Sequence(
-            request_id or f"req-{arrival}", list(prompt_ids), sampling, adapter, arrival, key
-        )
-        self.scheduler.add(seq)
+        rid, prompt = request_id or f"req-{arrival}", list(prompt_ids)
+        seqs = [
+            Sequence(rid, prompt, sampling, adapter, arrival, key, index=i)
+            for i in range(sampling.n)
+        ]
+        SequenceGroup(seqs)
+        if sampling.structured_output is not None:
+            for seq in seqs:
+                seq.matcher = self.structured.matcher(sampling.structured_output)
+        self.scheduler.add(seqs[0])  # choices 1..n-1 fork from its prefill
         if adapter is not None:
             self.telemetry.count_lookup(adapter)
-        return seq
+        return seqs[0]
+
+    def _bounded(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with max_tokens None made the rest of the context (at least 1: a
+        prompt that fills it is refused by _check_request)."""
+        if sampling.max_tokens is not None:
+            return sampling
+        rest = max(1, self.max_model_len - len(prompt_ids))
+        return sampling.model_copy(update={"max_tokens": max(rest, sampling.min_tokens)})
 
     def _check_request(
         self, prompt_ids: list[int], sampling: SamplingParams, adapter: str | None
@@ -122,21 +144,31 @@ class LLMEngine:
             raise RequestError(
                 f"unknown adapter {adapter!r}; known: {sorted(self.known_adapters())}"
             )
-        if any(not 0 <= t < self.spec.vocab_size for t in prompt_ids):
-            raise RequestError(f"prompt token id out of range [0, {self.spec.vocab_size})")
+        vocab = self.spec.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token id out of range [0, {vocab})")
         if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                 f"exceeds the maximum model length {self.max_model_len}"
             )
+        outside = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias token id {outside[0]} out of range [0, {vocab})")
+        if sampling.structured_output is not None:
+            self.structured.grammar(sampling.structured_output)  # compiled now: 400 if bad
 
-    def abort(self, seq: Sequence, reason: str = "abort") -> None:
-        """End a sequence now; frees its KV blocks and slot reference."""
-        if seq.status is not SeqStatus.FINISHED:
-            self.scheduler.finish(seq, reason)
-            self.sampler.release(seq.request_id)
+    def abort(self, seq: Sequence, reason: str = "abort") -> list[StepOutput]:
+        """End a request now, every choice of it; frees their KV blocks and slot
+        references. Returns an output for each choice it ended (those still going)."""
+        ended = [s for s in seq.choices if s.status is not SeqStatus.FINISHED]
+        for s in ended:
+            s.error = s.error or seq.error
+            self._finish(s, reason)
+        if ended:
             self.telemetry.stats.aborted += reason == "abort"
             self._release_unloaded()
+        return [StepOutput(s, None, True) for s in ended]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -158,14 +190,16 @@ class LLMEngine:
             return outputs
         stats.steps += 1
         work = scheduled.ordered()
-        plan, sampled = plan_batch(work, self.config.block_size)
+        plan, sampled, scored = plan_step(work, self.config.block_size)
         logits = self._forward(plan, sampled)
-        params, ids = [s.sampling for s in sampled], [s.request_id for s in sampled]
-        tokens = self.sampler.sample(logits, params, ids)
-        new_tokens = tokens.tolist()  # sync point: the one device read per step
+        draw = StepDraw(step_draws(sampled), scored)
+        packed = draw.sample(self.sampler, logits, len(sampled), self._bitmask(draw))
+        values = packed.tolist()  # sync point: the one device read per step (ids, logprobs)
         for seq, n in work:
+            stats.prompt_tokens += seq.prompt_part(n)
             seq.num_computed += n
-        outputs += [self._append(seq, tok) for seq, tok in zip(sampled, new_tokens)]
+        outputs += self._emit(draw, *draw.read(values))
+        outputs += self._end_scoring(sampled)
         self._release_unloaded()
         return outputs
 
@@ -199,18 +233,93 @@ class LLMEngine:
     def _waiting_keys(self):
         return (s.lora_key for s in self.scheduler.waiting)
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    def _bitmask(self, draw: StepDraw) -> torch.Tensor | None:
+        """Structured rows' allowed tokens, filled on the host before the draw."""
+        matchers = draw.matchers
+        return self.structured.bitmask(matchers) if matchers else None
+
+    def _emit(
+        self,
+        draw: StepDraw,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        prompt: list[list[TokenLogprobs]],
+    ) -> list[StepOutput]:
+        """Scored prompt positions collected; each drawn token appended to its choice;
+        new choices forked from their prefill; the choices that ended finished."""
+        for (seq, _), scored in zip(draw.scored, prompt):
+            seq.group.prompt_logprobs += scored
+        reasons = [self._append(d.seq, t, lp) for d, t, lp in zip(draw.draws, tokens, logprobs)]
+        self._fork(draw.draws, reasons)
+        outputs = []
+        for d, token, lp, reason in zip(draw.draws, tokens, logprobs, reasons):
+            if reason is not None:
+                self._finish(d.seq, reason)
+            outputs.append(
+                StepOutput(d.seq, token, reason is not None, lp, self._prompt_logprobs(d.seq))
+            )
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
+        """Add a drawn token to its choice; returns why the choice ends with it, if it does."""
         seq.output_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
         p = seq.sampling
-        reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.spec.eos_token_ids):
-            reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason:
-            self.scheduler.finish(seq, reason)
-            self.sampler.release(seq.request_id)
-        return StepOutput(seq, token, reason is not None)
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            seq.error = f"structured output: the grammar refused token {token}"
+            return "error"
+        if token in p.stop_token_ids:
+            seq.stop_token = token
+            return "stop"
+        if not p.ignore_eos and token in self.spec.eos_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"  # the grammar is complete
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _fork(self, draws: list[Draw], reasons: list[str | None]) -> None:
+        """Choices 1..n-1 drawn with their choice 0's first token: those that go on get
+        KV blocks with the prompt's K/V copied on the device (or wait to recompute)."""
+        born: dict[int, list[Sequence]] = {}
+        for d, reason in zip(draws, reasons):
+            if d.seq.unborn and reason is None:
+                born.setdefault(id(d.seq.group), []).append(d.seq)
+        for d in draws:
+            group = d.seq.group
+            if group is not None and d.seq is group.first and not group.forked:
+                src, dst = self.scheduler.fork(d.seq, born.get(id(group), []))
+                if src:
+                    self.executor.copy_blocks(src, dst)
+                group.forked = True
+
+    def _prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprobs | None, ...] | None:
+        """All of a request's prompt logprobs, with choice 0's first output after its
+        prefill (None for every other output)."""
+        group = seq.group
+        if group is None or seq is not group.first or group.prompt_logprobs is None:
+            return None
+        if group.prompt_logprobs_sent:
+            return None
+        group.prompt_logprobs_sent = True
+        return tuple(group.prompt_logprobs)
+
+    def _end_scoring(self, sampled: list[Sequence]) -> list[StepOutput]:
+        """Requests with max_tokens 0 whose prefill is done: every choice ends ("length")
+        without a token; choice 0's output carries the prompt logprobs."""
+        outputs = []
+        for seq in sampled:
+            if seq.sampling.max_tokens == 0:
+                for s in seq.choices:
+                    self._finish(s, "length")
+                    outputs.append(StepOutput(s, None, True, None, self._prompt_logprobs(s)))
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sampler.release(seq.key)
 
     def _fail_broken_loads(self) -> list[StepOutput]:
         """Requests whose adapter failed to load end with an error instead of waiting forever."""
@@ -218,9 +327,9 @@ class LLMEngine:
         for failure in self.adapters.poll():
             msg = f"adapter {failure.name!r} failed to load: {failure.error}"
             for seq in [s for s in self.scheduler.waiting if s.lora_key == failure.name]:
-                seq.error = msg
-                self.abort(seq, "error")
-                outputs.append(StepOutput(seq, None, True))
+                if seq.status is not SeqStatus.FINISHED:  # not ended with another choice
+                    seq.error = msg
+                    outputs += self.abort(seq, "error")
         return outputs
 
     def _release_unloaded(self) -> None:

@@ -35,9 +35,20 @@ def plan_batch(
     work: list[tuple[Sequence, int]], block_size: int
 ) -> tuple[BatchPlan, list[Sequence]]:
     """The plan of `work` ((sequence, new tokens), decodes first) and the sequences
-    whose logits it samples, in row order."""
+    whose logits it samples, in row order (plan_step without the scored positions)."""
+    plan, sampled, _ = plan_step(work, block_size)
+    return plan, sampled
+
+
+def plan_step(
+    work: list[tuple[Sequence, int]], block_size: int
+) -> tuple[BatchPlan, list[Sequence], list[tuple[Sequence, range]]]:
+    """The plan of `work` ((sequence, new tokens), decodes first), the sequences whose
+    logits it samples, in row order, and the prompt positions it scores: (sequence,
+    positions) of prefills whose request asked for prompt logprobs. The plan's logit rows
+    are the sampled rows, then the scored positions' rows in that order."""
     plan = BatchPlan([], [], [0], [], [], [], [], [], [], [], [], [])
-    sampled = []
+    sampled, scored, scored_rows = [], [], []
     for seq, n in work:
         start, ctx = seq.num_computed, seq.num_computed + n
         plan.input_ids += seq.token_slice(start, ctx)
@@ -59,4 +70,10 @@ def plan_batch(
         if ctx == seq.num_tokens:
             plan.logit_rows.append(row0 + n - 1)
             sampled.append(seq)
-    return plan, sampled
+        group = seq.group
+        positions = group.prompt_logprob_positions(seq, start, ctx) if group else range(0)
+        if positions:
+            scored.append((seq, positions))
+            scored_rows += (row0 + p - start for p in positions)
+    plan.logit_rows += scored_rows
+    return plan, sampled, scored

@@ -85,6 +85,30 @@ class Scheduler:
         seq.blocks = []
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
+    def fork(self, parent: Sequence, children: list[Sequence]) -> tuple[list[int], list[int]]:
+        """Choices forking from `parent`'s prefill (its KV computed this step; each child
+        holds its first token). Those that fit now (free blocks, max_num_seqs) run with
+        copies of the parent's blocks; the others wait like preempted sequences and
+        recompute their prompt: never more blocks than are free. Returns the (src, dst)
+        block copies the executor must make."""
+        src: list[int] = []
+        dst: list[int] = []
+        for child in children:
+            need = len(parent.blocks)
+            if need > self.allocator.num_free or len(self.running) >= self.max_num_seqs:
+                child.status = SeqStatus.WAITING
+                self.waiting.append(child)
+                self.waiting.sort(key=lambda s: s.arrival)
+                continue
+            child.blocks = self.allocator.allocate(need)
+            child.num_computed = parent.num_computed
+            child.slot, child.status = parent.slot, SeqStatus.RUNNING
+            self.pool.acquire(child.slot)
+            self.running.append(child)
+            src += parent.blocks
+            dst += child.blocks
+        return src, dst
+
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         running = {s.lora_key for s in self.running if s.lora_key is not None}
         priority: str | None = None  # adapter of the oldest request skipped too often

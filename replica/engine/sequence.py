@@ -1,11 +1,12 @@
-"""A request as the engine tracks it."""
+"""A request as the engine tracks it: one Sequence per choice, grouped."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
-from replica.wire import SamplingParams
+from replica.wire import SamplingParams, TokenLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -14,7 +15,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's queues hold and remove these objects
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -30,6 +31,11 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, when finish_reason == "error"
     skips: int = 0  # times passed over because its adapter was not ready (aging)
+    index: int = 0  # which of the request's n choices
+    group: SequenceGroup | None = field(default=None, repr=False)  # set by SequenceGroup
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, if asked
+    stop_token: int | None = None  # the stop_token_ids entry that ended it
+    matcher: Any = None  # structured output: its grammar matcher (xgrammar, host-side)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """(prompt_ids + output_ids)[start:end] without building the whole list."""
@@ -48,3 +54,59 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens not yet in the cache (prompt on admission, one per decode step)."""
         return self.num_tokens - self.num_computed
+
+    def prompt_part(self, n: int) -> int:
+        """How many of the next n tokens to compute are prompt tokens."""
+        return max(0, min(self.num_computed + n, len(self.prompt_ids)) - self.num_computed)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The sampler's name for this choice's state (generator, token counts)."""
+        return self.request_id, self.index
+
+    @property
+    def choices(self) -> list[Sequence]:
+        """Every choice of its request, this one included, by index."""
+        return [self] if self.group is None else self.group.seqs
+
+    @property
+    def unborn(self) -> bool:
+        """A choice > 0 waiting for choice 0's prefill to fork from: in no queue yet."""
+        return self.group is not None and self.index > 0 and not self.group.forked
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request's n choices. Choice 0 prefills the prompt; when that prefill completes,
+    every choice draws its first token from its logits and choices 1..n-1 are forked: they
+    get copies of choice 0's KV blocks and run on their own."""
+
+    seqs: list[Sequence]
+    forked: bool = False  # choices 1..n-1 have drawn their first token (and exist)
+    # prompt logprobs, when asked: collected while choice 0 prefills (None for the first
+    # token), sent with its first output
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+    def __post_init__(self) -> None:
+        for seq in self.seqs:
+            seq.group = self
+        if self.seqs[0].sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def first(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    def prompt_logprob_positions(self, seq: Sequence, start: int, end: int) -> range:
+        """Of the positions [start, end) `seq` computes now, those whose logits give a
+        prompt logprob not collected yet (position p scores prompt token p + 1): choice 0's,
+        until they are sent."""
+        if seq is not self.first or self.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return range(0)
+        wanted = len(self.prompt_logprobs) - 1  # the next position to score
+        return range(max(start, wanted), min(end, len(self.first.prompt_ids) - 1))

@@ -24,6 +24,7 @@ class EngineStats:
     # ready or loading), "host" (host memory only) or "miss" (fetched from the source).
     lookups: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOOKUP_TIERS, 0))
     aborted: int = 0  # requests ended by abort() (client gone, deadline) before they finished
+    prompt_tokens: int = 0  # prompt tokens computed (prefills; recomputes after preemption too)
 
 
 class Telemetry:

@@ -38,6 +38,11 @@ class Executor(ABC):
         over the vocabulary. `layer_done(i)` after layer i (only if supports_hand_over)."""
 
     @abstractmethod
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV block src[i] into dst[i] on every rank (a request's n choices forking from
+        its one prefill), ordered after the steps already run and before the next."""
+
+    @abstractmethod
     def adapter_staging(self, source: Any) -> tuple[Any, Any]:
         """For a source of adapters (anything with fetch/locate): what this replica's host
         cache fetches from, and what the prefetcher writes slots through."""

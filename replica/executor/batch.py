@@ -24,7 +24,8 @@ class BatchPlan:
     positions: list[int]  # [T]: absolute position of each
     seg_indptr: list[int]  # [G+1]: sequence g is rows [indptr[g], indptr[g+1])
     seg_slots: list[int]  # [G]: adapter slot per sequence
-    logit_rows: list[int]  # rows whose logits are sampled (chunks reaching their last token)
+    logit_rows: list[int]  # rows whose logits come back: sampled (chunks reaching their last
+    # token), then prompt positions scored for prompt logprobs
     decode_tables: list[list[int]]  # per decode: its KV blocks
     decode_context_lens: list[int]  # per decode: tokens in cache incl. the new one
     decode_new_slots: list[int]  # per decode: cache slot of the new token

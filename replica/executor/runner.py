@@ -86,6 +86,9 @@ class ModelRunner(Executor):
         rows = None if all_rows else logit_rows
         return self.model.forward(batch, self.kv, rows, layer_done)
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self.kv.copy_blocks(src, dst)
+
     def adapter_staging(self, source: Any) -> tuple[Any, LoRASlotBuffers]:
         return source, self.lora
 

@@ -133,11 +133,12 @@ class TPGroup:
         slot_ranks: dict[str, list[int]],
         slot_scalings: list[float],
         all_rows: bool = False,
+        copies: tuple[list[int], list[int]] = ([], []),
     ) -> torch.Tensor:
-        """Send the step to every rank, run rank 0's part; the logits of every rank's
-        vocab shard come back gathered."""
+        """Send the step (and the block copies rank 0 made since the last one) to every
+        rank, run rank 0's part; the logits of every rank's vocab shard come back gathered."""
         self.check()
-        msg = StepMessage(plan, slot_ranks, slot_scalings, all_rows)
+        msg = StepMessage(plan, slot_ranks, slot_scalings, all_rows, copies)
         try:
             self.rank.comm.broadcast_object(msg)
             return runner.execute(plan, slot_ranks, slot_scalings, all_rows)
@@ -249,6 +250,7 @@ class TPExecutor(Executor):
         self.group, self.runner = group, runner
         self.model, self.lora, self.num_blocks = runner.model, runner.lora, runner.num_blocks
         self.max_model_len = runner.max_model_len
+        self._copies: tuple[list[int], list[int]] = ([], [])  # for ranks 1..N-1, next step
 
     def execute(
         self,
@@ -260,7 +262,15 @@ class TPExecutor(Executor):
     ) -> torch.Tensor:
         if layer_done is not None:
             raise ValueError("slot hand-over is not supported with tensor parallelism")
-        return self.group.execute(self.runner, plan, slot_ranks, slot_scalings, all_rows)
+        copies, self._copies = self._copies, ([], [])
+        return self.group.execute(self.runner, plan, slot_ranks, slot_scalings, all_rows, copies)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Rank 0 copies now; the other ranks with the next step's message, before its
+        forward: nothing writes or reads their cache in between, and no extra broadcast."""
+        self.runner.copy_blocks(src, dst)
+        self._copies[0].extend(src)
+        self._copies[1].extend(dst)
 
     def adapter_staging(self, source: Any) -> tuple[ShardedSource, ShardedSlotWriter]:
         """Each rank stages only its shard; slot writes fan out to every rank."""

@@ -1,10 +1,11 @@
 """Ranks 1..N-1 of a tensor-parallel replica: Ray actors running the steps rank 0 sends.
 
 Each builds its own shard of the model, adapter slots and KV cache from the engine
-config, then loops: receive rank 0's step message (one broadcast per step), run the
-forward (whose collectives pair with rank 0's), until rank 0 sends None. Adapter
-loads arrive as separate actor calls, on another thread of the actor, for slots rank
-0 has reserved and no step reads until every rank has finished loading.
+config, then loops: receive rank 0's step message (one broadcast per step), make the KV
+block copies it carries (forks), run the forward (whose collectives pair with rank 0's),
+until rank 0 sends None. Adapter loads arrive as separate actor calls, on another thread
+of the actor, for slots rank 0 has reserved and no step reads until every rank has
+finished loading.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from replica.model.tp_shard import TPShard
 
 @dataclass(frozen=True)
 class StepMessage:
-    """What rank 0 broadcasts each step: ModelRunner.execute's arguments, host values."""
+    """What rank 0 broadcasts each step: ModelRunner.execute's arguments, host values, and
+    the KV block copies rank 0 made since the last step (forks), done before the forward."""
 
     plan: BatchPlan
     slot_ranks: dict[str, list[int]]
     slot_scalings: list[float]
     all_rows: bool
+    copies: tuple[list[int], list[int]] = ([], [])  # (src blocks, dst blocks)
 
 
 class LocatorRegistry:
@@ -81,6 +84,7 @@ class TPWorker:
         """Run rank 0's steps until it sends None; returns how many ran."""
         steps = 0
         while (msg := self.tp.comm.broadcast_object()) is not None:
+            self.runner.copy_blocks(*msg.copies)
             self.runner.execute(msg.plan, msg.slot_ranks, msg.slot_scalings, msg.all_rows)
             steps += 1
         self.tp.comm.close()

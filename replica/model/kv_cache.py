@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from replica.device import to_device
 from replica.model.spec import ModelSpec
 
 
@@ -32,6 +33,22 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Block src[i]'s tokens into block dst[i], in every layer's K and V: on the device,
+        in stream order (after the step that wrote src), without a host read."""
+        if not src:
+            return
+        bs, device = self.block_size, self.k[0].device
+        offsets = torch.arange(bs, dtype=torch.int64)
+
+        def slots(blocks: list[int]) -> torch.Tensor:
+            host = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + offsets).view(-1)
+            return to_device(host, device)
+
+        src_slots, dst_slots = slots(src), slots(dst)
+        for cache in (*self.k, *self.v):
+            cache.index_copy_(1, dst_slots, cache.index_select(1, src_slots))
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,23 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    return spec_from_dict(json.loads(path.read_text()), source=str(path))
+    spec = spec_from_dict(json.loads(path.read_text()), source=str(path))
+    # generation_config.json may name more end-of-turn ids (Llama-3 Instruct's <|eot_id|>
+    # lives only there): they end generation too
+    extra = _as_tuple(read_generation_config(model_dir).get("eos_token_id"))
+    eos = spec.eos_token_ids + tuple(t for t in extra if t not in spec.eos_token_ids)
+    return replace(spec, eos_token_ids=eos)
+
+
+def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
+    """The model directory's generation_config.json ({} when absent or unreadable: it is
+    optional, and a broken one must not stop the model from serving)."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:

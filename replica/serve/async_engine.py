@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from replica.engine.engine import LLMEngine, StepOutput
@@ -24,13 +25,14 @@ T = TypeVar("T")
 
 
 class RequestStream:
-    """Async iterator over one request's Replies (a token each, the last one finished)."""
+    """Async iterator over one request's Replies: a token each, of any of its n choices
+    (Reply.index), each choice's last one finished. It ends when every choice has."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int = 1) -> None:
         self.request_id = request_id
         self._loop = loop
         self._queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self._done = False
+        self._open = set(range(n))  # choices not finished yet
 
     def _push(self, event: Reply) -> None:  # called from the engine thread
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
@@ -39,26 +41,44 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Reply:
-        if self._done:
+        if self.finished:
             raise StopAsyncIteration
         event = await self._queue.get()
-        self._done = event.finished
+        self._seen(event)
         return event
 
-    async def next_batch(self) -> Reply | None:
-        """Every reply available now (waiting for at least one) as one; None once the stream
-        ended. Lets a consumer that crosses a process boundary send one message per batch."""
-        if self._done:
+    async def next_batch(self) -> list[Reply] | None:
+        """Every reply available now (waiting for at least one), merged per choice: one
+        Reply per choice with news, by index. None once every choice has finished. Lets a
+        consumer that crosses a process boundary send one message per batch."""
+        if self.finished:
             return None
         events = [await self._queue.get()]
-        while not events[-1].finished and not self._queue.empty():
+        while not self._queue.empty():
             events.append(self._queue.get_nowait())
-        self._done = events[-1].finished
-        return Reply.merge(events)
+        by_choice: dict[int, list[Reply]] = {}
+        for event in events:
+            self._seen(event)
+            by_choice.setdefault(event.index, []).append(event)
+        return [Reply.merge(by_choice[i]) for i in sorted(by_choice)]
 
     @property
     def finished(self) -> bool:
-        return self._done
+        return not self._open
+
+    def _seen(self, event: Reply) -> None:
+        if event.finished:
+            self._open.discard(event.index)
+
+
+@dataclass
+class _Entry:
+    """A request in flight on the loop thread: its choice 0, its stream, the choices whose
+    last reply is still to be sent."""
+
+    seq: Sequence
+    stream: RequestStream
+    open: set[int]
 
 
 class AsyncLLMEngine:
@@ -66,7 +86,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[Sequence, RequestStream]] = {}
+        self._streams: dict[str, _Entry] = {}
         self._ids = itertools.count()
         self._idle_wait_s = idle_wait_s
         self._stopping = False
@@ -84,13 +104,13 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request; raises RequestError at once if the engine refuses it."""
         rid = request_id or f"req-{next(self._ids)}"
-        stream = RequestStream(rid, asyncio.get_running_loop())
+        stream = RequestStream(rid, asyncio.get_running_loop(), sampling.n)
 
         def add() -> None:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid!r}")
             seq = self.engine.add_request(prompt_ids, sampling, adapter, rid)
-            self._streams[rid] = (seq, stream)
+            self._streams[rid] = _Entry(seq, stream, set(range(sampling.n)))
 
         await self.call(add)
         return stream
@@ -157,37 +177,44 @@ class AsyncLLMEngine:
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             entry = self._streams.get(out.seq.request_id)
-            if entry is None:
-                continue
-            seq, stream = entry
-            stream._push(_event(seq, out.new_token, out.finished))
-            if out.finished:
-                del self._streams[seq.request_id]
+            if entry is not None:
+                self._send(entry, out)
+
+    def _send(self, entry: _Entry, out: StepOutput) -> None:
+        entry.stream._push(_event(out))
+        if out.finished:
+            entry.open.discard(out.seq.index)
+            if not entry.open:
+                del self._streams[entry.seq.request_id]
 
     def _abort(self, request_id: str) -> None:
-        entry = self._streams.pop(request_id, None)
+        entry = self._streams.get(request_id)
         if entry is not None:
-            seq, stream = entry
-            self.engine.abort(seq)
-            stream._push(_event(seq, None, True))
+            for out in self.engine.abort(entry.seq):
+                self._send(entry, out)
 
     def _fail_all(self, message: str) -> None:
-        for seq, stream in list(self._streams.values()):
-            seq.error = message
-            self.engine.abort(seq, "error")
-            stream._push(_event(seq, None, True))
+        for entry in list(self._streams.values()):
+            entry.seq.error = message
+            for out in self.engine.abort(entry.seq, "error"):
+                self._send(entry, out)
         self._streams.clear()
 
 
-def _event(seq: Sequence, token: int | None, finished: bool) -> Reply:
+def _event(out: StepOutput) -> Reply:
+    seq, finished = out.seq, out.finished
     error = seq.error if finished else None
     return Reply(
-        token_ids=() if token is None else (token,),
+        token_ids=() if out.new_token is None else (out.new_token,),
         finished=finished,
         finish_reason=seq.finish_reason if finished else None,
         error=error,
         status=500 if error else None,
         num_prompt_tokens=len(seq.prompt_ids),
+        index=seq.index,
+        logprobs=() if out.logprobs is None else (out.logprobs,),
+        prompt_logprobs=out.prompt_logprobs,
+        stop_token=seq.stop_token if finished else None,
     )
 
 

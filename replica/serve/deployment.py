@@ -1,11 +1,12 @@
 """LoRAReplica: the Ray Serve deployment around one replica's engine.
 
 The ingress calls `generate(request)` (a wire.GenerateRequest, whose adapter the
-request router reads) through a DeploymentHandle and streams the wire.Replies: one
-message per batch of new tokens. Adapter weights come from the object store; this
-class only turns an AdapterKey into an ObjectRef once per version, and publishes
-what is resident for routing (wire.RoutingStats). Nothing here speaks HTTP:
-refusals are replies with a status, not responses.
+request router reads) through a DeploymentHandle and streams the wire.Replies: per
+batch of new tokens, one message per choice (Reply.index) that has some. Adapter
+weights come from the object store; this class only turns an AdapterKey into an
+ObjectRef once per version, and publishes what is resident for routing
+(wire.RoutingStats). Nothing here speaks HTTP: refusals are replies with a status,
+not responses.
 """
 
 from __future__ import annotations
@@ -68,13 +69,14 @@ class LoRAReplica:
         try:
             while True:
                 try:
-                    reply = await asyncio.wait_for(stream.next_batch(), _left(deadline))
+                    batch = await asyncio.wait_for(stream.next_batch(), _left(deadline))
                 except asyncio.TimeoutError:
                     yield Reply.refusal(504, "the request did not finish within its time limit")
                     return  # the finally aborts it: KV and slot freed now, not at the end
-                if reply is None:
+                if batch is None:
                     return
-                yield reply
+                for reply in batch:  # one per choice with news
+                    yield reply
         finally:
             self._active.discard(stream.request_id)
             if not stream.finished:  # the caller went away: free KV and the slot reference

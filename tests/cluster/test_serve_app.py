@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -193,6 +195,58 @@ def test_sampling_is_seeded_like_the_engine_and_top_p_narrows_it(client, engine,
     greedy = ours(temperature=0)
     assert sampled != greedy  # so the next line tests top_p, not luck
     assert http(temperature=1.0, top_p=1e-6, seed=11) == greedy
+
+
+def test_n_logprobs_echo_and_batches_through_the_openai_sdk(client, engine, tokenizer):
+    """n seeded choices, logprobs, echo with prompt logprobs and a batch of prompts: what
+    the engine gives for the same requests, through Serve and the openai SDK."""
+    prompt = "the cat sat on"
+    ids = tokenizer(prompt)["input_ids"]
+    sampling = SamplingParams(max_tokens=5, n=2, seed=5, ignore_eos=True, logprobs=2)
+    (ref,) = engine.generate([(ids, sampling, "adapter-01")])
+    r = client.completions.create(
+        model="adapter-01", prompt=prompt, max_tokens=5, n=2, seed=5, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in r.choices] == [_text(tokenizer, s.output_ids) for s in ref.choices]
+    for choice, seq in zip(r.choices, ref.choices):
+        assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in seq.logprobs])
+        assert len(choice.logprobs.top_logprobs[0]) <= 2
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 10
+
+    # echo + logprobs + max_tokens 0: a loglikelihood harness's request
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    (scored,) = engine.generate([(ids, scoring, None)])
+    r = client.completions.create(
+        model="tiny-base", prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    )
+    (choice,) = r.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None
+    expected = [e.logprob for e in scored.group.prompt_logprobs[1:]]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected)
+
+    # a batch of prompts: one choice each, in order; again, as the calls of one request
+    # once collided in Serve's router (see ingress._own_request_id) and hung
+    prompts = ["the cat sat on", "a dog ran", "two birds"]
+    expected = [
+        _text(tokenizer, _reference(engine, tokenizer(q)["input_ids"], None, 4)) for q in prompts
+    ]
+    for _ in range(3):
+        r = client.with_options(timeout=60).completions.create(
+            model="tiny-base", prompt=prompts, max_tokens=4, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert [c.text for c in r.choices] == expected
+        assert [c.index for c in r.choices] == [0, 1, 2]
+
+    chat = client.chat.completions.create(
+        model="tiny-base", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        logprobs=True, top_logprobs=2, temperature=0,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and len(content[0].top_logprobs) == 2
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy
 
 
 def test_concurrent_mixed_requests_equal_the_engine(cluster, engine, tokenizer):
@@ -395,6 +449,12 @@ def _metrics(cluster) -> tuple[dict, dict]:
     return totals, samples
 
 
+def _readme_metrics_table() -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("| metric | labels | what |")
+    return readme[start : readme.index("\n\n", start)]
+
+
 def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, client, assets):
     time.sleep(1.5)  # earlier tests' metrics reach the export (every 0.5 s here) first
     before, _ = _metrics(cluster)
@@ -448,6 +508,10 @@ def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, cli
     assert states == {"free", "loading", "ready"}
     tiers = {s.labels["tier"] for s in samples["ray_lorafleet_replica_adapter_lookups_total"]}
     assert tiers <= {"device", "host", "miss"} and tiers
+    documented = set(re.findall(r"`(lorafleet_[a-z_]+)`", _readme_metrics_table()))
+    exported = {name.removeprefix("ray_") for name in samples}
+    exported |= {n.removesuffix("_count") for n in exported if n.endswith("_count")}
+    assert documented and documented <= exported, documented - exported
     for name in ["waiting_requests", "running_requests", "steps_total"]:
         assert samples[f"ray_lorafleet_replica_{name}"]
 

@@ -2,20 +2,67 @@
 
 from __future__ import annotations
 
+import functools
 import random
+import string
 
 import pytest
 import transformers
 
-from cluster.demo.assets import DemoSpec, cached_demo_assets
+from cluster.demo.assets import CHAT_TEMPLATE, DemoSpec, cached_demo_assets
 from router.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 MULTIBYTE = "héllo wörld ✓ 日本語 🙂"
+SP_WORDS = ["Hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
 
 
 @pytest.fixture(scope="module")
 def tok():
     return transformers.AutoTokenizer.from_pretrained(cached_demo_assets(DemoSpec()).model_dir)
+
+
+@functools.cache
+def sentencepiece_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer, built from a fixed vocabulary (no download, no training):
+    a Unigram model with byte fallback ("<0xE6>" pieces for what it cannot spell), the
+    Metaspace pre-tokenizer and decoder ("▁" marks a word start; the decode drops the first
+    one), and BOS added to every encoding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    specials = ["<unk>", "<s>", "</s>"]
+    singles = list(string.ascii_letters + string.digits + string.punctuation)
+    vocab = [(t, 0.0) for t in specials] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    vocab += [("▁", -3.0)] + [(f"▁{w}", -1.0) for w in SP_WORDS]
+    vocab += [(c, -5.0) for c in singles] + [(f"▁{c}", -5.5) for c in singles]
+    model = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    model.decoder = decoders.Sequence(
+        [
+            decoders.Metaspace(replacement="▁", prepend_scheme="first"),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+        ]
+    )
+    model.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def added_text(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -> str:
+    """What the output adds to the prompt's text: decode(prompt + output) - decode(prompt)."""
+    before = tokenizer.decode(prompt_ids, skip_special_tokens=skip_special_tokens)
+    after = tokenizer.decode(prompt_ids + output_ids, skip_special_tokens=skip_special_tokens)
+    assert after.startswith(before), (before, after)
+    return after[len(before) :]
 
 
 def stream(tokenizer, ids, skip_special_tokens=True, context_ids=()) -> tuple[list[str], str]:
@@ -79,6 +126,67 @@ def test_context_ids_are_not_emitted(tok):
     assert "".join(deltas) + tail == "ça va? 日本"
 
 
+def test_context_ids_with_random_streams_add_what_the_full_decode_adds(tok):
+    rng = random.Random(7)
+    for _ in range(20):
+        prompt = tok("".join(rng.choice("ab ✓日🙂,") for _ in range(rng.randint(1, 30))))
+        output = tok("".join(rng.choice("cd ✓本🚀.") for _ in range(rng.randint(1, 60))))
+        prompt_ids, output_ids = prompt["input_ids"], output["input_ids"]
+        deltas, tail = stream(tok, output_ids, context_ids=prompt_ids)
+        assert "".join(deltas) + tail == added_text(tok, prompt_ids, output_ids)
+        assert all("\ufffd" not in d for d in deltas)
+
+
+def test_sentencepiece_first_token_keeps_its_leading_space():
+    sp = sentencepiece_tokenizer()
+    prompt = sp("Hello world")["input_ids"]
+    output = sp("the quick fox", add_special_tokens=False)["input_ids"]
+    assert sp.convert_ids_to_tokens(output)[0] == "▁the"
+    deltas, tail = stream(sp, output, context_ids=prompt)
+    assert "".join(deltas) + tail == " the quick fox" == added_text(sp, prompt, output)
+    assert deltas[0] == " the"
+    # without the prompt as context the decoder drops the space (what the fix is for)
+    assert "".join(stream(sp, output)[0]) == "the quick fox"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_sentencepiece_streams_equal_what_the_full_decode_adds(skip_special_tokens):
+    """Byte fallback spells each byte of 日 or 🙂 as its own token, and decodes a run of
+    them at once: an emitted character turns back into U+FFFD while the next one is
+    incomplete. Deltas never carry that, and add up to the full decode's addition."""
+    sp = sentencepiece_tokenizer()
+    rng = random.Random(3)
+    words = [*SP_WORDS, "日本語", "🙂", "ü", "x1", ",", "Straße"]
+    for _ in range(30):
+        prompt = sp(" ".join(rng.choices(words, k=rng.randint(1, 6))))["input_ids"]
+        output = []
+        for word in rng.choices(words, k=rng.randint(1, 25)):
+            output += sp(" " + word, add_special_tokens=False)["input_ids"]
+            if rng.random() < 0.1:  # an EOS between words: dropped, or decoded as "</s>"
+                output.append(sp.eos_token_id)
+        deltas, tail = stream(sp, output, skip_special_tokens, context_ids=prompt)
+        assert "".join(deltas) + tail == added_text(sp, prompt, output, skip_special_tokens)
+        assert all("\ufffd" not in d for d in deltas) and tail == ""
+
+
+def test_sentencepiece_byte_fallback_across_the_sliding_window():
+    sp = sentencepiece_tokenizer()
+    ids = sp("日本語🙂" * 12, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 4 * IncrementalDetokenizer.CONTEXT  # all bytes: one token each
+    deltas, tail = stream(sp, ids)
+    assert "".join(deltas) == "日本語🙂" * 12 and tail == ""
+    assert {len(d) for d in deltas} <= {0, 1}  # each character once, whole
+
+
+def test_prompt_ending_inside_a_character():
+    """A token-id prompt cut inside a character: the output that completes it carries it."""
+    sp = sentencepiece_tokenizer()
+    ids = sp("ok 日本", add_special_tokens=False)["input_ids"]
+    prompt, output = ids[:-2], ids[-2:]  # the last two bytes of 本 come as output
+    deltas, tail = stream(sp, output, context_ids=prompt)
+    assert "".join(deltas) + tail == "本"
+
+
 class CountingTokenizer:
     """Records the length of every decode call."""
 
@@ -95,7 +203,8 @@ def test_decodes_a_bounded_window(tok):
     spy = CountingTokenizer(tok)
     deltas, tail = stream(spy, ids)
     assert "".join(deltas) + tail == MULTIBYTE * 40
-    assert max(spy.lengths) <= 2 * IncrementalDetokenizer.CONTEXT + 1
+    # the window slides only where a character is complete: up to 3 more tokens (bytes)
+    assert max(spy.lengths) <= 2 * IncrementalDetokenizer.CONTEXT + 4
     assert len(spy.lengths) < 2 * len(ids)
 
 

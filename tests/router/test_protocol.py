@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing
 
 import openai
 import pytest
 from openai.types import Completion, Model
+from openai.types import completion_create_params as openai_completion_params
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat import completion_create_params as openai_chat_params
 from pydantic import ValidationError
 
-from replica.wire import SamplingParams
+from replica.wire import SamplingParams, StructuredOutput
 from router.protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -58,28 +61,36 @@ def refusal(make, **fields) -> str:
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"echo": True}, "echo: echo is not supported"),
-        ({"logprobs": 0}, "logprobs: logprobs is not supported"),
-        ({"logprobs": 5}, "logprobs is not supported"),
-        ({"best_of": 2}, "best_of: best_of is not supported"),
+        ({"best_of": 2}, "best_of: only best_of equal to n is supported"),
         ({"suffix": "tail"}, "suffix: suffix is not supported"),
-        ({"n": 2}, "n: only n=1 is supported"),
-        ({"prompt": ["a", "b"]}, "only one prompt per request is supported"),
-        ({"prompt": [[1, 2], [3]]}, "only one prompt per request is supported"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
         ({"prompt": ""}, "prompt must not be empty"),
         ({"prompt": []}, "prompt must not be empty"),
+        ({"prompt": ["a", ""]}, "prompt must not be empty"),
         ({"prompt": [1, -2]}, "greater than or equal to 0"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens: 0 is only allowed with echo"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": 2.5}, "temperature"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"cat": 1}}, "logit_bias keys must be token ids"),
+        ({"min_tokens": -1}, "min_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4 stop strings"),
         ({"stop": ["a", ""]}, "stop strings must not be empty"),
         ({"stop": ""}, "stop strings must not be empty"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stream_options": {"include_usage": True}}, "only allowed with stream=true"),
+        ({"frobnicate": 1}, "frobnicate: Extra inputs are not permitted"),
+        ({"guided_json": {}}, "guided_json: Extra inputs are not permitted"),
     ],
 )
 def test_completion_refuses(fields, message):
@@ -92,11 +103,19 @@ def test_completion_refuses(fields, message):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
-        ({"logprobs": True}, "logprobs: logprobs is not supported"),
-        ({"top_logprobs": 3}, "top_logprobs: top_logprobs is not supported"),
-        ({"n": 3}, "only n=1 is supported"),
+        ({"messages": [{"role": "user", "content": "x", "refusal": "no"}]}, "refusal"),
+        ({"top_logprobs": 3}, "top_logprobs: needs logprobs=true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 17}, "n"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"stop": ["1", "2", "3", "4", "5"]}, "at most 4 stop strings"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools: tools is not"),
+        ({"tool_choice": "required"}, "tool_choice: tool_choice is not supported"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"echo": True}, "echo: Extra inputs are not permitted"),
+        ({"best_of": 2}, "best_of: Extra inputs are not permitted"),
+        ({"store": True}, "store: store is not supported"),
     ],
 )
 def test_chat_refuses(fields, message):
@@ -107,63 +126,128 @@ def test_accepted_spellings_of_defaults():
     req = completion(
         echo=False, logprobs=None, best_of=1, suffix=None, n=1, top_k=-1, prompt=["one"]
     )
-    assert (req.top_k, req.prompt) == (0, "one")
-    assert completion(prompt=[[5, 6]]).prompt == [5, 6]
-    assert chat(logprobs=False, top_logprobs=0).n == 1
+    assert (req.top_k, req.prompts()) == (0, ["one"])
+    assert completion(prompt=[[5, 6]]).prompts() == [[5, 6]]
+    assert completion(prompt=[5, 6]).prompts() == [[5, 6]]
+    assert chat(logprobs=False, top_logprobs=0, tools=[], tool_choice="none").n is None
+    assert chat(store=False, service_tier="auto", modalities=["text"]).model == "base"
 
 
-def test_unknown_fields_are_ignored():
-    req = completion(frequency_penalty=0.5, extra_body={"x": 1}, metadata={"a": "b"})
-    assert not hasattr(req, "frequency_penalty")
-    assert chat(tools=None, response_format={"type": "text"}).model == "base"
+def test_explicit_null_means_the_default():
+    """OpenAI and vLLM read null as "unset"; clients and proxies send it."""
+    nulls = dict.fromkeys(
+        ["temperature", "top_p", "n", "stream", "logprobs", "stop", "seed", "max_tokens",
+         "presence_penalty", "frequency_penalty", "logit_bias", "user", "echo", "best_of"]
+    )  # fmt: skip
+    params = completion(**nulls).sampling_params(default_max_tokens=100)
+    assert params == SamplingParams(max_tokens=100)
+    chat_nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "logprobs", "stop",
+                                "seed", "max_tokens", "response_format", "tools"])  # fmt: skip
+    assert chat(**chat_nulls).sampling_params(50) == SamplingParams(max_tokens=50)
+
+
+def test_batched_prompts():
+    assert completion(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert completion(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
 
 
 def test_sampling_params_defaults():
-    """The API's defaults are SamplingParams's own: temperature 1, max_tokens 16."""
-    assert completion().sampling_params(default_max_tokens=100).model_dump() == {
-        "max_tokens": 16,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "seed": None,
-        "stop_token_ids": (),
-        "ignore_eos": False,
-    }
+    """Omitted fields take the model's defaults (generation_config.json), else the API's
+    (SamplingParams's own: temperature 1); max_tokens the caller's default (None for chat:
+    the rest of the context)."""
+    assert completion().sampling_params(default_max_tokens=16) == SamplingParams()
     assert completion(max_tokens=None).sampling_params(100).max_tokens == 100
     assert chat().sampling_params(100).max_tokens == 100
+    assert chat().sampling_params(None).max_tokens is None
     assert chat(max_tokens=7).sampling_params(100).max_tokens == 7
     assert chat(max_tokens=7, max_completion_tokens=9).sampling_params(100).max_tokens == 9
+    model = {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+    got = completion(top_p=0.5).sampling_params(8, model)
+    assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (0.6, 0.5, 50, 1.1)
 
 
 def test_sampling_params_carry_every_field():
-    req = chat(temperature=0, top_p=0.5, top_k=40, seed=3, stop_token_ids=[7, 9], ignore_eos=True)
+    req = chat(
+        temperature=0, top_p=0.5, top_k=40, min_p=0.1, seed=3, stop_token_ids=[7, 9],
+        ignore_eos=True, min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.2, logit_bias={"11": -100, "5": 3.5}, n=2, logprobs=True,
+        top_logprobs=4, response_format={"type": "json_object"},
+    )  # fmt: skip
     assert req.sampling_params(10) == SamplingParams(
         max_tokens=10,
         temperature=0.0,
         top_p=0.5,
         top_k=40,
+        min_p=0.1,
         seed=3,
         stop_token_ids=(7, 9),
         ignore_eos=True,
+        min_tokens=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias=((5, 3.5), (11, -100.0)),
+        n=2,
+        logprobs=4,
+        structured_output=StructuredOutput(kind="json_object"),
+    )
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    got = chat(response_format=fmt).sampling_params(5).structured_output
+    assert got.kind == "json_schema" and json.loads(got.json_schema) == schema
+    assert completion(echo=True, max_tokens=0, logprobs=2).sampling_params(8, None, 2) == (
+        SamplingParams(max_tokens=0, logprobs=2, prompt_logprobs=2)
     )
 
 
 def test_sampling_params_are_the_engine_params():
     params = completion(stop_token_ids=[2], seed=1).sampling_params(8)
     assert isinstance(params, SamplingParams)
-    assert (params.max_tokens, params.stop_token_ids, params.seed) == (16, (2,), 1)
+    assert (params.max_tokens, params.stop_token_ids, params.seed) == (8, (2,), 1)
 
 
-def test_the_http_models_and_sampling_params_share_bounds_and_defaults():
+def test_the_http_models_and_sampling_params_share_bounds():
     """One definition: a value the HTTP model refuses, SamplingParams refuses too."""
-    for field in ("temperature", "top_p", "top_k", "seed"):
-        http, engine = CompletionRequest.model_fields[field], SamplingParams.model_fields[field]
-        assert http.default == engine.default, field
-        assert http.metadata == engine.metadata, field
-    for bad in ({"temperature": 2.5}, {"top_p": 0.0}, {"seed": 2**63}):
+    for bad in (
+        {"temperature": 2.5}, {"temperature": float("nan")}, {"top_p": 0.0}, {"seed": 2**63},
+        {"min_p": 2.0}, {"n": 17}, {"presence_penalty": 2.1}, {"repetition_penalty": 0.0},
+    ):  # fmt: skip
         with pytest.raises(ValidationError):
             SamplingParams(**bad)
         assert refusal(completion, **bad)
+
+
+# a value that turns each refused field on (the others take any JSON)
+REFUSED_VALUES = {"suffix": "tail", "tools": [{"type": "function", "function": {"name": "f"}}]}
+
+
+def _openai_fields(params_type) -> set[str]:
+    return set(typing.get_type_hints(params_type)) | {"stream"}
+
+
+@pytest.mark.parametrize(
+    "model, params_type",
+    [
+        (CompletionRequest, openai_completion_params.CompletionCreateParamsBase),
+        (ChatCompletionRequest, openai_chat_params.CompletionCreateParamsBase),
+    ],
+)
+def test_every_openai_field_is_honoured_or_refused(model, params_type):
+    """No silent acceptance. Each field of the openai SDK's request schema is one of ours:
+    either honoured (a field with its own meaning here) or accepted only with its "off"
+    values (a non-default value is a 400 naming it). Anything else is a 400 too."""
+    fields = _openai_fields(params_type)
+    ours = set(model.model_fields)
+    assert fields <= ours, f"fields of the OpenAI schema not declared: {fields - ours}"
+    make = completion if model is CompletionRequest else chat
+    refused = set(model._ACCEPTED)
+    for name in refused & fields:
+        on = REFUSED_VALUES.get(name, {"on": True})
+        assert f"{name}: {name} is not supported" in refusal(make, **{name: on}), name
+    honoured = (fields - refused) - {"model", "prompt", "messages"}
+    assert honoured, "nothing honoured?"
+    for name in honoured:  # documented: every honoured field says what it does
+        assert model.model_fields[name].description, name
 
 
 def test_stop_strings_and_stream_options():

@@ -1,0 +1,306 @@
+"""What one HTTP request's choices say, from the replicas' Replies.
+
+A completions request may carry several prompts, and each prompt asks for n choices: the
+ingress sends one GenerateRequest per prompt, whose Replies name their choice (Reply.index).
+Choice `prompt * n + index` of the response is ChoiceOutput's work: its text detokenized
+incrementally with the prompt as context, cut at a stop string, echoed prompt first when
+asked; its logprobs, in the shapes of the completions and chat APIs. RequestOutput holds
+them all, with the request's usage and timing. Torch-free, Ray-free: a tokenizer is all
+it needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from replica.wire import Reply, TokenLogprobs
+from router import protocol as p
+from router.detokenize import IncrementalDetokenizer, StopStringMatcher
+from router.errors import GatewayTimeoutError, ServiceUnavailableError
+
+LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its ids and, with echo, the text to echo."""
+
+    ids: list[int]
+    echo: str | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one Reply added to a choice: text, and the logprobs of its tokens (asked for)."""
+
+    index: int  # the choice's index in the response
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token: int | None = None  # an echoed prompt's first token: it has no logprob
+
+
+class ChoiceOutput:
+    """One choice's text so far: detokenized incrementally (with the prompt as context),
+    cut at a stop string, after the echoed prompt when asked."""
+
+    def __init__(
+        self,
+        index: int,
+        tokenizer: Any,
+        prompt: Prompt,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
+        wants_prompt_logprobs: bool = False,
+    ) -> None:
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt.ids)
+        self.stop = StopStringMatcher(stop)
+        self.include_stop_str = include_stop_str
+        self.num_tokens = 0
+        # everything sent so far (the whole answer, when not streaming)
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] = []
+        self.first_token: int | None = None
+        self.finish_reason: str | None = None
+        self.stop_token: int | None = None  # the replica's stop token that ended the choice
+        # the echo not sent yet (text, and whether it waits for the prompt's logprobs)
+        self._echo = prompt.echo
+        self._echo_waits = prompt.echo is not None and wants_prompt_logprobs
+        self._held: list[Delta] = []  # deltas made while the echo waits
+        self._prompt_ids = prompt.ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's stop_reason: the stop string that cut the text, else the stop token id
+        that ended it, else None (EOS, length)."""
+        return self.stop.matched if self.stop.matched is not None else self.stop_token
+
+    def add(
+        self, message: Reply, prompt_logprobs: Sequence[TokenLogprobs | None] | None
+    ) -> Delta | None:
+        """What `message` adds to the choice (None while an echo waits for the prompt's
+        logprobs, which come with choice 0's first reply)."""
+        delta = self._delta(message, prompt_logprobs)
+        if delta is not None:
+            self.text += delta.text
+            self.logprobs += delta.logprobs
+            if delta.first_token is not None:
+                self.first_token = delta.first_token
+        return delta
+
+    def _delta(
+        self, message: Reply, prompt_logprobs: Sequence[TokenLogprobs | None] | None
+    ) -> Delta | None:
+        text, logprobs = self._generated(message)
+        delta = Delta(self.index, text, logprobs, self.finish_reason, self._stop_reason())
+        if self._echo is None:
+            return delta
+        if self._echo_waits and prompt_logprobs is None:
+            self._held.append(delta)
+            return None
+        entries = [lp for lp in prompt_logprobs or () if lp is not None]
+        echo = Delta(self.index, self._echo, entries, first_token=self._prompt_ids[0])
+        self._echo = None
+        return _joined([echo, *self._held, delta])
+
+    def _generated(self, message: Reply) -> tuple[str, list[TokenLogprobs]]:
+        if message.error and message.finish_reason == "error":
+            status = message.status or 503
+            if status == 504:  # the replica enforced the request's deadline
+                raise GatewayTimeoutError(message.error)
+            raise ServiceUnavailableError(f"generation failed: {message.error}")
+        if self.finished:  # cut at a stop string already: the replica's late tokens
+            return "", []
+        text, logprobs = "", list(message.logprobs)
+        for i, token in enumerate(message.token_ids):
+            self.num_tokens += 1
+            delta, stopped = self.stop.feed(self.detok.add(token))
+            text += delta
+            if stopped:
+                return text + self._stopped(), logprobs[: i + 1]
+        if message.finished:
+            if message.finish_reason not in ("stop", "length"):
+                raise ServiceUnavailableError(f"request ended: {message.finish_reason}")
+            delta, stopped = self.stop.feed(self.detok.flush())
+            if stopped:
+                return text + delta + self._stopped(), logprobs
+            text += delta + self.stop.flush()
+            self.finish_reason = message.finish_reason
+            if message.finish_reason == "stop":
+                self.stop_token = message.stop_token
+        return text, logprobs
+
+    def _stopped(self) -> str:
+        """A stop string ended the text: what follows the text (the string, if kept)."""
+        self.finish_reason = "stop"
+        return (self.stop.matched or "") if self.include_stop_str else ""
+
+    def _stop_reason(self) -> int | str | None:
+        return self.stop_reason if self.finished else None
+
+
+def _joined(deltas: list[Delta]) -> Delta:
+    first, last = deltas[0], deltas[-1]
+    return Delta(
+        last.index,
+        "".join(d.text for d in deltas),
+        [lp for d in deltas for lp in d.logprobs],
+        last.finish_reason,
+        last.stop_reason,
+        first.first_token,
+    )
+
+
+class RequestOutput:
+    """Every choice of one HTTP request: `len(prompts) * n` ChoiceOutputs, choice
+    `prompt * n + Reply.index`; the request's usage and timing."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompts: Sequence[Prompt],
+        n: int,
+        start: float,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
+        wants_prompt_logprobs: bool = False,
+    ) -> None:
+        self.n = n
+        self.choices = [
+            ChoiceOutput(
+                i * n + j,
+                tokenizer,
+                prompt,
+                stop,
+                skip_special_tokens,
+                include_stop_str,
+                wants_prompt_logprobs,
+            )
+            for i, prompt in enumerate(prompts)
+            for j in range(n)
+        ]
+        self.num_prompt_tokens = [len(prompt.ids) for prompt in prompts]
+        self._prompt_logprobs: list[tuple[TokenLogprobs | None, ...] | None] = [None] * len(prompts)
+        self.start = start  # time.perf_counter() at the request's arrival
+        self.ttft_s: float | None = None
+        self.itl_s: list[float] = []  # one per token after the first (of the first choice)
+        self._last_reply = start
+
+    def add(self, prompt: int, message: Reply) -> Delta | None:
+        """What a reply for `prompt`'s GenerateRequest adds to its choice."""
+        if message.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt] = message.prompt_logprobs
+        if message.num_prompt_tokens:
+            self.num_prompt_tokens[prompt] = message.num_prompt_tokens
+        choice = self.choices[prompt * self.n + message.index]
+        if choice.index == 0:
+            self._time(len(message.token_ids))
+        return choice.add(message, self._prompt_logprobs[prompt])
+
+    def prompt_done(self, prompt: int) -> bool:
+        """Whether every choice of `prompt` has finished (its replica work is no longer
+        wanted)."""
+        return all(c.finished for c in self.choices[prompt * self.n : (prompt + 1) * self.n])
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's: what the request's metrics record as its outcome."""
+        return self.choices[0].finish_reason
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self) -> p.UsageInfo:
+        """Prompt tokens once per prompt (its n choices share one prefill), generated
+        tokens of every choice."""
+        return p.UsageInfo.of(sum(self.num_prompt_tokens), self.num_tokens)
+
+    def _time(self, n: int) -> None:
+        if not n:
+            return
+        # A reply carries the tokens made since the last one: they share its gap (the
+        # first reply's extra tokens came with the first token: gap 0).
+        now = time.perf_counter()
+        if self.ttft_s is None:
+            self.ttft_s = now - self.start
+            self.itl_s += [0.0] * (n - 1)
+        else:
+            self.itl_s += [(now - self._last_reply) / n] * n
+        self._last_reply = now
+
+
+class LogprobFormatter:
+    """TokenLogprobs as the API shows them: token ids as text (each token decoded alone,
+    special tokens included, cached), logprobs floored at LOGPROB_FLOOR."""
+
+    def __init__(self, tokenizer: Any, cache_size: int = 65536) -> None:
+        self._decode: Callable[[int], str] = tokenizer.decode
+        self._cache: dict[int, str] = {}
+        self._cache_size = cache_size
+
+    def token(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._decode([token_id])
+            if len(self._cache) < self._cache_size:
+                self._cache[token_id] = text
+        return text
+
+    def completion(
+        self, entries: Sequence[TokenLogprobs], first_token: int | None = None, offset: int = 0
+    ) -> Any:
+        """The completions API's parallel lists. `first_token`: an echoed prompt's first
+        token, listed first with null logprobs (as OpenAI does). `offset`: where the first
+        token's text starts in the choice's text (a stream's later chunks continue it)."""
+        out = p.CompletionLogprobs()
+
+        def listed(token_id: int, logprob: float | None, top: dict[str, float] | None) -> None:
+            nonlocal offset
+            token = self.token(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+
+        if first_token is not None:
+            listed(first_token, None, None)
+        for e in entries:
+            listed(e.token_id, _floor(e.logprob), {self.token(t): _floor(lp) for t, lp in e.top})
+        return out
+
+    def chat(self, entries: Sequence[TokenLogprobs]) -> Any:
+        """The chat API's logprobs.content: one entry per generated token."""
+        return p.ChatLogprobs(
+            content=[
+                p.ChatTokenLogprob(
+                    **self._top(entry.token_id, entry.logprob),
+                    top_logprobs=[p.TopLogprob(**self._top(t, lp)) for t, lp in entry.top],
+                )
+                for entry in entries
+            ]
+        )
+
+    def _top(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.token(token_id)
+        return {"token": token, "logprob": _floor(logprob), "bytes": list(token.encode())}
+
+
+def _floor(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)

@@ -1,0 +1,26 @@
+"""max_tokens left to the engine (None) runs to the end of the model's context."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.config import EngineConfig
+from replica.engine.engine import LLMEngine
+from replica.errors import RequestError
+from replica.wire import SamplingParams
+
+
+def test_max_tokens_none_is_the_rest_of_the_context(tiny):
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny.model_dir), device="cpu", max_model_len=40, kv_cache_bytes=8 << 20
+        )
+    )
+    prompt = list(range(3, 33))
+    (seq,) = eng.generate(
+        [(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), None)]
+    )
+    assert seq.finish_reason == "length"
+    assert len(prompt) + len(seq.output_ids) == 40
+    with pytest.raises(RequestError, match="maximum model length"):
+        eng.add_request(list(range(3, 43)), SamplingParams(max_tokens=None))

@@ -1,0 +1,538 @@
+"""The ingress's HTTP surface without Ray: its FastAPI app served in-process (TestClient), the
+Ingress object built with fake AdapterStore and LoRAReplica handles. Every error has an
+OpenAI body; invalid Unicode is a 400 naming the field; /health, /tokenize, /detokenize and
+/v1/models/{id}.
+
+The fakes (FakeStore, FakeReplicas, ingress_client) are shared with test_ingress_output.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from ray import cloudpickle, serve
+from transformers import AutoTokenizer
+
+from replica.wire import GenerateRequest, Reply
+from router import ingress
+from router.errors import NotFoundError
+from router.options import IngressOptions
+from tests.conftest import tiny_assets
+
+BASE = "tiny-base"
+KEY = "secret-key-123"
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    version: int
+    path: str
+    created: int = 1700000000
+
+
+class _Call:
+    """What a handle's .remote() returns: awaitable once, and harmless if never awaited
+    (the ingress fires cancel_requests and forgets it)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def __await__(self):
+        async def run() -> Any:
+            return self.fn(*self.args)
+
+        return run().__await__()
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> _Call:
+        return _Call(self.fn, args)
+
+
+@dataclass
+class FakeStore:
+    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    reports: dict[str, dict] = field(default_factory=lambda: {"r1": {"age_s": 0.2}})
+    fail: Exception | None = None  # raised by every call
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self, f"_{name}"))
+
+    def _check(self) -> None:
+        if self.fail is not None:
+            raise self.fail
+
+    def _list(self) -> list[AdapterInfo]:
+        self._check()
+        return sorted(self.adapters.values(), key=lambda a: a.name)
+
+    def _resolve(self, name: str) -> AdapterInfo:
+        self._check()
+        if name not in self.adapters:
+            raise NotFoundError(f"adapter {name!r} is not registered")
+        return self.adapters[name]
+
+    def _replica_stats(self) -> dict[str, dict]:
+        self._check()
+        return self.reports
+
+    def _stats(self) -> dict[str, Any]:
+        return {}
+
+    def _cancel_requests(self, request_ids: list[str]) -> None:
+        pass
+
+
+class _Stream:
+    """A replica's reply stream (DeploymentResponseGenerator's async iteration)."""
+
+    def __init__(self, replies: list[Reply]) -> None:
+        self.replies = iter(replies)
+        self.cancelled = False
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> Reply:
+        try:
+            return next(self.replies)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class FakeReplicas:
+    """Answers every generation with `script(request)`'s replies; keeps the requests."""
+
+    script: Callable[[GenerateRequest], list[Reply]] = lambda r: [
+        Reply((5, 6), finished=True, finish_reason="length", num_prompt_tokens=len(r.prompt_ids))
+    ]
+    requests: list[GenerateRequest] = field(default_factory=list)
+    streams: list[_Stream] = field(default_factory=list)
+
+    def options(self, **_: Any) -> FakeReplicas:
+        return self
+
+    @property
+    def generate(self) -> _Method:
+        def start(request: GenerateRequest) -> _Stream:
+            self.requests.append(request)
+            self.streams.append(_Stream(self.script(request)))
+            return self.streams[-1]
+
+        return SimpleNamespace(remote=start)  # type: ignore[return-value]
+
+
+def ingress_class() -> type:
+    """The Ingress class as written (serve.deployment wraps it in a Deployment)."""
+    mro = ingress.Ingress.func_or_class.__mro__
+    return next(c for c in mro if "_authorize" in vars(c))
+
+
+@contextlib.contextmanager
+def ingress_client(
+    model_dir: str,
+    store: FakeStore | None = None,
+    replicas: FakeReplicas | None = None,
+    **options: Any,
+) -> Iterator[tuple[TestClient, Any]]:
+    """A TestClient on the ingress's app, its routes bound to a fresh Ingress object (as
+    Serve binds them to the replica's), and that object."""
+    obj = ingress_class()(
+        replicas or FakeReplicas(), store or FakeStore(), model_dir, BASE, IngressOptions(**options)
+    )
+    context = SimpleNamespace(servable_object=obj)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve, "get_replica_context", lambda: context)
+        with TestClient(served_app()) as client:
+            yield client, obj
+
+
+@functools.cache
+def served_app() -> Any:
+    """The app as a Serve replica gets it: serve.ingress pickles it with cloudpickle, which
+    copies the routes' functions with only the module globals their code names (so an
+    annotation naming a class that no code uses would not resolve there)."""
+    return cloudpickle.loads(cloudpickle.dumps(ingress.app))
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(tiny_assets("llama").model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture
+def store() -> FakeStore:
+    return FakeStore({"ad-1": AdapterInfo("ad-1", 3, "/adapters/ad-1")})
+
+
+@pytest.fixture
+def replicas() -> FakeReplicas:
+    return FakeReplicas()
+
+
+@pytest.fixture
+def client(model_dir, store, replicas) -> Iterator[TestClient]:
+    with ingress_client(model_dir, store, replicas) as (c, _):
+        yield c
+
+
+def assert_openai_error(r, status: int, param: str | None = None) -> dict:
+    """An OpenAI error body, nothing else: {"error": {"message", "type", "param", "code"}}."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == status and error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def post_json(client: TestClient, path: str, body: Any, **kw: Any):
+    """POST `body` as json.dumps writes it: lone surrogates as \\ud800 escapes."""
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return client.post(path, content=json.dumps(body), headers=headers, **kw)
+
+
+COMPLETION = {"model": BASE, "prompt": "hello there", "max_tokens": 2}
+CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+# -- errors: always an OpenAI body -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/")])
+def test_unknown_routes_are_404_with_an_openai_body(client, method, path):
+    error = assert_openai_error(client.request(method, path), 404)
+    assert path in error["message"] and error["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    "method, path, allowed",
+    [
+        ("GET", "/v1/completions", "POST"),
+        ("DELETE", "/v1/models", "GET"),
+        ("PUT", "/health", "GET"),
+        ("GET", "/tokenize", "POST"),
+    ],
+)
+def test_wrong_methods_are_405_with_an_openai_body(client, method, path, allowed):
+    r = client.request(method, path)
+    error = assert_openai_error(r, 405)
+    assert allowed in r.headers["allow"] and allowed in error["message"]
+
+
+def test_validation_errors_are_400_naming_the_field(client):
+    error = assert_openai_error(client.post("/v1/completions", json={"prompt": "x"}), 400, "model")
+    assert "model: Field required" in error["message"]
+    error = assert_openai_error(post_json(client, "/v1/completions", {**COMPLETION, "n": 0}), 400)
+    assert error["param"] == "n"
+    assert_openai_error(client.post("/v1/completions", content=b"{", headers={}), 400)
+
+
+def test_an_unexpected_exception_is_a_500_with_an_openai_body_and_a_logged_traceback(
+    client, store, caplog
+):
+    store.fail = RuntimeError("store exploded: /secret/path")
+    with caplog.at_level(logging.ERROR, logger=ingress.__name__):
+        r = client.get("/v1/models")
+    error = assert_openai_error(r, 500)
+    assert error["type"] == "internal_error"
+    assert "Traceback" not in error["message"] and "/secret/path" not in error["message"]
+    [record] = [rec for rec in caplog.records if rec.name == ingress.__name__]
+    assert record.exc_info and isinstance(record.exc_info[1], RuntimeError)
+    error_id = error["message"].split("(id ")[1].split(")")[0]
+    assert error_id in record.getMessage()
+
+
+def test_an_unexpected_exception_mid_stream_is_an_error_event(client, replicas, caplog):
+    # a token id the tokenizer cannot decode: a bug below the ingress, not the client's
+    replicas.script = lambda r: [Reply((5,)), Reply((-1,), finished=True, finish_reason="length")]
+    with caplog.at_level(logging.ERROR, logger=ingress.__name__):
+        r = client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    assert r.status_code == 200
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and "Traceback" not in error["message"]
+    assert any(rec.exc_info for rec in caplog.records if rec.name == ingress.__name__)
+    # the same reply without streaming: a 500 with an OpenAI body
+    assert_openai_error(client.post("/v1/completions", json=COMPLETION), 500)
+
+
+def test_cross_field_sampling_errors_are_400_not_500(client):
+    body = {**COMPLETION, "max_tokens": 2, "min_tokens": 5}
+    error = assert_openai_error(client.post("/v1/completions", json=body), 400)
+    assert "min_tokens" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {**COMPLETION, "suffix": "x"}, "suffix"),
+        ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, "best_of"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
+        ("/v1/chat/completions", {**CHAT, "best_of": 2}, "best_of"),
+    ],
+)
+def test_features_not_served_are_refused_by_name(client, replicas, path, body, param):
+    error = assert_openai_error(client.post(path, json=body), 400, param)
+    assert param in error["message"] and not replicas.requests
+
+
+# -- Unicode ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["\udfff"]}, "prompt.0"),
+        ("/v1/completions", {**COMPLETION, "stop": ["ok", "\udc80"]}, "stop.1"),
+        ("/v1/completions", {**COMPLETION, "user": "\ud83d"}, "user"),
+        ("/v1/completions", {**COMPLETION, "model": "\ud800"}, "model"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "hi \ud800"}]},
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}],
+            },
+            "messages.0.content.0.text",
+        ),
+        ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": "\ud800"}}, None),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/detokenize", {"model": "\udbff", "tokens": [1]}, "model"),
+    ],
+)
+def test_lone_surrogates_are_400_naming_the_field(client, replicas, path, body, param):
+    error = assert_openai_error(post_json(client, path, body), 400)
+    assert "lone surrogate" in error["message"], error
+    if param is not None:
+        assert error["param"] == param and error["message"].startswith(f"{param}:")
+    assert not replicas.requests
+
+
+def test_lone_surrogates_in_admin_bodies_are_400(model_dir):
+    with ingress_client(model_dir, api_key=KEY) as (client, _):
+        admin = {"Authorization": f"Bearer {KEY}"}
+        body = {"lora_name": "x", "lora_path": "/adapters/\ud800"}
+        r = post_json(client, "/v1/load_lora_adapter", body, headers=admin)
+        assert_openai_error(r, 400, "lora_path")
+
+
+def test_messages_quoting_surrogates_stay_valid_utf8(client):
+    # keys are the client's text too; pydantic refuses a lone surrogate there
+    r = post_json(client, "/v1/completions", {**COMPLETION, "x\ud800": 1})
+    error = assert_openai_error(r, 400)
+    assert "lone surrogate in 'x\\ud800'" in error["message"], error
+    body = {**COMPLETION, "logit_bias": {"\udc00": 1}}
+    error = assert_openai_error(post_json(client, "/v1/completions", body), 400, "logit_bias")
+    assert "\\udc00" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a\x00b",
+        "\x00",
+        "e\u0301 \u00e9 \u212b \u00c5 \ufb01 \u1100\u1161 \uac00",
+        "🙂\u200d🙂 \ufeff",
+    ],
+    ids=["nul-inside", "only-nul", "mixed-normalization", "joiners"],
+)
+def test_nuls_and_mixed_normalization_forms_are_valid_text(client, replicas, tokenizer, text):
+    r = post_json(client, "/v1/completions", {**COMPLETION, "prompt": text})
+    assert r.status_code == 200, r.text
+    assert replicas.requests[-1].prompt_ids == tokenizer(text)["input_ids"]
+    chat = {**CHAT, "messages": [{"role": "user", "content": text}]}
+    assert post_json(client, "/v1/chat/completions", chat).status_code == 200
+    r = post_json(client, "/tokenize", {"prompt": text})
+    assert r.json()["tokens"] == tokenizer(text)["input_ids"]
+
+
+# -- /health ------------------------------------------------------------------------------------
+
+
+def test_health_is_ok_while_a_replica_reports(client, store):
+    store.reports = {"dead": {"age_s": 300.0}, "live": {"age_s": 0.4}}
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(
+    "reports",
+    [{}, {"r1": {"age_s": ingress.HEALTH_MAX_REPORT_AGE_S + 1}, "r2": {"age_s": 1e4}}],
+    ids=["no-replica", "engines-silent"],
+)
+def test_health_is_503_when_no_replica_can_serve(client, store, replicas, reports):
+    store.reports = reports
+    error = assert_openai_error(client.get("/health"), 503)
+    assert "no replica can serve" in error["message"]
+    assert not replicas.requests  # no generation is sent to find out
+
+
+def test_health_is_503_when_the_store_does_not_answer(client, store):
+    store.fail = ConnectionError("store gone")
+    error = assert_openai_error(client.get("/health"), 503)
+    assert "store" in error["message"]
+
+
+def test_health_needs_no_key(model_dir):
+    with ingress_client(model_dir, api_key=KEY, api_key_for_inference=True) as (client, _):
+        assert client.get("/health").status_code == 200
+
+
+# -- /tokenize, /detokenize ---------------------------------------------------------------------
+
+
+def test_tokenize_a_prompt(client, tokenizer, model_dir):
+    text = "Hello wörld 日本"
+    r = client.post("/tokenize", json={"prompt": text, "model": "ad-1"})
+    assert r.status_code == 200, r.text
+    config = json.loads((tiny_assets("llama").model_dir / "config.json").read_text())
+    ids = tokenizer(text)["input_ids"]
+    assert r.json() == {
+        "count": len(ids),
+        "max_model_len": config["max_position_embeddings"],
+        "tokens": ids,
+    }
+
+
+def test_tokenize_messages_as_chat_completions_does(client, replicas, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert (
+        client.post("/v1/chat/completions", json={**CHAT, "messages": messages}).status_code == 200
+    )
+    assert tokens == replicas.requests[-1].prompt_ids
+    assert tokenizer.decode(tokens).endswith("<|assistant|>\n")
+    bare = {"messages": messages, "add_generation_prompt": False}
+    assert (
+        client.post("/tokenize", json=bare).json()["tokens"]
+        == tokens[: -len(tokenizer("<|assistant|>\n", add_special_tokens=False)["input_ids"])]
+    )
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "exactly one"),
+        ({}, "exactly one"),
+        ({"prompt": "x", "add_generation_prompt": True}, "need messages"),
+        ({"prompt": "x", "tokens": [1]}, "tokens: Extra inputs"),
+        ({"prompt": "x", "model": "ghost"}, "does not exist"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"tokenize": 1},
+            },
+            "tokenize cannot be set",
+        ),
+    ],
+)
+def test_bad_tokenize_requests_are_4xx(client, body, needle):
+    r = client.post("/tokenize", json=body)
+    assert 400 <= r.status_code < 500
+    assert needle in assert_openai_error(r, r.status_code)["message"]
+
+
+def test_detokenize_round_trips(client, tokenizer):
+    text = "Hello wörld 日本 🙂"
+    ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    r = client.post("/detokenize", json={"tokens": ids, "model": BASE})
+    assert r.status_code == 200 and r.json() == {"prompt": text + tokenizer.eos_token}
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize("bad", [-1, 10**6, 2**70])
+def test_detokenize_refuses_unknown_ids(client, tokenizer, bad):
+    r = client.post("/detokenize", json={"tokens": [1, bad, 2]})
+    error = assert_openai_error(r, 400, "tokens")
+    assert str(bad) in error["message"] and str(len(tokenizer) - 1) in error["message"]
+
+
+# -- /v1/models/{id} ----------------------------------------------------------------------------
+
+
+def test_model_cards(client, model_dir):
+    base = client.get(f"/v1/models/{BASE}").json()
+    assert base["id"] == BASE and base["root"] == model_dir and base["parent"] is None
+    assert base == client.get("/v1/models").json()["data"][0]
+    adapter = client.get("/v1/models/ad-1").json()
+    assert adapter == {
+        "id": "ad-1",
+        "object": "model",
+        "created": 1700000000,
+        "owned_by": "lorafleet",
+        "root": "/adapters/ad-1",
+        "parent": BASE,
+    }
+
+
+@pytest.mark.parametrize("model_id", ["ghost", "org/ghost", "ad-1/extra"])
+def test_unknown_model_card_is_404(client, model_id):
+    error = assert_openai_error(client.get(f"/v1/models/{model_id}"), 404, "model")
+    assert repr(model_id) in error["message"]
+
+
+# -- auth ---------------------------------------------------------------------------------------
+
+
+def test_new_endpoints_follow_the_models_endpoint_auth(model_dir):
+    requests = [
+        ("GET", "/v1/models", None),
+        ("GET", f"/v1/models/{BASE}", None),
+        ("POST", "/tokenize", {"prompt": "x"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+    ]
+    with ingress_client(model_dir, api_key=KEY) as (client, _):  # admin endpoints only
+        for method, path, body in requests:
+            assert client.request(method, path, json=body).status_code == 200, path
+    with ingress_client(model_dir, api_key=KEY, api_key_for_inference=True) as (client, _):
+        for method, path, body in requests:
+            assert_openai_error(client.request(method, path, json=body), 401)
+            ok = client.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+            assert ok.status_code == 200, path
+
+
+def test_generation_still_answers(client, replicas, tokenizer):
+    started = time.time()
+    r = client.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == tokenizer.decode([5, 6])
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["stop_reason"] is None
+    assert body["created"] >= int(started) - 1
+    assert replicas.requests[0].prompt_ids == tokenizer("hello there")["input_ids"]
