@@ -126,6 +126,18 @@ class TestDemoModel:
         assert out == staggered(one, reqs)
         assert len({tuple(o) for o in out}) > 6, "adapters should give distinct outputs"
 
+    def test_forked_choices_read_kv_copied_on_every_rank(self, demo, engines):
+        """n greedy choices: choices 1..n-1 decode from KV blocks copied from choice 0's
+        prefill, on rank 1 with the next step's message; a rank missing its copy would
+        decode other tokens."""
+        one, two = engines
+        adapter = next(iter(demo.adapters))
+        prompt = prompts(one.spec.vocab_size)[1]
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3)
+        (want,) = one.generate([(prompt, greedy.model_copy(update={"n": 1}), adapter)])
+        (got,) = two.generate([(prompt, greedy, adapter)])
+        assert [c.output_ids for c in got.choices] == [want.output_ids] * 3
+
     def test_each_rank_stages_and_holds_only_its_shard(self, demo, engines):
         _, two = engines
         one_token = SamplingParams(temperature=0, max_tokens=1)
