@@ -186,6 +186,8 @@ def _bench(args: argparse.Namespace) -> int:
         percentile(results["mixed_base_unpinned"].ttft["base"], 50) / base_only
     )
     report.update(_decode_step(assets, min(16, args.adapters), args))
+    report["mixed_sampling"] = _mixed_sampling(EngineConfig(**fits), assets, scenarios["uniform"])
+    report["decode_tok_per_s_ratio_mixed_vs_plain_sampling"] = report["mixed_sampling"]["ratio"]
     # the same ceiling with each decode step paying the measured cost of reading 16
     # adapters (prefill's LoRA work still counted free): what batching can reach here
     lora_step = report["decode_step_16_adapters_s"] - report["decode_step_base_s"]
@@ -387,6 +389,85 @@ def _steady_decode_step(eng: LLMEngine, prompts, adapters, steps: int = 12) -> f
     return statistics.median(times)
 
 
+# -- sampling features: half the rows with penalties + logprobs vs all plain ---------------------
+
+
+# what the "mixed" arm's every other row asks for; the rest stay plain (SamplingParams.plain)
+MIXED_SAMPLING = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5,
+                      logprobs=5)  # fmt: skip
+MIXED_SAMPLING_TARGET = 0.9
+
+
+def _mixed_sampling(config: EngineConfig, assets, wl: Workload, steps: int = 16) -> dict:
+    """Decode tok/s of one batch (wl's first `concurrency` requests: its prompts and adapters,
+    ignore_eos, max_tokens that many decode steps past the prefill, so every length is fixed)
+    with every row plain, against the same batch with every other row using repetition /
+    presence / frequency penalties and 5 logprobs. Greedy in both arms: the cheapest plain
+    row (an argmax), so the ratio is the strictest (a seeded draw would add the same cost to
+    both arms), and the bench's other scenarios decode greedily too. One engine; the arms
+    alternate, each round swapping which goes first, so the machine's drift hits both; a
+    run's figure is its median decode step, an arm's the median of its DECODE_ROUNDS runs."""
+    n = min(wl.concurrency, len(wl.prompts))
+    batch = list(zip(wl.prompts[:n], wl.adapters[:n]))
+    max_tokens = 1 + max(1, min(steps, wl.max_tokens - 1))
+    plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    special = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                             **MIXED_SAMPLING)  # fmt: skip
+    arms = {"plain": [plain] * n, "mixed": [special if i % 2 == 0 else plain for i in range(n)]}
+    runs: dict[str, list[float]] = {"plain": [], "mixed": []}
+    eng = LLMEngine(config)
+    try:
+        for name in dict.fromkeys(a for a in wl.adapters[:n] if a is not None):
+            eng.load_adapter(name, assets.adapters[name])
+        for r in range(DECODE_ROUNDS):
+            for arm in ("plain", "mixed") if r % 2 == 0 else ("mixed", "plain"):
+                runs[arm].append(_decode_tok_per_s(eng, batch, arms[arm]))
+    finally:
+        eng.shutdown()
+    plain_tps, mixed_tps = statistics.median(runs["plain"]), statistics.median(runs["mixed"])
+    return {
+        "batch": n,
+        "max_tokens": max_tokens,
+        "sampling": "greedy",
+        "mixed_rows": n - n // 2,
+        "mixed_row_params": dict(MIXED_SAMPLING),
+        "plain_tok_per_s": plain_tps,
+        "mixed_tok_per_s": mixed_tps,
+        "plain_tok_per_s_runs": runs["plain"],
+        "mixed_tok_per_s_runs": runs["mixed"],
+        "ratio": mixed_tps / plain_tps,
+        "target": MIXED_SAMPLING_TARGET,
+    }
+
+
+def _decode_tok_per_s(eng: LLMEngine, batch, params: list[SamplingParams]) -> float:
+    """Prefill the batch untimed, then decode it to the end: the median over its decode
+    steps of tokens made / step time (a row a prefill chunk ahead ends a step early)."""
+    seqs = [eng.add_request(p, s, a) for (p, a), s in zip(batch, params)]
+    live = {s.request_id for s in seqs}
+
+    def step() -> int:
+        made = 0
+        for out in eng.step():
+            made += out.new_token is not None
+            if out.finished:
+                live.discard(out.seq.request_id)
+        return made
+
+    for _ in range(10_000):  # prefill everything, wait for loads
+        if all(s.output_ids for s in seqs):
+            break
+        step()
+    rates = []
+    for _ in range(1_000_000):
+        if not live:
+            break
+        t0 = time.perf_counter()
+        made = step()
+        rates.append(made / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
 # -- tensor parallelism: what one decode step sends ------------------------------------------------
 
 
@@ -498,6 +579,11 @@ def _print_headline(r: dict) -> None:
           f" vs bytes ratio {r['decode_bytes_ratio_16_adapters_vs_base']:.3f} -> "
           f"decode_step_overhead_vs_bytes {r['decode_step_overhead_vs_bytes']:.3f} "
           "(ceiling 1.0; target <= 1.15)")  # fmt: skip
+    m = r["mixed_sampling"]
+    print(f"decode_tok_per_s_ratio_mixed_vs_plain_sampling {m['ratio']:.3f} "
+          f"({m['mixed_tok_per_s']:.1f} vs {m['plain_tok_per_s']:.1f} decode tok/s, batch "
+          f"{m['batch']}, greedy, {m['mixed_rows']} rows with penalties + logprobs=5, the "
+          f"rest plain; ideal 1.0; target >= {m['target']})")  # fmt: skip
 
 
 def _print_tp_comm(c: dict) -> None:

@@ -7,7 +7,9 @@ import math
 
 import pytest
 
+from cluster.bench.engine import MIXED_SAMPLING_TARGET, Workload, _mixed_sampling
 from cluster.cli import main
+from replica.config import EngineConfig
 
 HEADLINE = (
     "speedup_vs_hf_peft",
@@ -19,6 +21,7 @@ HEADLINE = (
     "decode_step_ratio_16_adapters_vs_base",
     "decode_bytes_ratio_16_adapters_vs_base",
     "decode_step_overhead_vs_bytes",
+    "decode_tok_per_s_ratio_mixed_vs_plain_sampling",
 )
 
 
@@ -41,8 +44,11 @@ def test_quick_run_writes_every_figure(tmp_path, capsys):
         assert scenarios[name]["tok_per_s"] > 0
     assert scenarios["distinct"]["adapter_loads"] >= 4  # more adapters than slots: churn
     assert not math.isnan(report["load_stall_ratio_overlap_on_vs_off"])
+    mixed = report["mixed_sampling"]
+    assert mixed["plain_tok_per_s"] > 0 and mixed["mixed_tok_per_s"] > 0
     printed = capsys.readouterr().out
     assert "speedup_vs_hf_peft" in printed and "decode_step_overhead_vs_bytes" in printed
+    assert "decode_tok_per_s_ratio_mixed_vs_plain_sampling" in printed
 
 
 @pytest.mark.slow
@@ -58,3 +64,24 @@ def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
     steps = c["bytes_per_step_by_collective"]
     assert "lora" not in steps["base"] and steps["lora"]["lora"] > 0
     assert "tensor parallelism, tp_size 2" in capsys.readouterr().out
+
+
+def test_mixed_sampling_scenario_reports_both_arms(tiny):
+    """The mixed-sampling scenario at the tiniest sizes: 4 rows over 2 adapters, 3 tokens;
+    every figure written and positive (no timing assertion: this is a shared machine)."""
+    names = list(tiny.adapters)[:2]
+    prompts = [[5 + i, 9, 13 + i, 17] for i in range(4)]
+    wl = Workload("uniform", prompts, [names[0], None, names[1], names[0]], 3, 4)
+    cfg = EngineConfig(model=str(tiny.model_dir), device="auto", max_num_seqs=4,
+                       num_slots=3, max_loras_per_batch=2, kv_cache_bytes=1 << 20)  # fmt: skip
+    section = json.loads(json.dumps(_mixed_sampling(cfg, tiny, wl)))  # what --json writes
+    assert section["batch"] == 4 and section["mixed_rows"] == 2 and section["max_tokens"] == 3
+    assert section["mixed_row_params"]["logprobs"] == 5
+    assert section["target"] == MIXED_SAMPLING_TARGET == 0.9
+    for arm in ("plain", "mixed"):
+        runs = section[f"{arm}_tok_per_s_runs"]
+        assert len(runs) == 3 and all(r > 0 for r in runs), arm
+        assert section[f"{arm}_tok_per_s"] > 0
+    assert section["ratio"] == pytest.approx(
+        section["mixed_tok_per_s"] / section["plain_tok_per_s"]
+    )
