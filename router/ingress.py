@@ -755,5 +755,8 @@ class Ingress:
             outcome = str(status)
             yield f"data: {json.dumps(p.error_body(status, _printable(message)))}\n\n"
         finally:
+            # the client gone mid-stream closes this generator, not the inner ones (their
+            # own finally would cancel only when garbage collected): cancel now
+            streams.give_up()
             self._record(kind, model, outcome, output)
         yield p.SSE_DONE

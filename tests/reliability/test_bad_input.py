@@ -35,13 +35,16 @@ BAD_COMPLETIONS = [
     ({"model": "tiny-base", "prompt": "x", "top_p": 1.5}, "top_p"),
     ({"model": "tiny-base", "prompt": "x", "top_k": -7}, "top_k"),
     ({"model": "tiny-base", "prompt": "x", "seed": 2**64}, "seed"),
-    ({"model": "tiny-base", "prompt": "x", "n": 2}, "n=1"),
-    ({"model": "tiny-base", "prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"model": "tiny-base", "prompt": "x", "n": 17}, "n"),
+    ({"model": "tiny-base", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "tiny-base", "prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"model": "tiny-base", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "tiny-base", "prompt": "x", "max_tokens": 0}, "echo"),
     ({"model": "tiny-base", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "tiny-base", "prompt": [1, -2, 3]}, "prompt"),
     ({"model": "tiny-base", "prompt": [10**9]}, "out of range"),
     ({"model": "tiny-base", "prompt": "x " * (2 * MAX_MODEL_LEN)}, "maximum model length"),
-    ({"model": "tiny-base", "prompt": ["a", "b"]}, "one prompt"),
+    ({"model": "tiny-base", "prompt": ["a", ""]}, "empty"),
     ({"model": "nope", "prompt": "x"}, "does not exist"),
     ({"model": "tiny-base", "prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
 ]
@@ -142,7 +145,17 @@ def test_bad_chat_requests_are_400(cluster):
         {"model": "tiny-base", "messages": [{"role": "wizard", "content": "hi"}]},
         {"model": "tiny-base", "messages": [{"content": "hi"}]},
         {"model": "tiny-base", "messages": "hi"},
-        {"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}], "n": 3},
+        {"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}], "n": 17},
+        {"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]},
+        {"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}], "echo": True},
+        {
+            "model": "tiny-base",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        },
     ]:
         r = post(cluster, "/v1/chat/completions", body)
         assert r.status_code == 400, (body, r.text)
