@@ -33,6 +33,16 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class TextOptions:
+    """How a request's choices turn tokens into text (the same for all of them)."""
+
+    stop: Sequence[str] = ()
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
+    wants_prompt_logprobs: bool = False  # echo with logprobs: the echo waits for them
+
+
+@dataclass(frozen=True)
 class Delta:
     """What one Reply added to a choice: text, and the logprobs of its tokens (asked for)."""
 
@@ -53,15 +63,12 @@ class ChoiceOutput:
         index: int,
         tokenizer: Any,
         prompt: Prompt,
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
-        include_stop_str: bool = False,
-        wants_prompt_logprobs: bool = False,
+        options: TextOptions = TextOptions(),
     ) -> None:
         self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt.ids)
-        self.stop = StopStringMatcher(stop)
-        self.include_stop_str = include_stop_str
+        self.detok = IncrementalDetokenizer(tokenizer, options.skip_special_tokens, prompt.ids)
+        self.stop = StopStringMatcher(options.stop)
+        self.include_stop_str = options.include_stop_str
         self.num_tokens = 0
         # everything sent so far (the whole answer, when not streaming)
         self.text = ""
@@ -71,7 +78,7 @@ class ChoiceOutput:
         self.stop_token: int | None = None  # the replica's stop token that ended the choice
         # the echo not sent yet (text, and whether it waits for the prompt's logprobs)
         self._echo = prompt.echo
-        self._echo_waits = prompt.echo is not None and wants_prompt_logprobs
+        self._echo_waits = prompt.echo is not None and options.wants_prompt_logprobs
         self._held: list[Delta] = []  # deltas made while the echo waits
         self._prompt_ids = prompt.ids
 
@@ -171,22 +178,11 @@ class RequestOutput:
         prompts: Sequence[Prompt],
         n: int,
         start: float,
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
-        include_stop_str: bool = False,
-        wants_prompt_logprobs: bool = False,
+        options: TextOptions = TextOptions(),
     ) -> None:
         self.n = n
         self.choices = [
-            ChoiceOutput(
-                i * n + j,
-                tokenizer,
-                prompt,
-                stop,
-                skip_special_tokens,
-                include_stop_str,
-                wants_prompt_logprobs,
-            )
+            ChoiceOutput(i * n + j, tokenizer, prompt, options)
             for i, prompt in enumerate(prompts)
             for j in range(n)
         ]

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from replica.wire import AdapterKey, GenerateRequest, Reply
 from router import extra_protocol as xp
 from router import protocol as p
-from router.choices import Delta, LogprobFormatter, Prompt, RequestOutput
+from router.choices import Delta, LogprobFormatter, Prompt, RequestOutput, TextOptions
 from router.errors import (
     APIError,
     BadRequestError,
@@ -583,10 +583,12 @@ class Ingress:
             prompts,
             n,
             start,
-            body.stop_strings(),
-            skip_special_tokens=body.skip_special_tokens is not False,
-            include_stop_str=bool(body.include_stop_str_in_output),
-            wants_prompt_logprobs=not chat and bool(body.echo) and wants_logprobs,
+            TextOptions(
+                body.stop_strings(),
+                skip_special_tokens=body.skip_special_tokens is not False,
+                include_stop_str=bool(body.include_stop_str_in_output),
+                wants_prompt_logprobs=not chat and bool(body.echo) and wants_logprobs,
+            ),
         )
         logprobs = self.logprob_formatter if wants_logprobs else None
         # The replica enforces the deadline (and aborts the request); the ingress waits a

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from ray import cloudpickle, serve
-from transformers import AutoTokenizer
 
 from replica.wire import GenerateRequest, Reply
 from router import ingress
@@ -171,32 +170,6 @@ def served_app() -> Any:
     copies the routes' functions with only the module globals their code names (so an
     annotation naming a class that no code uses would not resolve there)."""
     return cloudpickle.loads(cloudpickle.dumps(ingress.app))
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(tiny_assets("llama").model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture
-def store() -> FakeStore:
-    return FakeStore({"ad-1": AdapterInfo("ad-1", 3, "/adapters/ad-1")})
-
-
-@pytest.fixture
-def replicas() -> FakeReplicas:
-    return FakeReplicas()
-
-
-@pytest.fixture
-def client(model_dir, store, replicas) -> Iterator[TestClient]:
-    with ingress_client(model_dir, store, replicas) as (c, _):
-        yield c
 
 
 def assert_openai_error(r, status: int, param: str | None = None) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from tests.router.test_ingress_api import (
     assert_openai_error,
     ingress_client,
 )
+from tests.router.test_ingress_output import streamed as streamed_text_and_chunks
 
 COMPLETION = {"model": BASE, "prompt": "hello there", "max_tokens": 4}
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -60,44 +60,8 @@ def per_choice(tokens: dict[int, list[int]], logprobs: bool = False):
     return script
 
 
-@pytest.fixture
-def replicas() -> FakeReplicas:
-    return FakeReplicas()
-
-
-@pytest.fixture
-def ingress(model_dir, replicas) -> Iterator[tuple[TestClient, Any]]:
-    with ingress_client(model_dir, FakeStore(), replicas) as pair:
-        yield pair
-
-
-@pytest.fixture
-def client(ingress) -> TestClient:
-    return ingress[0]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    from tests.conftest import tiny_assets
-
-    return str(tiny_assets("llama").model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def streamed(client: TestClient, path: str, body: dict[str, Any]) -> list[dict]:
-    r = client.post(path, json={**body, "stream": True})
-    assert r.status_code == 200, r.text
-    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert all("error" not in c for c in chunks), chunks
-    return chunks
+    return streamed_text_and_chunks(client, path, body)[1]
 
 
 # -- n choices and batched prompts --------------------------------------------------------------
