@@ -106,12 +106,21 @@ def cluster(assets) -> Iterator[dict[str, Any]]:
         ray.shutdown()
 
 
-def redeploy(cluster, **args) -> None:
-    """Deploy the suite's app with these settings changed (`deploy(cluster["config"])`
-    puts it back)."""
+def redeploy(cluster, timeout_s: float = 120.0, **args) -> None:
+    """Deploy the suite's app with these settings changed (none: put it back), and wait
+    until the replicas of the previous version are gone: a stopping Ingress replica still
+    answers with the old settings (a 1 s deadline leaked 504s into the next test)."""
     config = copy.deepcopy(cluster["config"])
     config["applications"][0]["args"].update(args)
-    serving.deploy(config, timeout_s=120)
+    serving.deploy(config, timeout_s=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get("lorafleet")
+        states = [d.replica_states for d in app.deployments.values()] if app else []
+        if states and all(set(s) <= {"RUNNING"} for s in states):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"old replicas still there after {timeout_s} s: {serve.status()}")
 
 
 def post(cluster, path: str, body: Any, headers: dict | None = None, timeout: float = 60):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from cluster import serving
 from tests.reliability.conftest import (
     ADMIN,
     API_KEY,
@@ -73,6 +72,6 @@ def test_api_key_for_inference_guards_every_endpoint_but_health_and_metrics(clus
         # Prometheus scrapers carry no key (200, or 503 before Ray's first export)
         assert httpx.get(cluster["url"] + "/metrics", timeout=30).status_code != 401
     finally:
-        serving.deploy(cluster["config"], timeout_s=120)
+        redeploy(cluster)
     wait_healthy(cluster)
     assert complete(cluster, "adapter-00").status_code == 200  # no key needed again

@@ -12,7 +12,6 @@ import httpx
 import pytest
 import ray
 
-from cluster import serving
 from tests.reliability.conftest import (
     MAX_ONGOING,
     MAX_QUEUED,
@@ -88,7 +87,7 @@ def test_a_request_past_its_deadline_is_504_and_aborted(cluster):
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504, events[-2:]
         assert _aborted(cluster, before + 2) - before == 2
     finally:
-        serving.deploy(cluster["config"], timeout_s=120)
+        redeploy(cluster)
 
 
 # Two rounds of 2000-token requests on two replicas: ~55 s on the 2-core CI machine, so

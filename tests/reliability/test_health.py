@@ -12,7 +12,7 @@ from ray import serve
 
 from cluster import serving
 from router.ingress import HEALTH_MAX_REPORT_AGE_S
-from tests.reliability.conftest import wait_healthy
+from tests.reliability.conftest import redeploy, wait_healthy
 from tests.reliability.test_bad_input import assert_openai_error
 
 pytestmark = pytest.mark.serve
@@ -62,7 +62,7 @@ def test_health_is_503_with_no_replica_and_200_once_they_are_back(cluster):
         assert r.status_code == 503, r.text
         assert "no replica can serve" in assert_openai_error(r)["message"]
     finally:
-        serving.deploy(cluster["config"], timeout_s=240)
+        redeploy(cluster, timeout_s=240)
     wait_healthy(cluster)
     r = _await_health(cluster, 200, 30)
     assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
