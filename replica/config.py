@@ -66,6 +66,12 @@ class EngineConfig(BaseModel):
         "LoRA, captured at start; other steps, tensor-parallel replicas and CPUs run "
         "eagerly.",
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV blocks of a prompt prefix already computed under the same "
+        "adapter version (or the base model): a request prefills only what follows its "
+        "longest cached prefix. Unreferenced cached blocks are evicted LRU when needed.",
+    )
     tp_size: int = Field(
         1,
         ge=1,

@@ -188,6 +188,7 @@ class Reply:
     error: str | None = None
     status: int | None = None  # an HTTP status for refusals and failures
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
     index: int = 0  # which of the request's n choices
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token of token_ids, when requested
     # the first reply of a request asking for them: one per prompt token (None for the
@@ -213,6 +214,7 @@ class Reply:
             error=last.error,
             status=last.status,
             num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
             index=last.index,
             logprobs=tuple(lp for r in replies for lp in r.logprobs),
             prompt_logprobs=prompt,

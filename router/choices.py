@@ -187,6 +187,7 @@ class RequestOutput:
             for j in range(n)
         ]
         self.num_prompt_tokens = [len(prompt.ids) for prompt in prompts]
+        self.num_cached_tokens = [0] * len(prompts)
         self._prompt_logprobs: list[tuple[TokenLogprobs | None, ...] | None] = [None] * len(prompts)
         self.start = start  # time.perf_counter() at the request's arrival
         self.ttft_s: float | None = None
@@ -199,6 +200,7 @@ class RequestOutput:
             self._prompt_logprobs[prompt] = message.prompt_logprobs
         if message.num_prompt_tokens:
             self.num_prompt_tokens[prompt] = message.num_prompt_tokens
+            self.num_cached_tokens[prompt] = message.num_cached_tokens
         choice = self.choices[prompt * self.n + message.index]
         if choice.index == 0:
             self._time(len(message.token_ids))
@@ -224,8 +226,10 @@ class RequestOutput:
 
     def usage(self) -> p.UsageInfo:
         """Prompt tokens once per prompt (its n choices share one prefill), generated
-        tokens of every choice."""
-        return p.UsageInfo.of(sum(self.num_prompt_tokens), self.num_tokens)
+        tokens of every choice; of the prompt tokens, those the prefix cache served."""
+        return p.UsageInfo.of(
+            sum(self.num_prompt_tokens), self.num_tokens, sum(self.num_cached_tokens)
+        )
 
     def _time(self, n: int) -> None:
         if not n:

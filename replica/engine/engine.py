@@ -21,6 +21,7 @@ from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
 from replica.engine.planner import plan_batch, plan_step
+from replica.engine.prefix_cache import BASE_IDENTITY
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from replica.engine.step_draw import Draw, StepDraw, step_draws
@@ -67,23 +68,42 @@ class LLMEngine:
             c.max_num_batched_tokens,
             c.max_loras_per_batch,
             c.aging_steps,
+            c.enable_prefix_caching,
         )
         self.sampler = Sampler(self.spec.eos_token_ids)
         self.structured = StructuredOutputs(c.model, self.spec.vocab_size, self.spec.eos_token_ids)
         self.telemetry = Telemetry(self.scheduler, self.adapters)
         self._arrivals = itertools.count()
+        # prefix-cache identity per adapter name: a new one for every registration, so a
+        # name registered again with other weights never hits the old version's blocks
+        self._cache_ids: dict[str, str] = {}
+        self._generations = itertools.count(1)
 
     # -- adapters and telemetry ----------------------------------------------------------------
 
     def load_adapter(self, name: str, path: str | Path) -> LoRAAdapterWeights:
         """Register a PEFT directory as `name` (validated and staged in host memory now)."""
-        return self.adapters.register(name, path)
+        weights = self.adapters.register(name, path)
+        self._retire_cache_id(name)
+        return weights
 
     def unload_adapter(self, name: str) -> None:
         """New requests for `name` are refused at once. Requests already queued or running
         finish on it; its weights (source, host copy, slot) go when the last one ends."""
         self.adapters.unregister(name)
+        self._retire_cache_id(name)
         self._release_unloaded()
+
+    def _retire_cache_id(self, name: str) -> None:
+        """`name`'s weights change or go: its cached prefixes are never hits again."""
+        old = self._cache_ids.pop(name, None)
+        if old is not None:
+            self.scheduler.prefix.forget(old)
+
+    def _cache_id(self, adapter: str | None) -> str:
+        if adapter is None:
+            return BASE_IDENTITY
+        return self._cache_ids.setdefault(adapter, f"{adapter}#{next(self._generations)}")
 
     def known_adapters(self) -> list[str]:
         return self.adapters.known()
@@ -114,8 +134,9 @@ class LLMEngine:
         self._check_request(prompt_ids, sampling, adapter)
         key = adapter if adapter is not None else (None if self.config.pin_base_slot else BASE_KEY)
         rid, prompt = request_id or f"req-{arrival}", list(prompt_ids)
+        cache_id = self._cache_id(adapter)
         seqs = [
-            Sequence(rid, prompt, sampling, adapter, arrival, key, index=i)
+            Sequence(rid, prompt, sampling, adapter, arrival, key, index=i, cache_id=cache_id)
             for i in range(sampling.n)
         ]
         SequenceGroup(seqs)
@@ -198,6 +219,7 @@ class LLMEngine:
         for seq, n in work:
             stats.prompt_tokens += seq.prompt_part(n)
             seq.num_computed += n
+            self.scheduler.prefix.commit(seq)
         outputs += self._emit(draw, *draw.read(values))
         outputs += self._end_scoring(sampled)
         self._release_unloaded()

@@ -7,6 +7,9 @@ adapter readiness. A waiting request whose adapter is not in a device slot
 requests, and every base request, are still admitted. A request skipped
 `aging_steps` times starves no longer: other adapters' requests are held
 back behind it (base requests are not) until its own adapter gets a slot.
+
+With prefix caching a waiting request starts after its longest cached prefix: those
+blocks are shared, not allocated, and cost KV budget only if nobody else holds them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 from replica.adapters.slot_pool import AdapterSlotPool
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
+from replica.engine.prefix_cache import PrefixCache
 from replica.engine.sequence import SeqStatus, Sequence
 
 
@@ -47,8 +51,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_loras_per_batch: int,
         aging_steps: int,
+        prefix_caching: bool = False,
     ) -> None:
         self.allocator, self.pool, self.block_size = allocator, pool, block_size
+        self.prefix = PrefixCache(allocator, block_size, prefix_caching)
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.max_loras, self.aging_steps = max_loras_per_batch, aging_steps
         self.waiting: list[Sequence] = []  # arrival order
@@ -89,24 +95,31 @@ class Scheduler:
         """Choices forking from `parent`'s prefill (its KV computed this step; each child
         holds its first token). Those that fit now (free blocks, max_num_seqs) run with
         copies of the parent's blocks; the others wait like preempted sequences and
-        recompute their prompt: never more blocks than are free. Returns the (src, dst)
-        block copies the executor must make."""
+        recompute their prompt: never more blocks than are free. A child shares the
+        parent's full blocks (they never change again) and gets a copy of its last, partly
+        filled one. Returns the (src, dst) block copies the executor must make."""
         src: list[int] = []
         dst: list[int] = []
+        full = parent.num_computed // self.block_size
+        shared, partial = parent.blocks[:full], parent.blocks[full:]
         for child in children:
-            need = len(parent.blocks)
-            if need > self.allocator.num_free or len(self.running) >= self.max_num_seqs:
+            if len(partial) > self.allocator.num_free or len(self.running) >= self.max_num_seqs:
                 child.status = SeqStatus.WAITING
                 self.waiting.append(child)
                 self.waiting.sort(key=lambda s: s.arrival)
                 continue
-            child.blocks = self.allocator.allocate(need)
+            self.allocator.share(shared)
+            copies = self.allocator.allocate(len(partial))
+            child.blocks = shared + copies
             child.num_computed = parent.num_computed
+            child.block_keys = list(parent.block_keys)
+            child.num_cached_blocks = min(parent.num_cached_blocks, full)
+            child.num_cached_tokens = parent.num_cached_tokens
             child.slot, child.status = parent.slot, SeqStatus.RUNNING
             self.pool.acquire(child.slot)
             self.running.append(child)
-            src += parent.blocks
-            dst += child.blocks
+            src += partial
+            dst += copies
         return src, dst
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -121,11 +134,16 @@ class Scheduler:
                 if seq.skips >= self.aging_steps and priority is None:
                     priority = seq.lora_key
                 continue  # skip, don't block
-            n = min(seq.num_pending, budget)
-            need = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.blocks)
-            if need > self.allocator.num_free:
+            hits = self.prefix.lookup(seq)  # a waiting sequence holds no blocks
+            cached = len(hits) * self.block_size
+            n = min(seq.num_tokens - cached, budget)
+            need = blocks_needed(cached + n, self.block_size) - len(hits)
+            if need + self.allocator.unreferenced(hits) > self.allocator.num_free:
                 return  # KV cache full: wait in arrival order rather than overcommit
-            seq.blocks += self.allocator.allocate(need)
+            self.allocator.share(hits)
+            seq.blocks = hits + self.allocator.allocate(need)
+            seq.num_computed = cached
+            self.prefix.admitted(seq, hits)
             self.pool.acquire(slot)
             seq.slot, seq.status = slot, SeqStatus.RUNNING
             self.waiting.remove(seq)
@@ -164,10 +182,11 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        """Free a sequence's KV and slot reference; it waits again and recomputes later."""
+        """Free a sequence's KV and slot reference; it waits again and recomputes later
+        (from what of it stayed cached)."""
         self.allocator.free(seq.blocks)
         self.pool.release(seq.slot)
-        seq.blocks, seq.num_computed = [], 0
+        seq.blocks, seq.num_computed, seq.num_cached_blocks = [], 0, 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.append(seq)

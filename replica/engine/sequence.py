@@ -27,6 +27,13 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
+    # prefix caching (engine/prefix_cache.py): what computed its K/V ("" = the base model,
+    # else one adapter version), the keys of its full blocks so far, how many of its blocks
+    # are cached, and how many prompt tokens its first admission found cached
+    cache_id: str = ""
+    block_keys: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, when finish_reason == "error"

@@ -56,6 +56,7 @@ class Telemetry:
             # leak checks (tests/reliability): all blocks free and no slot referenced when idle
             "kv_blocks_free": sched.allocator.num_free,
             "kv_blocks_total": sched.allocator.num_blocks,
+            "kv_blocks_cached": sched.allocator.num_cached,  # free ones counted in kv_blocks_free
             "slot_refs": sum(s.refs for s in pool.slots),
             "aborted": self.stats.aborted,
         }
@@ -75,5 +76,7 @@ class Telemetry:
             "load_wait_seconds": self.load_wait_seconds,
             "preemptions": self.scheduler.num_preemptions,
             "steps": stats.steps,
+            "prefix_queried_tokens": self.scheduler.prefix.queried_tokens,
+            "prefix_hit_tokens": self.scheduler.prefix.hit_tokens,
             "load_latencies_s": latencies,
         }

@@ -211,6 +211,7 @@ def _event(out: StepOutput) -> Reply:
         error=error,
         status=500 if error else None,
         num_prompt_tokens=len(seq.prompt_ids),
+        num_cached_tokens=seq.num_cached_tokens or 0,
         index=seq.index,
         logprobs=() if out.logprobs is None else (out.logprobs,),
         prompt_logprobs=out.prompt_logprobs,

@@ -71,6 +71,19 @@ class ReplicaMetrics:
             "lorafleet_replica_preemptions", "Sequences preempted for KV space (recomputed later)."
         )
         self.steps = total("lorafleet_replica_steps", "Engine steps that ran a batch.")
+        self.prefix_queried = total(
+            "lorafleet_replica_prefix_cache_queried_tokens",
+            "Tokens of requests looked up in the prefix cache on admission.",
+        )
+        self.prefix_hits = total(
+            "lorafleet_replica_prefix_cache_hit_tokens",
+            "Of the queried tokens, those found cached (not prefilled again); the hit rate "
+            "is hit / queried.",
+        )
+        self.kv_cached = gauge(
+            "lorafleet_replica_kv_blocks_cached",
+            "KV blocks holding a cached prefix (referenced or evictable).",
+        )
         self.load_latency = Histogram(
             "lorafleet_replica_adapter_load_seconds",
             "From the start of an adapter load to its slot being ready.",
@@ -91,5 +104,8 @@ class ReplicaMetrics:
         self.load_wait.set_total(telemetry["load_wait_seconds"])
         self.preemptions.set_total(telemetry["preemptions"])
         self.steps.set_total(telemetry["steps"])
+        self.prefix_queried.set_total(telemetry["prefix_queried_tokens"])
+        self.prefix_hits.set_total(telemetry["prefix_hit_tokens"])
+        self.kv_cached.set(residency["kv_blocks_cached"])
         for seconds in telemetry["load_latencies_s"]:
             self.load_latency.observe(seconds)

@@ -486,6 +486,7 @@ def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, cli
             and grew(after, "ray_lorafleet_replica_adapter_loads_total", None, 1)
             and grew(after, "ray_lorafleet_replica_adapter_loads_used_total", None, 1)
             and grew(after, "ray_lorafleet_replica_adapter_load_seconds_count", None, 1)
+            and grew(after, "ray_lorafleet_replica_prefix_cache_queried_tokens_total", None, 1)
             and after[(WAIT, None)] > before[(WAIT, None)]  # nothing else ran meanwhile
             and grew(after, DECISIONS, None, 3)
             and "base" in reasons

@@ -29,10 +29,10 @@ def lp(token: int, logprob: float, *top: tuple[int, float]) -> TokenLogprobs:
     return TokenLogprobs(token, logprob, tuple(top))
 
 
-def per_choice(tokens: dict[int, list[int]], logprobs: bool = False):
+def per_choice(tokens: dict[int, list[int]], logprobs: bool = False, cached: int = 0):
     """A replica script: choice i's tokens one per reply, choices interleaved, each
     choice's last reply finished ("length"); with logprobs, token t has logprob -t/10 and
-    one alternative (t + 1, -t/10 - 1)."""
+    one alternative (t + 1, -t/10 - 1); `cached` of the prompt's tokens were cached."""
 
     def script(request: GenerateRequest) -> list[Reply]:
         n = len(request.prompt_ids)
@@ -51,6 +51,7 @@ def per_choice(tokens: dict[int, list[int]], logprobs: bool = False):
                             finished=last,
                             finish_reason="length" if last else None,
                             num_prompt_tokens=n,
+                            num_cached_tokens=min(cached, n),
                             index=index,
                             logprobs=entries,
                         )
@@ -68,7 +69,7 @@ def streamed(client: TestClient, path: str, body: dict[str, Any]) -> list[dict]:
 
 
 def test_n_choices_come_back_by_index(client, replicas, tokenizer):
-    replicas.script = per_choice({0: [5, 6], 1: [7, 8, 9]})
+    replicas.script = per_choice({0: [5, 6], 1: [7, 8, 9]}, cached=1)
     r = client.post("/v1/completions", json={**COMPLETION, "n": 2, "seed": 3})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -82,11 +83,21 @@ def test_n_choices_come_back_by_index(client, replicas, tokenizer):
         "prompt_tokens": prompt_tokens,  # once: the choices share the prompt
         "completion_tokens": 5,
         "total_tokens": prompt_tokens + 5,
+        "prompt_tokens_details": {"cached_tokens": 1},  # the replica's prefix cache served 1
     }
 
 
+def test_a_stream_ends_with_the_usage_and_its_cached_tokens(client, replicas):
+    replicas.script = per_choice({0: [5, 6]}, cached=2)
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = streamed(client, "/v1/chat/completions", body)
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 2
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
 def test_batched_prompts_answer_one_choice_per_prompt_and_n(client, replicas, tokenizer):
-    replicas.script = per_choice({0: [5], 1: [6]})
+    replicas.script = per_choice({0: [5], 1: [6]}, cached=2)
     body = {**COMPLETION, "prompt": ["hello", "a longer prompt"], "n": 2}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -100,6 +111,7 @@ def test_batched_prompts_answer_one_choice_per_prompt_and_n(client, replicas, to
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] == len(first.prompt_ids) + len(second.prompt_ids)
     assert usage["completion_tokens"] == 4
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}  # 2 of each prompt
     r = client.post("/v1/completions", json={**COMPLETION, "prompt": [[3, 4], [11, 12, 13]]})
     assert len(r.json()["choices"]) == 2
     assert [q.prompt_ids for q in replicas.requests[2:]] == [[3, 4], [11, 12, 13]]

@@ -332,14 +332,16 @@ def test_n_greedy_choices_are_identical_to_n_1(tiny):
 
 @pytest.mark.parametrize("scarce", ["kv_blocks", "max_num_seqs"])
 def test_n_choices_finish_when_forks_must_wait(tiny, scarce):
-    # 10 + 8 tokens: 5 blocks of 4 per choice; 8 blocks fit one choice and a fork of its prompt
+    # 10 + 8 tokens: 5 blocks of 4 per choice. After the prefill choice 0 holds 3 blocks,
+    # 2 of them full (shared by the forks): each fork needs 1 block (a copy of the partly
+    # filled one), so with 5 blocks 2 of the 3 forks start and the third waits
     per_block = KVCache.bytes_per_block(make_engine(tiny).spec, 4, torch.float32)
-    kw = {"block_size": 4, "kv_cache_bytes": 8 * per_block}
+    kw = {"block_size": 4, "kv_cache_bytes": 5 * per_block}
     if scarce == "max_num_seqs":
         kw = {"max_num_seqs": 2}
     eng = make_engine(tiny, **kw)
     prompt = prompts(7, 10)[0]
-    sp = SEEDED.model_copy(update={"max_tokens": 8, "logprobs": None})
+    sp = SEEDED.model_copy(update={"max_tokens": 8, "logprobs": None, "n": 4})
     seq = eng.add_request(prompt, sp, None)
     while not seq.group.forked:
         eng.step()

@@ -138,6 +138,19 @@ class TestDemoModel:
         (got,) = two.generate([(prompt, greedy, adapter)])
         assert [c.output_ids for c in got.choices] == [want.output_ids] * 3
 
+    def test_cached_prefixes_are_read_on_every_rank(self, demo, engines):
+        """Requests sharing a 40-token prefix under one adapter and the base, one per
+        step: the later ones start after the cached blocks, which every rank holds (rank
+        0's block tables are every rank's); a rank without them would decode otherwise."""
+        one, two = engines
+        adapter = list(demo.adapters)[2]
+        prefix, *suffixes = prompts(one.spec.vocab_size, (40, 3, 5, 7, 2))
+        reqs = [(prefix + s, GREEDY, m) for s in suffixes for m in (adapter, None)]
+        before = two.scheduler.prefix.hit_tokens
+        out = staggered(two, reqs)
+        assert out == staggered(one, reqs)
+        assert two.scheduler.prefix.hit_tokens - before == 6 * 32  # 3 pairs hit 2 blocks
+
     def test_each_rank_stages_and_holds_only_its_shard(self, demo, engines):
         _, two = engines
         one_token = SamplingParams(temperature=0, max_tokens=1)
