@@ -60,6 +60,7 @@ def build_app(args: dict[str, Any]) -> Application:
             "load_bound_floor": config.load_bound_floor,
             # stats reach the router within a period or two: remember placements that long
             "placement_memory_s": 2 * config.routing_stats_period_s,
+            "prefix_affinity_tokens": config.prefix_affinity_tokens,
         }
     router_config = RequestRouterConfig(**routing)
     replicas = LoRAReplica.options(

@@ -58,6 +58,13 @@ class AppConfig(IngressOptions):
     load_bound_floor: int = Field(
         4, ge=0, description="Affinity keeps a replica whose queue is under this many requests."
     )
+    prefix_affinity_tokens: int = Field(
+        16,
+        ge=0,
+        description="Affinity routing also keeps prompt prefixes together: requests whose "
+        "first this-many prompt tokens (and model) agree go to the same replica, where that "
+        "prefix is cached, within the load bound. 0 turns it off.",
+    )
     routing_stats_period_s: float = Field(
         1.0, gt=0, description="How often replicas publish residency and load to the router."
     )

@@ -16,8 +16,16 @@ its requests by load. Host memory is large (on CPU every replica soon holds most
 adapters there), so host holders are taken in hash order: by load they would scatter
 every cold adapter over every replica's slots. The floor keeps affinity when queues
 are short: a replica batches a few requests at no cost, while moving them means
-loading the adapter somewhere else. Base-model requests need no adapter: least loaded
-of two random replicas.
+loading the adapter somewhere else.
+
+Prefixes (replicas cache the K/V of prompt prefixes per adapter version): a request's
+prefix key hashes its model and its first `prefix_affinity_tokens` prompt tokens (a
+shared system prompt, a conversation's start). A base-model request with a key goes to
+the key's HRW home within the load bound, then the next in that order, so requests
+sharing a prefix find it cached; without one (a short prompt, or the option at 0), the
+less loaded of two random replicas. An adapter request with a key takes the replicas
+holding its adapter on device in the key's HRW order, one rank each, so a hot adapter on
+several replicas keeps each prefix on one of them.
 
 Replicas publish residency and queue length through `record_routing_stats` (a
 wire.RoutingStats, up to one period stale); the router also counts the requests it
@@ -67,18 +75,51 @@ def hrw_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
     return sorted(replica_ids, key=score, reverse=True)
 
 
-def rank_for_adapter(
-    adapter: str, replicas: Sequence[ReplicaView], epsilon: float, floor: int = 0
-) -> list[list[str]]:
-    """Ranked replica ids for a request of `adapter` (see the module docstring)."""
-    if not replicas:
-        return []
+def prefix_key(request: GenerateRequest, tokens: int) -> str | None:
+    """The request's model (adapter version or base) and its first `tokens` prompt token
+    ids, hashed; None when the prompt is shorter (or tokens is 0: prefix affinity off)."""
+    if tokens <= 0 or len(request.prompt_ids) < tokens:
+        return None
+    model = "" if request.adapter is None else str(request.adapter)
+    data = f"{model}\0{request.prompt_ids[:tokens]}".encode()
+    return "prefix:" + hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _under_bound(replicas: Sequence[ReplicaView], epsilon: float, floor: int) -> list[ReplicaView]:
+    """Replicas a request may go to by preference: load + 1 within the bound."""
     total = sum(r.load for r in replicas)
     bound = max(floor, math.ceil((1 + epsilon) * (total + 1) / len(replicas)))
-    ok = {r.id: r for r in replicas if r.load + 1 <= bound}
+    return [r for r in replicas if r.load + 1 <= bound]
+
+
+def rank_for_prefix(
+    key: str, replicas: Sequence[ReplicaView], epsilon: float, floor: int = 0
+) -> list[list[str]]:
+    """Ranked replica ids for a base-model request with a prefix key: those under the load
+    bound in the key's HRW order, one per rank, then every replica."""
+    if not replicas:
+        return []
+    ok = [r.id for r in _under_bound(replicas, epsilon, floor)]
+    everyone = [r.id for r in sorted(replicas, key=lambda r: r.load)]
+    return [*([rid] for rid in hrw_order(key, ok)), everyone]
+
+
+def rank_for_adapter(
+    adapter: str,
+    replicas: Sequence[ReplicaView],
+    epsilon: float,
+    floor: int = 0,
+    prefix: str | None = None,
+) -> list[list[str]]:
+    """Ranked replica ids for a request of `adapter` (see the module docstring); with a
+    prefix key, the device holders one rank each in the key's HRW order."""
+    if not replicas:
+        return []
+    ok = {r.id: r for r in _under_bound(replicas, epsilon, floor)}
     device = [
         r.id for r in sorted(ok.values(), key=lambda r: r.load) if adapter in r.device_adapters
     ]
+    device_ranks = [device] if prefix is None else [[rid] for rid in hrw_order(prefix, device)]
     home = {rid: i for i, rid in enumerate(hrw_order(adapter, list(ok)))}
 
     def cost(rid: str) -> tuple[bool, bool, int]:  # what a load there costs, then HRW order
@@ -87,7 +128,7 @@ def rank_for_adapter(
 
     others = sorted((rid for rid in ok if rid not in device), key=cost)
     everyone = [r.id for r in sorted(replicas, key=lambda r: r.load)]
-    return [rank for rank in [device, *([rid] for rid in others), everyone] if rank]
+    return [rank for rank in [*device_ranks, *([rid] for rid in others), everyone] if rank]
 
 
 def routing_reason(adapter: str | None, views: Sequence[ReplicaView], chosen: str) -> str:
@@ -150,9 +191,11 @@ class AdapterAffinityRouter(RequestRouter):
         load_bound_epsilon: float = 0.25,
         load_bound_floor: int = 4,
         placement_memory_s: float = 2.0,
+        prefix_affinity_tokens: int = 0,
     ) -> None:
         self.epsilon = load_bound_epsilon
         self.floor = load_bound_floor
+        self.prefix_tokens = prefix_affinity_tokens
         self._in_flight: dict[str, set[str]] = {}  # replica id -> internal request ids
         self._placed = PlacementMemory(placement_memory_s)
         # internal request id -> (adapter, views) of its latest ranking, until it is routed
@@ -190,17 +233,21 @@ class AdapterAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        adapter = _adapter_of(pending_request)
-        if adapter is None:
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        request = _request_of(pending_request)
+        adapter = None if request is None or request.adapter is None else request.adapter.name
+        key = None if request is None else prefix_key(request, self.prefix_tokens)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        now = time.monotonic()
-        views = [self._placed.view(self._view(r), now) for r in candidate_replicas]
-        self._remember(pending_request, adapter, views)
-        return [
-            [by_id[i] for i in rank]
-            for rank in rank_for_adapter(adapter, views, self.epsilon, self.floor)
-        ]
+        if adapter is None:
+            if key is None:
+                return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+            views = [self._view(r) for r in candidate_replicas]
+            ranks = rank_for_prefix(key, views, self.epsilon, self.floor)
+        else:
+            now = time.monotonic()
+            views = [self._placed.view(self._view(r), now) for r in candidate_replicas]
+            self._remember(pending_request, adapter, views)
+            ranks = rank_for_adapter(adapter, views, self.epsilon, self.floor, key)
+        return [[by_id[i] for i in rank] for rank in ranks]
 
     def _remember(
         self, pending: PendingRequest | None, adapter: str, views: list[ReplicaView]
@@ -219,10 +266,10 @@ class AdapterAffinityRouter(RequestRouter):
         return ReplicaView(rid, load, stats.device_adapters, stats.host_adapters, stats.free_slots)
 
 
-def _adapter_of(pending: PendingRequest | None) -> str | None:
-    """The adapter name a generate call asks for; None for the base model (and for calls
-    that are not generations, which need no affinity)."""
+def _request_of(pending: PendingRequest | None) -> GenerateRequest | None:
+    """The GenerateRequest of a generate call; None for calls that are not generations
+    (they need no affinity)."""
     args = pending.args if pending is not None else ()
-    if args and isinstance(args[0], GenerateRequest) and args[0].adapter is not None:
-        return args[0].adapter.name
+    if args and isinstance(args[0], GenerateRequest):
+        return args[0]
     return None

@@ -3,8 +3,11 @@
 engine.py           LLMEngine: requests in, StepOutputs out, one step at a time
 scheduler.py        continuous batching under token, KV, adapter-count and readiness budgets
 sequence.py         a request as the engine tracks it
+step_draw.py        what a step draws and reads back from the device
+structured.py       structured output: grammar matchers and bitmasks
 planner.py          scheduled sequences -> a BatchPlan of host ints (no tensors)
-block_allocator.py  which KV blocks are free (host-only)
+block_allocator.py  KV blocks: reference counts, free list, cached blocks (host-only)
+prefix_cache.py     prefix caching: block keys per adapter version, hits, commits
 telemetry.py        counters, the residency snapshot for routing, metrics telemetry
 
 May import: executor, adapters, model (the sampler), and the shared modules. The

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import collections
 
+from replica.wire import AdapterKey, GenerateRequest, SamplingParams
 from router.affinity import (
     PlacementMemory,
     ReplicaView,
     hrw_order,
+    prefix_key,
     rank_for_adapter,
+    rank_for_prefix,
     routing_reason,
 )
 
@@ -137,3 +140,41 @@ def test_routing_reasons() -> None:
 
 def test_no_replicas() -> None:
     assert rank_for_adapter("a", [], 0.25) == []
+
+
+def request(prompt: list[int], adapter: str | None = None, version: int = 1) -> GenerateRequest:
+    key = None if adapter is None else AdapterKey(adapter, version)
+    return GenerateRequest(key, prompt, SamplingParams(), "r")
+
+
+def test_prefix_keys_name_the_model_and_the_first_tokens() -> None:
+    head = list(range(3, 19))
+    key = prefix_key(request(head + [40, 41]), 16)
+    assert key == prefix_key(request(head + [50]), 16)  # the rest of the prompt is not in it
+    assert key != prefix_key(request([4, *head[1:], 40]), 16)
+    assert key != prefix_key(request(head, "a"), 16) != prefix_key(request(head, "a", 2), 16)
+    assert prefix_key(request(head[:15]), 16) is None  # too short to share a cached block
+    assert prefix_key(request(head), 0) is None  # prefix affinity off
+
+
+def test_base_requests_sharing_a_prefix_go_to_its_home_within_the_bound() -> None:
+    keys = [prefix_key(request([i, *range(3, 18)]), 16) for i in range(200)]
+    homes = [rank_for_prefix(k, views(), 0.25)[0] for k in keys]
+    assert homes == [rank_for_prefix(k, views(), 0.25)[0] for k in keys]  # stable
+    assert min(collections.Counter(h[0] for h in homes).values()) > 25  # prefixes spread
+    key = keys[0]
+    home = hrw_order(key, IDS)[0]
+    ranks = rank_for_prefix(key, views(), 0.25, 4)
+    assert [r[0] for r in ranks[:4]] == hrw_order(key, IDS) and sorted(ranks[-1]) == IDS
+    busy = views(loads=tuple(9 if rid == home else 0 for rid in IDS))
+    assert home not in rank_for_prefix(key, busy, 0.25, 4)[0]  # past the bound: the next
+
+
+def test_a_hot_adapter_on_several_replicas_keeps_each_prefix_on_one() -> None:
+    state = views(loads=(2, 1, 0, 0), device={"r0": {"a"}, "r1": {"a"}})
+    keys = [prefix_key(request([i, *range(3, 18)], "a"), 16) for i in range(40)]
+    firsts = {rank_for_adapter("a", state, 0.25, 4, k)[0][0] for k in keys}
+    assert firsts == {"r0", "r1"}  # prefixes split over the holders, not by load
+    for k in keys:
+        ranks = rank_for_adapter("a", state, 0.25, 4, k)
+        assert ranks[:2] == [[r] for r in hrw_order(k, ["r1", "r0"])]
