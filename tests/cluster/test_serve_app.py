@@ -316,6 +316,19 @@ def test_streaming_equals_non_streaming(cluster, client):
     assert len("".join(d.content or "" for d in deltas)) > 0
 
 
+@pytest.mark.parametrize("model", ["tiny-base", "adapter-04"])
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(cluster, client, model):
+    """Two replicas: the router sends both requests where the prefix is (its hash home
+    for the base, the adapter's replica), and the second prefills only what follows
+    the cached blocks (16 tokens each): the usage says so and the output is the same."""
+    prompt = [100 + (7 * i + len(model)) % 150 for i in range(60)]
+    kwargs = dict(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    first, second = (client.completions.create(**kwargs) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 48  # 3 blocks, 59 asked
+    assert second.choices[0].text == first.choices[0].text
+
+
 def test_stop_string_cuts_the_output(cluster, client):
     full = (
         client.completions.create(
