@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench import engine as bench_engine
     from cluster.bench import http as bench_http
     from cluster.bench import kernels as bench_kernels
+    from cluster.bench import prefix as bench_prefix
     from cluster.bench import suite as bench_suite
 
     p = bench.add_parser("http", help="HTTP load against a running server (OpenAI API).")
@@ -146,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_suite.add_arguments(p)
     p.set_defaults(func=bench_suite.run)
+
+    p = bench.add_parser(
+        "prefix", help="Start the demo cluster; the prefix cache on and off, 1 and 2 replicas."
+    )
+    bench_prefix.add_arguments(p)
+    p.set_defaults(func=bench_prefix.run)
 
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)

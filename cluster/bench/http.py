@@ -4,6 +4,12 @@ The client side of a serving benchmark: it sees what a user sees (TTFT, inter-to
 latency, end-to-end time over streamed SSE) and reads the server's adapter-load counters
 before and after, so a routing or caching change shows up as fewer loads per request.
 `--json PATH` writes every figure printed.
+
+Two scenarios share prompt prefixes, for the prefix cache: shared-prefix (each adapter
+has its own long system prompt, each request adds a unique user message) and multi-turn
+(conversations whose every turn repeats the previous turn's prompt and answer). Each
+request records the usage's prompt_tokens and prompt_tokens_details.cached_tokens; the
+summary's prefix_hit_rate is their ratio, the server's from its prefix counters.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import numpy as np
 
 from cluster.bench.stats import PERCENTILES, ms, percentiles
 
-SCENARIOS = ("uniform", "zipf", "distinct", "bursty", "mixed-base")
+SCENARIOS = ("uniform", "zipf", "distinct", "bursty", "mixed-base", "shared-prefix", "multi-turn")
 API_KEY_ENV = "LORAFLEET_API_KEY"
+PREFIX_COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens")  # replica telemetry
 MAX_ERRORS_SHOWN = 5
 
 # Short common words: with a leading space most tokenizers make each one a single token,
@@ -39,6 +46,17 @@ WORDS = (
     "long make thing see him two has look more day could go come did number sound no most "
     "people my over know water than call first who may down side been now find"
 ).split()
+
+# The prefix scenarios' words: those of WORDS that the demo tokenizer keeps as one token
+# with a leading space (a test checks it; of all of WORDS it makes ~1.6 tokens a word), as
+# common BPE vocabularies do, so that N of them are N tokens and --prefix-tokens is tokens.
+ONE_TOKEN_WORDS = (
+    "the of and to in is was for on are with as be at have this from or had by but what we "
+    "can out other were all there when up use said an time if way about write so long make "
+    "see has look more day go come number no people know water call first find"
+).split()
+PROMPT_TOKENS = 128  # the default prompt length; shared-prefix: SUFFIX_TOKENS after the prefix
+SUFFIX_TOKENS = 32
 
 
 class BenchError(Exception):
@@ -57,12 +75,14 @@ class LoadOptions:
     phases: int = 4  # bursty only: the adapters split into this many disjoint sets
     phase_requests: int = 32  # bursty only: requests in a row drawn from one set
     rate: float | None = None  # Poisson arrivals per second; None: closed loop at `concurrency`
-    concurrency: int = 16
-    num_requests: int | None = 256
+    concurrency: int = 16  # multi-turn: conversations in flight
+    num_requests: int | None = 256  # multi-turn: turns
     warmup_requests: int = 0  # sent first, same scenario; not measured, loads not counted
     duration_s: float | None = None  # stop issuing after this long
     grace_s: float = 10.0  # after duration_s, requests still running get this long, then cancel
-    prompt_tokens: int = 128
+    prompt_tokens: int | None = None  # None: SUFFIX_TOKENS for shared-prefix, else PROMPT_TOKENS
+    prefix_tokens: int = 1000  # shared-prefix: words (~tokens) of each adapter's system prompt
+    turns: int = 4  # multi-turn: turns per conversation, each sent when the last one answered
     max_tokens: int = 64
     seed: int = 0
     timeout_s: float = 300.0  # per request, start to [DONE]
@@ -73,6 +93,9 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
             raise BenchError(f"unknown scenario {self.scenario!r}; choose from {SCENARIOS}")
+        if self.prompt_tokens is None:
+            shared = self.scenario == "shared-prefix"
+            self.prompt_tokens = SUFFIX_TOKENS if shared else PROMPT_TOKENS
         if self.num_requests is None and self.duration_s is None:
             raise BenchError("give num_requests or duration_s: a load run must be bounded")
         if not 0.0 <= self.base_fraction <= 1.0:
@@ -87,6 +110,10 @@ class LoadOptions:
             raise BenchError(f"warmup_requests {self.warmup_requests} must not be negative")
         if self.adapters is not None and self.adapters < 0:
             raise BenchError(f"adapters {self.adapters} must not be negative")
+        if self.prefix_tokens < 1 or self.turns < 1:
+            raise BenchError("prefix_tokens and turns must be at least 1")
+        if self.scenario == "multi-turn" and self.rate is not None:
+            raise BenchError("multi-turn runs closed loop (--concurrency conversations)")
 
 
 @dataclass
@@ -103,6 +130,11 @@ class RequestRecord:
     status: int | None = None
     error: str | None = None
     cancelled: bool = False  # still running at duration_s + grace_s
+    prompt_tokens: int | None = None  # the usage's; None: the server sent no usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not sent
+    conversation: int | None = None  # multi-turn: which conversation, which turn (from 0)
+    turn: int | None = None
+    context_tokens: int | None = None  # multi-turn: the previous turn's prompt_tokens (turn 0: 0)
 
     @property
     def ok(self) -> bool:
@@ -143,7 +175,9 @@ class LoadResult:
 
 def _server_side(counters: dict[str, dict[str, float]] | None) -> dict:
     """Adapter loads per replica and in all; the shares of adapter requests that found their
-    adapter in a device slot or in host memory on arrival; step time blocked on loads."""
+    adapter in a device slot or in host memory on arrival; step time blocked on loads; the
+    share of prompt tokens looked up in the prefix cache that it held (None where the
+    replicas report no prefix counters)."""
     if counters is None:
         return {"adapter_loads": {"total": None, "per_replica": None}, "server": None}
     loads = {rid: int(c["adapter_loads"]) for rid, c in counters.items()}
@@ -151,12 +185,16 @@ def _server_side(counters: dict[str, dict[str, float]] | None) -> dict:
         k: sum(c.get(k, 0) for c in counters.values()) for k in next(iter(counters.values()), {})
     }
     lookups = sum(total.get(f"lookups_{t}", 0) for t in ("device", "host", "miss"))
+    queried = total.get("prefix_queried_tokens")
     return {
         "adapter_loads": {"total": sum(loads.values()), "per_replica": loads},
         "server": {
             "device_hit_rate": total.get("lookups_device", 0) / lookups if lookups else None,
             "host_hit_rate": total.get("lookups_host", 0) / lookups if lookups else None,
             "load_wait_s": total.get("load_wait_s", 0.0),
+            "prefix_queried_tokens": queried,
+            "prefix_hit_tokens": total.get("prefix_hit_tokens"),
+            "prefix_hit_rate": total.get("prefix_hit_tokens", 0) / queried if queried else None,
         },
     }
 
@@ -173,8 +211,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Use the first N registered adapters by name (default: all).")  # fmt: skip
     p.add_argument("--scenario", choices=SCENARIOS,
                    help="Which model each request names: uniform over adapters, zipf-skewed, "
-                        "distinct (round-robin), bursty (phases of disjoint adapter sets), or "
-                        f"mixed-base (default {d.scenario}).")  # fmt: skip
+                        "distinct (round-robin), bursty (phases of disjoint adapter sets), "
+                        "mixed-base; or, for the prefix cache, shared-prefix (uniform, each "
+                        "adapter's own system prompt before a unique message) or multi-turn "
+                        "(conversations on one adapter each, every turn the previous prompt "
+                        f"+ answer + a new message) (default {d.scenario}).")  # fmt: skip
+    p.add_argument("--prefix-tokens", type=int,
+                   help=f"shared-prefix: each adapter's system prompt length (default "
+                        f"{d.prefix_tokens}).")  # fmt: skip
+    p.add_argument("--turns", type=int,
+                   help=f"multi-turn: turns per conversation (default {d.turns}).")  # fmt: skip
     p.add_argument("--phases", type=int,
                    help=f"bursty: disjoint adapter sets (default {d.phases}).")  # fmt: skip
     p.add_argument("--phase-requests", type=int,
@@ -190,11 +236,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arrivals = p.add_mutually_exclusive_group()
     arrivals.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s.")
     arrivals.add_argument("--concurrency", type=int,
-                          help=f"Closed loop: C requests in flight (default {d.concurrency}, "
-                               "used when --rate is not given).")  # fmt: skip
+                          help=f"Closed loop: C requests (multi-turn: conversations) in flight "
+                               f"(default {d.concurrency}, used when --rate is not "
+                               "given).")  # fmt: skip
     p.add_argument("--num-requests", type=int,
-                   help=f"Requests to send (default {d.num_requests}; unbounded when only "
-                        "--duration-s is given).")  # fmt: skip
+                   help=f"Requests (multi-turn: turns) to send (default {d.num_requests}; "
+                        "unbounded when only --duration-s is given).")  # fmt: skip
     p.add_argument("--duration-s", type=float, help="Stop issuing requests after this long.")
     p.add_argument("--warmup-requests", type=int,
                    help="Send this many requests of the same scenario first, unmeasured: adapter "
@@ -203,9 +250,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-s", type=float,
                    help=f"After --duration-s, cancel requests still running after this long "
                         f"(default {d.grace_s}).")  # fmt: skip
-    p.add_argument(
-        "--prompt-tokens", type=int, help=f"Approximate prompt length (default {d.prompt_tokens})."
-    )
+    p.add_argument("--prompt-tokens", type=int,
+                   help=f"Approximate prompt length; shared-prefix: the message after the "
+                        f"prefix, multi-turn: each turn's message (default {PROMPT_TOKENS}, "
+                        f"shared-prefix {SUFFIX_TOKENS}).")  # fmt: skip
     p.add_argument(
         "--max-tokens", type=int, help=f"Output tokens per request (default {d.max_tokens})."
     )
@@ -271,14 +319,15 @@ async def run_load(options: LoadOptions) -> LoadResult:
     ) as client:
         base, adapters = await discover_models(client, url, options.adapters)
         pick = request_picker(options, base, adapters)
+        drive = _drive_conversations if options.scenario == "multi-turn" else _drive
         warmup: list[RequestRecord] = []
         if options.warmup_requests:
             warm = replace(options, num_requests=options.warmup_requests, duration_s=None)
-            warmup = await _drive(client, url, warm, pick, base)
+            warmup = await drive(client, url, warm, pick, base)
             await asyncio.sleep(options.stats_settle_s)  # the warm-up's loads reach the counters
         before = await read_replica_counters(client, url)
         start = time.perf_counter()
-        records = await _drive(client, url, options, pick, base, first_index=len(warmup))
+        records = await drive(client, url, options, pick, base, first_index=len(warmup))
         wall = time.perf_counter() - start
         counters = None
         if before is not None:
@@ -313,7 +362,9 @@ async def read_replica_counters(
     client: httpx.AsyncClient, url: str
 ) -> dict[str, dict[str, float]] | None:
     """Cumulative counters per replica (adapter loads; where arriving adapter requests found
-    their adapter; step time blocked on loads); None where the server does not expose them."""
+    their adapter; step time blocked on loads; prompt tokens looked up in the prefix cache
+    and found there, where the replicas count them); None where the server does not expose
+    them."""
     try:
         r = await client.get(f"{url}/v1/lorafleet/stats")
         if r.status_code != 200:
@@ -326,6 +377,7 @@ async def read_replica_counters(
                 "adapter_loads": int(s.get("adapter_loads", 0)),
                 **{f"lookups_{tier}": lookups.get(tier, 0) for tier in ("device", "host", "miss")},
                 "load_wait_s": t.get("load_wait_seconds", 0.0),
+                **{k: t[k] for k in PREFIX_COUNTERS if k in t},
             }
         return counters
     except (httpx.HTTPError, ValueError, KeyError, AttributeError):
@@ -348,7 +400,7 @@ def request_picker(options: LoadOptions, base: str, adapters: list[str]) -> Call
     if not adapters and not (scenario == "mixed-base" and options.base_fraction == 1.0):
         raise BenchError(f"scenario {scenario!r} needs at least one adapter")
     rng = random.Random(options.seed)
-    if scenario == "uniform":
+    if scenario in ("uniform", "shared-prefix", "multi-turn"):  # multi-turn: i a conversation
         return lambda i: rng.choice(adapters)
     if scenario == "zipf":
         weights = [1.0 / (k + 1) ** options.zipf_alpha for k in range(len(adapters))]
@@ -365,6 +417,53 @@ def build_prompt(i: int, n_tokens: int, seed: int) -> str:
     """About n_tokens words; request i's own words from the start, so no prefix is cached."""
     rng = random.Random(f"{seed}-{i}")
     return f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(max(0, n_tokens - 2)))
+
+
+def _one_token_words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(ONE_TOKEN_WORDS) for _ in range(n))
+
+
+def system_prompt(model: str, n_tokens: int, seed: int) -> str:
+    """The model's own system prompt of n_tokens one-token words (plus "System:"): the same
+    for every request naming the model, another for each model."""
+    return f"System: {_one_token_words(random.Random(f'{seed}-system-{model}'), n_tokens)}"
+
+
+def user_message(tag: str, n_tokens: int, seed: int) -> str:
+    """One user turn of about n_tokens words, unique to its tag, ending where the answer
+    starts."""
+    words = _one_token_words(random.Random(f"{seed}-user-{tag}"), max(0, n_tokens - 2))
+    return f"User: {tag}: {words}\nAssistant:"
+
+
+def shared_prefix_prompt(model: str, i: int, options: LoadOptions) -> str:
+    """shared-prefix request i: the model's system prompt, then a user message of its own
+    after a newline (BPE pre-tokenizers split there, so the system prompt's tokens are the
+    same in every request naming the model)."""
+    prefix = system_prompt(model, options.prefix_tokens, options.seed)
+    return f"{prefix}\n{user_message(str(i), options.prompt_tokens, options.seed)}"
+
+
+def next_turn_prompt(previous_prompt: str, previous_answer: str, message: str) -> str:
+    """A multi-turn turn's prompt: the previous turn's prompt and answer, exactly as sent
+    and streamed, a newline, the new user message; the first turn's is the message alone.
+
+    So the previous prompt is a prefix of this one, and its tokens are too: it ends in
+    "Assistant:", where BPE pre-tokenizers end a word whatever the answer starts with. The
+    answer's text, tokenized again, need not give the ids the model generated (with the
+    demo tokenizer, 10 of 300 random 32-token outputs did): the engine's cached blocks of
+    generated tokens then miss, and what a turn can reuse is the previous prompt. The
+    summary's previous_prompt_share is that prefix's share of the prompt tokens."""
+    if not previous_prompt:
+        return message
+    return f"{previous_prompt}{previous_answer}\n{message}"
+
+
+def request_prompt(options: LoadOptions, model: str, i: int) -> str:
+    """The prompt of request i (every scenario but multi-turn, which builds its turns)."""
+    if options.scenario == "shared-prefix":
+        return shared_prefix_prompt(model, i, options)
+    return build_prompt(i, options.prompt_tokens, options.seed)
 
 
 async def _drive(
@@ -398,11 +497,58 @@ async def _drive(
         model = pick(i)
         record = RequestRecord(i, model, model == base)
         records.append(record)
-        task = asyncio.create_task(_send(client, url, options, record))
+        prompt = request_prompt(options, model, i)
+        task = asyncio.create_task(_send(client, url, options, record, prompt))
         if slots is not None:
             task.add_done_callback(lambda _: slots.release())
         tasks.append(task)
     await _wind_down(tasks, deadline + options.grace_s)
+    return records
+
+
+async def _drive_conversations(
+    client: httpx.AsyncClient,
+    url: str,
+    options: LoadOptions,
+    pick: Callable[[int], str],
+    base: str,
+    first_index: int = 0,
+) -> list[RequestRecord]:
+    """multi-turn: `concurrency` conversations at a time, each of `turns` turns sent one
+    after the other (a turn when the previous one's stream has ended), on one model each.
+    num_requests counts turns; duration_s stops new turns. Request indices and
+    conversation numbers start at first_index (a warm-up's conversations had fewer)."""
+    deadline = time.perf_counter() + (
+        options.duration_s if options.duration_s is not None else float("inf")
+    )
+    left = [options.num_requests if options.num_requests is not None else float("inf")]
+    conversations, indices = itertools.count(first_index), itertools.count(first_index)
+    records: list[RequestRecord] = []
+
+    async def converse() -> None:
+        # bounded: every conversation takes at least one turn from `left`
+        while left[0] > 0 and time.perf_counter() < deadline:
+            conversation = next(conversations)
+            model = pick(conversation)
+            prompt, answer, context = "", "", 0
+            for turn in range(options.turns):
+                if left[0] <= 0 or time.perf_counter() >= deadline:
+                    return
+                left[0] -= 1
+                record = RequestRecord(next(indices), model, model == base,
+                                       conversation=conversation, turn=turn,
+                                       context_tokens=context)  # fmt: skip
+                records.append(record)
+                message = user_message(f"{conversation}.{turn}", options.prompt_tokens,
+                                       options.seed)  # fmt: skip
+                prompt = next_turn_prompt(prompt, answer, message)
+                answer = await _send(client, url, options, record, prompt)
+                if not record.ok:
+                    break  # no answer to go on from: a new conversation
+                context = record.prompt_tokens
+
+    workers = [asyncio.create_task(converse()) for _ in range(options.concurrency)]
+    await _wind_down(workers, deadline + options.grace_s)
     return records
 
 
@@ -434,11 +580,12 @@ async def _wind_down(tasks: list[asyncio.Task], cutoff: float) -> None:
 
 
 async def _send(
-    client: httpx.AsyncClient, url: str, options: LoadOptions, record: RequestRecord
-) -> None:
+    client: httpx.AsyncClient, url: str, options: LoadOptions, record: RequestRecord, prompt: str
+) -> str:
+    """One request into its record; the answer's text ("" when it failed)."""
     body = {
         "model": record.model,
-        "prompt": build_prompt(record.index, options.prompt_tokens, options.seed),
+        "prompt": prompt,
         "max_tokens": options.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -446,28 +593,30 @@ async def _send(
         "stream_options": {"include_usage": True},
     }
     try:
-        await asyncio.wait_for(_stream(client, f"{url}/v1/completions", body, record),
-                               options.timeout_s)  # fmt: skip
+        return await asyncio.wait_for(_stream(client, f"{url}/v1/completions", body, record),
+                                      options.timeout_s)  # fmt: skip
     except asyncio.CancelledError:
         record.cancelled = True
         raise
     except asyncio.TimeoutError:
         record.error = f"timeout after {options.timeout_s} s"
-    except (httpx.HTTPError, ValueError, KeyError) as e:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         record.error = f"{type(e).__name__}: {e}"
+    return ""
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> None:
-    """One streamed completion, timed chunk by chunk into the record."""
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> str:
+    """One streamed completion, timed chunk by chunk into the record; its text."""
     t0 = time.perf_counter()
     text_times: list[float] = []
+    texts: list[str] = []
     usage_tokens = None
     async with client.stream("POST", url, json=body) as r:
         record.status = r.status_code
         if r.status_code != 200:
             await r.aread()
             record.error = f"HTTP {r.status_code}: {_error_message(r)}"
-            return
+            return ""
         async for line in r.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -478,20 +627,27 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
             chunk = json.loads(data)
             if "error" in chunk:  # after the 200 header, errors come as an event
                 record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
-                return
+                return ""
             if chunk.get("usage"):
-                usage_tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                usage_tokens = usage["completion_tokens"]
+                record.prompt_tokens = usage.get("prompt_tokens")
+                record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens"
+                )
             choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 text_times.append(time.perf_counter())
+                texts.append(choices[0]["text"])
     if record.e2e_s is None:
         record.error = "the stream ended without [DONE]"
-        return
+        return ""
     if text_times:
         record.ttft_s = text_times[0] - t0
         record.itl_s = np.diff(text_times).tolist()
     # Servers that ignore include_usage: count text chunks instead.
     record.output_tokens = usage_tokens if usage_tokens is not None else len(text_times)
+    return "".join(texts)
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -508,6 +664,18 @@ def _group(records: list[RequestRecord], wall_s: float) -> dict:
     ok = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     return {
+        **_group_head(records, ok, tokens, wall_s),
+        **prefix_figures(ok),
+        **percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
+        **percentiles([gap for r in ok for gap in r.itl_s], "itl"),
+        **percentiles([r.e2e_s for r in ok], "e2e"),
+    }
+
+
+def _group_head(
+    records: list[RequestRecord], ok: list[RequestRecord], tokens: int, wall_s: float
+) -> dict:
+    return {
         "requests": len(records),
         "ok": len(ok),
         "failed": sum(r.error is not None for r in records),
@@ -515,9 +683,27 @@ def _group(records: list[RequestRecord], wall_s: float) -> dict:
         "output_tokens": tokens,
         "req_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "output_tok_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-        **percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
-        **percentiles([gap for r in ok for gap in r.itl_s], "itl"),
-        **percentiles([r.e2e_s for r in ok], "e2e"),
+    }
+
+
+def prefix_figures(records: list[RequestRecord]) -> dict:
+    """The prefix cache as the client saw it: prompt and cached tokens summed over the
+    requests whose usage gave both, and prefix_hit_rate = cached / prompt (None where no
+    usage carried cached_tokens: a server without prefix caching may leave the field out).
+    previous_prompt_share (multi-turn): the previous turns' prompt tokens over the prompt
+    tokens, what reusing exactly the previous prompts would reach, block rounding aside."""
+    counted = [r for r in records if r.prompt_tokens is not None and r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in counted)
+    cached = sum(r.cached_tokens for r in counted)
+    turns = [r for r in records if r.context_tokens is not None and r.prompt_tokens is not None]
+    turn_prompt = sum(r.prompt_tokens for r in turns)
+    return {
+        "prompt_tokens": sum(r.prompt_tokens for r in records if r.prompt_tokens is not None),
+        "cached_tokens": cached if counted else None,
+        "prefix_hit_rate": cached / prompt if prompt else None,
+        "previous_prompt_share": (
+            sum(r.context_tokens for r in turns) / turn_prompt if turn_prompt else None
+        ),
     }
 
 
@@ -527,9 +713,15 @@ def _header(o: LoadOptions) -> str:
     bounds += [f"{o.duration_s} s"] if o.duration_s is not None else []
     name = f" [{o.label}]" if o.label else ""
     warmup = f" after {o.warmup_requests} warm-up requests" if o.warmup_requests else ""
+    size = f"~{o.prompt_tokens}+{o.max_tokens} tokens"
+    if o.scenario == "shared-prefix":
+        size = f"~{o.prefix_tokens} (shared) + {size}"
+    elif o.scenario == "multi-turn":
+        arrivals = f"{o.concurrency} concurrent conversations"
+        size = f"{o.turns} turns each adding {size}"
     return (
         f"http bench{name}: {o.url}, scenario {o.scenario}, {arrivals}, "
-        f"{' or '.join(bounds)}{warmup}, ~{o.prompt_tokens}+{o.max_tokens} tokens"
+        f"{' or '.join(bounds)}{warmup}, {size}"
     )
 
 
@@ -559,5 +751,32 @@ def _print_report(report: dict) -> None:
                 f"in host memory only {server['host_hit_rate']:.0%}; step time blocked on "
                 f"loads {server['load_wait_s']:.3f} s"
             )
+    prefix = _prefix_line(report)
+    if prefix:
+        print(prefix)
     for message in report["errors"]:
         print(f"error: {message}")
+
+
+def _prefix_line(report: dict) -> str | None:
+    """The prefix cache's line: for the prefix scenarios always, else where it hit."""
+    a, server = report["all"], report["server"] or {}
+    client, served = a["prefix_hit_rate"], server.get("prefix_hit_rate")
+    scenario = report["options"]["scenario"]
+    if scenario not in ("shared-prefix", "multi-turn") and not (a["cached_tokens"] or served):
+        return None
+    if a["cached_tokens"] is None:
+        line = "prefix cache: hit rate unknown client-side (no usage.prompt_tokens_details)"
+    else:
+        line = (
+            f"prefix cache: hit rate {_pct(client)} client-side "
+            f"({a['cached_tokens']} of {a['prompt_tokens']} prompt tokens cached)"
+        )
+    line += f", {_pct(served)} server-side" if served is not None else ", server: no counters"
+    if a["previous_prompt_share"] is not None:
+        line += f"; previous turns' prompts: {_pct(a['previous_prompt_share'])} of prompt tokens"
+    return line
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"

@@ -26,6 +26,7 @@ import asyncio
 import datetime
 import json
 import platform
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     runs = plan(sizes)
     url = f"http://127.0.0.1:{args.port}"
     results: list[RunResult] = []
-    _start_ray(args.num_cpus)
+    start_ray(args.num_cpus)
     try:
         with tqdm(total=len(runs), unit="run", desc="bench suite") as bar:
             for variant in VARIANTS:
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                     results.append(_measure(r, sizes, url))
                     bar.update()
     finally:
-        _stop_ray()
+        stop_ray()
     args.out.mkdir(parents=True, exist_ok=True)
     meta = _meta(sizes, args.quick)
     (args.out / "results.json").write_text(json.dumps(_json(results, meta), indent=2))
@@ -169,10 +170,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- one cluster, one run ---------------------------------------------------------------------
+# -- one cluster, one run (start_ray, stop_ray, demo_serve_config: `bench prefix` too) ---------
 
 
-def _start_ray(num_cpus: int) -> None:
+def start_ray(num_cpus: int) -> None:
+    """A fresh local Ray of num_cpus CPUs, for the demo cluster a bench deploys."""
     import ray
 
     # metrics every second (not 10): the suite's cluster is short-lived
@@ -185,7 +187,8 @@ def _start_ray(num_cpus: int) -> None:
     )
 
 
-def _stop_ray() -> None:
+def stop_ray() -> None:
+    """Serve and the Ray that start_ray started."""
     import ray
     from ray import serve
 
@@ -196,17 +199,39 @@ def _stop_ray() -> None:
 
 
 def _serve_config(variant: Variant, sizes: Sizes, port: int) -> dict:
-    settings = [
-        "engine.model=demo",  # the random-weight demo, whatever model the run command serves
+    return demo_serve_config(
+        replicas=sizes.replicas,
+        adapters=sizes.adapters,
+        slots=sizes.slots,
+        kv_cache_bytes=sizes.kv_cache_bytes,
+        port=port,
+        settings=variant.settings,
+    )
+
+
+def demo_serve_config(
+    *,
+    replicas: int,
+    adapters: int,
+    slots: int,
+    kv_cache_bytes: int,
+    port: int,
+    settings: Sequence[str] = (),
+) -> dict:
+    """configs/serve.yaml serving the random-weight demo model (whatever model the file
+    serves) with `adapters` demo adapters on a fixed replica count; `settings` are more
+    `--set` overrides."""
+    everything = [
+        "engine.model=demo",
         "adapters=demo",
-        f"demo_adapters={sizes.adapters}",
-        f"engine.num_slots={sizes.slots}",
-        f"engine.kv_cache_bytes={sizes.kv_cache_bytes}",
+        f"demo_adapters={adapters}",
+        f"engine.num_slots={slots}",
+        f"engine.kv_cache_bytes={kv_cache_bytes}",
         "routing_stats_period_s=0.5",
-        *variant.settings,
+        *settings,
     ]
     base = serving.load_config(serving.DEFAULT_CONFIG)
-    return serving.apply_overrides(base, replicas=sizes.replicas, port=port, settings=settings)
+    return serving.apply_overrides(base, replicas=replicas, port=port, settings=everything)
 
 
 def _measure(r: Run, sizes: Sizes, url: str) -> RunResult:
@@ -321,20 +346,32 @@ def _num(x: float | None) -> str:
 
 
 def _plot_ttft_cdf(results: list[RunResult], path: Path) -> None:
+    panels = {
+        scenario: {
+            r.run.variant.name: r.ttfts_s
+            for r in results
+            if r.run.scenario == scenario and r.run.rate is None and r.ttfts_s
+        }
+        for scenario in CDF_SCENARIOS
+    }
+    plot_ttft_cdfs(panels, path)
+
+
+def plot_ttft_cdfs(panels: Mapping[str, Mapping[str, Sequence[float]]], path: Path) -> None:
+    """TTFT CDFs to a PNG: a panel per key of `panels` (its title), a line per label of
+    each panel's {label: TTFTs in seconds}."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, len(CDF_SCENARIOS), figsize=(5 * len(CDF_SCENARIOS), 4))
-    for ax, scenario in zip(axes, CDF_SCENARIOS):
-        for r in results:
-            if r.run.scenario != scenario or r.run.rate is not None or not r.ttfts_s:
-                continue
-            xs = np.sort(np.array(r.ttfts_s) * 1000)
-            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=r.run.variant.name)
-        ax.set(title=scenario, xlabel="TTFT (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items()):
+        for label, ttfts_s in lines.items():
+            xs = np.sort(np.array(ttfts_s) * 1000)
+            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=label)
+        ax.set(title=title, xlabel="TTFT (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     fig.tight_layout()
