@@ -208,7 +208,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = LoadOptions
     p.add_argument("--url", help=f"Server base URL (default {d.url}).")
     p.add_argument("--adapters", type=int,
-                   help="Use the first N registered adapters by name (default: all).")  # fmt: skip
+                   help="Use the first N registered adapters by name (default: all); "
+                        "shared-prefix and multi-turn with 0 run on the base model.")  # fmt: skip
     p.add_argument("--scenario", choices=SCENARIOS,
                    help="Which model each request names: uniform over adapters, zipf-skewed, "
                         "distinct (round-robin), bursty (phases of disjoint adapter sets), "
@@ -397,6 +398,8 @@ def counter_deltas(
 def request_picker(options: LoadOptions, base: str, adapters: list[str]) -> Callable[[int], str]:
     """The model request i names, deterministic for a seed."""
     scenario = options.scenario
+    if not adapters and scenario in ("shared-prefix", "multi-turn"):
+        return lambda i: base  # --adapters 0: the base model's prefixes
     if not adapters and not (scenario == "mixed-base" and options.base_fraction == 1.0):
         raise BenchError(f"scenario {scenario!r} needs at least one adapter")
     rng = random.Random(options.seed)

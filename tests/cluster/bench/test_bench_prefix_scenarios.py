@@ -125,6 +125,14 @@ def test_picks_for_the_prefix_scenarios_are_uniform_and_seeded():
         assert [again(i) for i in range(50)] == picks[:50]
 
 
+def test_the_prefix_scenarios_without_adapters_run_on_the_base_model():
+    for scenario in ("shared-prefix", "multi-turn"):
+        pick = request_picker(LoadOptions(scenario=scenario), BASE, [])
+        assert {pick(i) for i in range(20)} == {BASE}
+    with pytest.raises(BenchError, match="at least one adapter"):
+        request_picker(LoadOptions(scenario="uniform"), BASE, [])
+
+
 def test_multi_turn_is_closed_loop_only():
     with pytest.raises(BenchError, match="closed loop"):
         LoadOptions(scenario="multi-turn", rate=2.0)
