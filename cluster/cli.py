@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench import engine as bench_engine
     from cluster.bench import http as bench_http
     from cluster.bench import kernels as bench_kernels
+    from cluster.bench import overhead as bench_overhead
     from cluster.bench import prefix as bench_prefix
     from cluster.bench import suite as bench_suite
 
@@ -153,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_prefix.add_arguments(p)
     p.set_defaults(func=bench_prefix.run)
+
+    p = bench.add_parser(
+        "overhead", help="One workload in-process and over HTTP (2 replicas): the ratio."
+    )
+    bench_overhead.add_arguments(p)
+    p.set_defaults(func=bench_overhead.run)
 
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)
