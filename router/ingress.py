@@ -676,9 +676,10 @@ class Ingress:
         try:
             info = await self.store.resolve.remote(model)
         except NotFoundError:
-            names = [self.model_name, *(a.name for a in await self.store.list.remote())]
+            # not the whole list: with thousands of adapters every 404 would carry it
             raise NotFoundError(
-                f"model {model!r} does not exist; available models: {names}", "model"
+                f"model {model!r} does not exist; GET /v1/models lists the available ones",
+                "model",
             ) from None
         return AdapterKey(info.name, info.version)
 

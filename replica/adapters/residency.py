@@ -95,6 +95,10 @@ class AdapterResidency:
     def known(self) -> list[str]:
         return [n for n in self.source.names() if n not in self.unloading]
 
+    def is_known(self, name: str) -> bool:
+        """Whether requests may name `name` (without listing every adapter)."""
+        return name in self.source and name not in self.unloading
+
     def release_unloaded(self, in_use: set[str | None]) -> None:
         """Free what unloaded adapters hold (source entry, host copy, slot) once no request
         in `in_use` (waiting or running) needs them and no load of theirs is in flight."""

@@ -37,6 +37,9 @@ class AdapterSource(Protocol):
     def names(self) -> list[str]:
         """Every adapter the source can provide."""
 
+    def __contains__(self, name: str) -> bool:
+        """Whether the source can provide `name` (without listing them all)."""
+
     def remove(self, name: str) -> None:
         """Forget `name` (unloaded)."""
 
@@ -71,6 +74,9 @@ class PeftDirectorySource:
 
     def names(self) -> list[str]:
         return list(self.paths)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.paths
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
         return load_peft_adapter(self.paths[name], self.spec, self.max_lora_rank, name)

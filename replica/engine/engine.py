@@ -161,10 +161,8 @@ class LLMEngine:
     ) -> None:
         if not prompt_ids:
             raise RequestError("empty prompt")
-        if adapter is not None and adapter not in self.known_adapters():
-            raise RequestError(
-                f"unknown adapter {adapter!r}; known: {sorted(self.known_adapters())}"
-            )
+        if adapter is not None and not self.adapters.is_known(adapter):
+            raise RequestError(f"unknown adapter {adapter!r}")
         vocab = self.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token id out of range [0, {vocab})")

@@ -509,3 +509,13 @@ def test_generation_still_answers(client, replicas, tokenizer):
     assert body["choices"][0]["stop_reason"] is None
     assert body["created"] >= int(started) - 1
     assert replicas.requests[0].prompt_ids == tokenizer("hello there")["input_ids"]
+
+
+def test_an_unknown_model_404_names_it_not_every_adapter(client, store):
+    """With thousands of adapters, a 404 that listed them all would be megabytes."""
+    for i in range(50):
+        store.adapters[f"customer-{i}"] = AdapterInfo(f"customer-{i}", 1, f"/a/{i}")
+    body = {"model": "ghost", "prompt": "x", "max_tokens": 1}
+    r = client.post("/v1/completions", json=body)
+    message = assert_openai_error(r, 404)["message"]
+    assert "'ghost'" in message and "/v1/models" in message and "customer-" not in message
