@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "lorafleet"
 CANCEL_TTL_S = 120.0  # how long a cancelled request id is passed on to replicas
+# How long a replaced or unloaded version's weights stay fetchable: requests the ingress
+# resolved to it just before may still reach a replica that has no copy yet.
+RETIRED_TTL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class AdapterStore:
         self.max_adapter_bytes = max_adapter_bytes
         self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef]] = {}
         self._versions = itertools.count(1)
+        self._retired: dict[tuple[str, int], tuple[ray.ObjectRef, float]] = {}
         self._lock = asyncio.Lock()
         self._replica_stats: dict[str, tuple[float, dict]] = {}
         self._cancelled: dict[str, float] = {}  # request id -> when the ingress gave up
@@ -85,15 +89,23 @@ class AdapterStore:
 
     # -- mutations -----------------------------------------------------------------------------
 
-    async def register(self, name: str, path: str) -> AdapterInfo:
-        """Validate, convert and put `path` under `name`. Nothing is registered on error."""
+    async def register(self, name: str, path: str, inplace: bool = False) -> AdapterInfo:
+        """Validate, convert and put `path` under `name`. Nothing is registered on error.
+
+        `inplace` replaces a live `name` with a new version in one step (vLLM's
+        load_inplace): requests resolved before it finish on the old version, later ones
+        get the new one, and no request in between finds the name missing."""
         async with self._lock:
-            if name in self._adapters:
+            old = self._adapters.get(name)
+            if old is not None and not inplace:
                 raise BadRequestError(
-                    f"adapter {name!r} is already registered; unload it first to replace it"
+                    f"adapter {name!r} is already registered; unload it first, or load it "
+                    "with load_inplace: true to replace it"
                 )
             resolved = self._check_path(path)
             info = await asyncio.to_thread(self._add, name, resolved)
+            if old is not None:
+                self._retire(*old)
             self._checkpoint()
             return info
 
@@ -103,6 +115,7 @@ class AdapterStore:
             entry = self._adapters.pop(name, None)
             if entry is None:
                 raise NotFoundError(self._not_found(name))
+            self._retire(*entry)
             self._checkpoint()
             return entry[0]
 
@@ -119,9 +132,13 @@ class AdapterStore:
         not the value. Raises NotFoundError if that version is gone (unloaded)."""
         self.num_ref_requests += 1
         entry = self._adapters.get(name)
-        if entry is None or entry[0].version != version:
+        if entry is not None and entry[0].version == version:
+            return [entry[1]]
+        self._prune_retired()
+        retired = self._retired.get((name, version))
+        if retired is None:
             raise NotFoundError(f"adapter {name!r} version {version} is no longer registered")
-        return [entry[1]]
+        return [retired[0]]
 
     def list(self) -> list[AdapterInfo]:
         return sorted((info for info, _ in self._adapters.values()), key=lambda i: i.name)
@@ -258,7 +275,18 @@ class AdapterStore:
         return nxt
 
     def _not_found(self, name: str) -> str:
-        return f"adapter {name!r} is not registered; known adapters: {sorted(self._adapters)}"
+        return f"adapter {name!r} is not registered"  # not every name: there may be thousands
+
+    def _retire(self, info: AdapterInfo, ref: ray.ObjectRef) -> None:
+        """Keep a version that left the registry fetchable for RETIRED_TTL_S."""
+        self._prune_retired()
+        self._retired[(info.name, info.version)] = (ref, time.monotonic())
+
+    def _prune_retired(self) -> None:
+        now = time.monotonic()
+        self._retired = {
+            k: (ref, t) for k, (ref, t) in self._retired.items() if now - t < RETIRED_TTL_S
+        }
 
 
 def _checkpoint_key() -> str:

@@ -459,6 +459,11 @@ class LoadLoRAAdapterRequest(BaseModel):
 
     lora_name: LoraName = Field(description="The name clients then pass as `model`.")
     lora_path: str = Field(min_length=1, description="A PEFT adapter directory.")
+    load_inplace: bool = Field(
+        False,
+        description="Replace a live adapter of this name in one step: requests already "
+        "running finish on the old weights, new ones get the new (vLLM's field).",
+    )
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.reliability.conftest import (
+    ADMIN,
     complete,
     load,
     model_names,
@@ -130,3 +132,57 @@ def test_runtime_adapter_output_survives_a_reload(cluster, assets):
     second = post(cluster, "/v1/completions", body).json()["choices"][0]["text"]
     assert unload(cluster, "again").status_code == 200
     assert first == second
+
+
+def _until(done: threading.Event, call, limit: int = 500) -> list:
+    """call() again and again until `done` is set (and once after), at most `limit` times."""
+    results = []
+    for _ in range(limit):
+        finished = done.is_set()
+        results.append(call())
+        if finished:
+            break
+    return results
+
+
+def test_load_inplace_swaps_a_live_adapter_without_a_gap(cluster, assets):
+    """A request streaming on the old weights finishes on them; requests sent throughout
+    the swap all succeed (no 404 window); afterwards the name serves the new weights."""
+    old, new = assets.adapters["adapter-04"], assets.adapters["adapter-05"]
+    greedy = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
+    assert load(cluster, "swap", old).status_code == 200
+    assert load(cluster, "swap-ref", new).status_code == 200
+    want = post(cluster, "/v1/completions", {**greedy, "model": "swap-ref"}).json()
+    before = post(cluster, "/v1/completions", {**greedy, "model": "swap"}).json()
+    refused = load(cluster, "swap", new)  # without the flag the name stays taken
+    assert refused.status_code == 400 and "load_inplace" in refused.text
+
+    body = {"model": "swap", "prompt": "tell me", "max_tokens": 120, "ignore_eos": True}
+    done = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        with httpx.stream(
+            "POST", cluster["url"] + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            assert "error" not in next(line for line in lines if line.startswith("data: "))
+            statuses = pool.submit(_until, done, lambda: complete(cluster, "swap", 1).status_code)
+            swap = post(
+                cluster,
+                "/v1/load_lora_adapter",
+                {"lora_name": "swap", "lora_path": str(new), "load_inplace": True},
+                ADMIN,
+            )
+            assert swap.status_code == 200 and swap.json()["version"] > 0, swap.text
+            done.set()
+            rest = [line for line in lines if line.startswith("data: ")]
+        codes = statuses.result()
+        assert len(codes) >= 2 and set(codes) == {200}, codes
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    after = post(cluster, "/v1/completions", {**greedy, "model": "swap"}).json()
+    assert after["choices"][0]["text"] == want["choices"][0]["text"]
+    assert before["choices"][0]["text"] != after["choices"][0]["text"]
+    assert model_names(cluster).count("swap") == 1
+    for name in ("swap", "swap-ref"):
+        assert unload(cluster, name).status_code == 200
+    wait_idle(cluster)
