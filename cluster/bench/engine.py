@@ -65,6 +65,19 @@ class RunResult:
         return out
 
 
+SCENARIOS = ("uniform", "zipf", "distinct", "mixed", "base_only")
+
+
+def _scenario_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a comma-separated subset of {', '.join(SCENARIOS)}"
+        )
+    return list(dict.fromkeys(names))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters", type=int, default=16, help="Distinct adapters in the workload.")
     p.add_argument("--requests", type=int, default=64, help="Requests per scenario.")
@@ -78,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="Tensor-parallel ranks of every engine (a local Ray starts for N > 1); "
                         "adds the per-step communication volume.")  # fmt: skip
+    p.add_argument("--scenarios", type=_scenario_names, default=None, metavar="NAME,...",
+                   help=f"Run only these of {', '.join(SCENARIOS)}: their table rows, "
+                        "without the ablations, the transformers + PEFT baseline and the "
+                        "headline figures (which need every scenario); the --tp and GPU "
+                        "sections still run.")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="A few-second smoke run.")
     p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
     p.add_argument("--gpu-json", type=Path, default=None,
@@ -139,8 +157,40 @@ def _bench(args: argparse.Namespace) -> int:
         + (f", tp_size {args.tp}" if args.tp > 1 else "")
     )
     results = {}
-    for name, wl in scenarios.items():
-        results[name] = _run(EngineConfig(**churn), assets, wl)
+    for name in args.scenarios or SCENARIOS:
+        results[name] = _run(EngineConfig(**churn), assets, scenarios[name])
+    if args.scenarios is None:
+        _ablations(results, scenarios, assets, churn, spare, fits)
+    for name, r in results.items():
+        report["scenarios"][name] = r.summary()
+    _print_table(results)
+    if args.scenarios is None:
+        _headline(report, results, scenarios, assets, args, fits)
+    if torch.cuda.is_available() and args.tp == 1:
+        report["gpu"] = gpu_section(assets, args)
+        print_gpu_section(report["gpu"])
+        if args.gpu_json:
+            args.gpu_json.write_text(json.dumps(report["gpu"], indent=2))
+            print(f"wrote {args.gpu_json}")
+    if args.tp > 1:
+        report["tp_comm"] = _tp_comm(assets, min(16, args.adapters), args)
+        _print_tp_comm(report["tp_comm"])
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _ablations(
+    results: dict[str, RunResult],
+    scenarios: dict[str, Workload],
+    assets,
+    churn: dict,
+    spare: dict,
+    fits: dict,
+) -> None:
+    """The runs besides the plain scenarios: all adapters resident, sync loading, the base
+    slot unpinned, a spare slot for prefetch (with and without it)."""
     results["all_resident_uniform"] = _run(EngineConfig(**fits), assets, scenarios["uniform"])
     results["distinct_sync_loading"] = _run(
         EngineConfig(**churn, adapter_loading="sync"), assets, scenarios["distinct"]
@@ -152,10 +202,18 @@ def _bench(args: argparse.Namespace) -> int:
     results["distinct_spare_slot_sync"] = _run(
         EngineConfig(**spare, adapter_loading="sync"), assets, scenarios["distinct"]
     )
-    for name, r in results.items():
-        report["scenarios"][name] = r.summary()
-    _print_table(results)
 
+
+def _headline(
+    report: dict,
+    results: dict[str, RunResult],
+    scenarios: dict[str, Workload],
+    assets,
+    args: argparse.Namespace,
+    fits: dict,
+) -> None:
+    """The baseline, the decode-step and mixed-sampling measurements and the ratios of
+    the headline, into `report`; printed."""
     # The machine's speed drifts (shared VM, up to 1.4x between minutes): the baseline's
     # halves are timed between runs of ours, so drift hits both sides alike.
     runs = [results["all_resident_uniform"].tok_per_s]
@@ -195,19 +253,6 @@ def _bench(args: argparse.Namespace) -> int:
         baseline, scenarios["uniform"], batch_step + max(0.0, lora_step)
     )
     _print_headline(report)
-    if torch.cuda.is_available() and args.tp == 1:
-        report["gpu"] = gpu_section(assets, args)
-        print_gpu_section(report["gpu"])
-        if args.gpu_json:
-            args.gpu_json.write_text(json.dumps(report["gpu"], indent=2))
-            print(f"wrote {args.gpu_json}")
-    if args.tp > 1:
-        report["tp_comm"] = _tp_comm(assets, min(16, args.adapters), args)
-        _print_tp_comm(report["tp_comm"])
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return 0
 
 
 # -- one engine run -----------------------------------------------------------------------------

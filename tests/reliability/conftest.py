@@ -127,9 +127,11 @@ def post(cluster, path: str, body: Any, headers: dict | None = None, timeout: fl
     return httpx.post(cluster["url"] + path, json=body, headers=headers, timeout=timeout)
 
 
-def complete(cluster, model: str, max_tokens: int = 4, **extra) -> httpx.Response:
+def complete(
+    cluster, model: str, max_tokens: int = 4, headers: dict | None = None, **extra
+) -> httpx.Response:
     body = {"model": model, "prompt": "hello there", "max_tokens": max_tokens, **extra}
-    return post(cluster, "/v1/completions", body)
+    return post(cluster, "/v1/completions", body, headers)
 
 
 def load(cluster, name: str, path: str | Path) -> httpx.Response:
@@ -146,20 +148,22 @@ def model_names(cluster) -> list[str]:
     return [m["id"] for m in httpx.get(cluster["url"] + "/v1/models", timeout=30).json()["data"]]
 
 
-def replica_stats(cluster) -> dict[str, dict]:
-    return httpx.get(cluster["url"] + "/v1/lorafleet/stats", timeout=30).json()["replicas"]
+def replica_stats(cluster, headers: dict | None = None) -> dict[str, dict]:
+    r = httpx.get(cluster["url"] + "/v1/lorafleet/stats", headers=headers, timeout=30)
+    return r.json()["replicas"]
 
 
-def wait_idle(cluster, timeout_s: float = 30.0) -> dict[str, dict]:
+def wait_idle(cluster, timeout_s: float = 30.0, headers: dict | None = None) -> dict[str, dict]:
     """Wait until every live replica reports no request, every KV block free and no slot
     referenced, in reports made after this call; return those reports. Fails the test on
-    timeout: a leak."""
+    timeout: a leak. `headers`: the key, on an app that wants one for its stats."""
     started = time.monotonic()
     deadline = started + timeout_s
     last: dict[str, dict] = {}
     while time.monotonic() < deadline:
         waited = time.monotonic() - started
-        live = {rid: s for rid, s in replica_stats(cluster).items() if s["age_s"] < 3.0}
+        stats = replica_stats(cluster, headers)
+        live = {rid: s for rid, s in stats.items() if s["age_s"] < 3.0}
         last = {rid: s for rid, s in live.items() if s["age_s"] < min(waited, 1.0) - 0.05}
         if last and len(last) == len(live) and all(_idle(s) for s in last.values()):
             return last

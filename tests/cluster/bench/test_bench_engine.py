@@ -53,10 +53,17 @@ def test_quick_run_writes_every_figure(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
+    # what is asserted here, nothing more: one scenario (adapter churn on 2 ranks) and the
+    # communication section; the headline figures are checked on one rank above. The
+    # whole --quick run on 2 ranks took ~130 s here (an engine start per run), this ~18 s.
     out = tmp_path / "engine-tp.json"
-    assert main(["bench", "engine", "--quick", "--tp", "2", "--json", str(out)]) == 0
+    argv = ["bench", "engine", "--quick", "--tp", "2", "--scenarios", "distinct"]
+    assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert list(report["scenarios"]) == ["distinct"]  # --scenarios: that row only
+    assert not set(HEADLINE) & set(report)
     assert report["scenarios"]["distinct"]["tok_per_s"] > 0
+    assert report["scenarios"]["distinct"]["adapter_loads"] >= 4  # churn across the ranks
     c = report["tp_comm"]
     t, h, r = c["decode_tokens"], c["hidden_size"], c["max_lora_rank"]
     assert c["bytes_per_layer_base"] == 2 * t * h * 4  # o and down: all-reduce [T, h] fp32
@@ -64,6 +71,12 @@ def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
     steps = c["bytes_per_step_by_collective"]
     assert "lora" not in steps["base"] and steps["lora"]["lora"] > 0
     assert "tensor parallelism, tp_size 2" in capsys.readouterr().out
+
+
+def test_scenarios_option_refuses_unknown_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "engine", "--scenarios", "distinct,nope"])
+    assert "nope" in capsys.readouterr().err
 
 
 def test_mixed_sampling_scenario_reports_both_arms(tiny):

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+from dataclasses import replace
 
 import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
 
+from cluster.app import build_app
 from cluster.bench import suite as bench_suite
 from cluster.bench.suite import (
     ALL_SCENARIOS,
@@ -22,6 +26,7 @@ from cluster.bench.suite import (
     plan,
     update_readme,
 )
+from cluster.config import AppConfig
 
 
 def test_plan_covers_every_variant_scenario_and_rate():
@@ -73,8 +78,43 @@ def test_readme_block_is_replaced_and_nothing_else(tmp_path):
         update_readme(tmp_path / "plain.md", "x")
 
 
+def test_every_variant_config_builds_with_its_settings():
+    """Each variant's app as the suite deploys it: a valid Serve config, its settings in
+    the validated app config, the application built (the end-to-end run deploys two)."""
+    for v in VARIANTS:
+        config = bench_suite._serve_config(v, QUICK, 8123)
+        ServeDeploySchema.model_validate(config)
+        args = config["applications"][0]["args"]
+        app_config = AppConfig.model_validate(args)
+        assert app_config.demo_adapters == QUICK.adapters
+        assert app_config.engine.num_slots == QUICK.slots
+        for setting in v.settings:
+            key, _, value = setting.partition("=")
+            node = app_config
+            for part in key.split("."):
+                node = getattr(node, part)
+            assert node == yaml.safe_load(value), (v.name, setting)
+        build_app(args)
+
+
+# The end-to-end run made smaller: two of the four deployments (~25 s each on 2 cores),
+# every scenario once, one rate, fewer requests; each run still real load on a real
+# cluster. The quick plan is checked by test_plan_covers_every_variant_scenario_and_rate,
+# every variant's app by test_every_variant_config_builds_with_its_settings. The whole
+# quick plan took ~180 s here, this ~80 s.
+E2E = replace(QUICK, requests=4, warmup=2, rates=(16.0,))
+LORAFLEET, DEFAULT_ROUTING = VARIANTS[0], VARIANTS[1]
+E2E_RUNS = [
+    *(Run(LORAFLEET, s) for s in ALL_SCENARIOS),
+    Run(LORAFLEET, "zipf", 16.0),
+    Run(DEFAULT_ROUTING, "zipf"),
+    Run(DEFAULT_ROUTING, "zipf", 16.0),
+]
+
+
 @pytest.mark.serve
 def test_quick_suite_runs_end_to_end(tmp_path):
+    assert DEFAULT_ROUTING.name == "default-routing" and DEFAULT_ROUTING.rates
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -86,18 +126,20 @@ def test_quick_suite_runs_end_to_end(tmp_path):
     args = parser.parse_args(
         ["--quick", "--out", str(out), "--readme", str(readme), "--port", str(port)]
     )
-    assert bench_suite.run(args) == 0
+    assert bench_suite.run(args, sizes=E2E, runs=E2E_RUNS) == 0
 
     report = json.loads((out / "results.json").read_text())
-    assert len(report["runs"]) == len(plan(QUICK))
+    ran = [(r["variant"], r["scenario"], r["rate"]) for r in report["runs"]]
+    assert ran == [(r.variant.name, r.scenario, r.rate) for r in E2E_RUNS]
     for run in report["runs"]:
         figures = run["summary"]["all"]
-        assert figures["ok"] == figures["requests"] == QUICK.requests, run["summary"]["errors"]
-        assert len(run["ttfts_s"]) == QUICK.requests
+        assert figures["ok"] == figures["requests"] == E2E.requests, run["summary"]["errors"]
+        assert len(run["ttfts_s"]) == E2E.requests
         assert run["summary"]["adapter_loads"]["total"] is not None
     for name in ("ttft_cdf.png", "throughput_vs_rate.png"):
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
     text = readme.read_text()
-    assert text.count("| lorafleet |") == len(ALL_SCENARIOS) + len(QUICK.rates)
+    assert text.count("| lorafleet |") == len(ALL_SCENARIOS) + len(E2E.rates)
+    assert text.count("| default-routing |") == 2
     assert "(results/ttft_cdf.png)" in text
