@@ -530,9 +530,7 @@ class Ingress:
         _refuse_invalid_unicode(body)
         if body.lora_name == self.model_name:
             raise BadRequestError(f"{body.lora_name!r} is the base model's name", "lora_name")
-        info = await self.store.register.remote(
-            body.lora_name, body.lora_path, body.load_inplace
-        )
+        info = await self.store.register.remote(body.lora_name, body.lora_path, body.load_inplace)
         return {"status": "ok", "lora_name": info.name, "version": info.version}
 
     @app.post("/v1/unload_lora_adapter")
