@@ -10,19 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.bench import http as bench_http
 from cluster.bench.http import BenchError, LoadOptions, build_prompt, request_picker, run_load
+from tests.cluster.bench.fake_server import serving
 
 BASE = "fake-base"
 ADAPTERS = [f"a-{i:02d}" for i in range(6)]
@@ -111,23 +109,9 @@ async def _words(body: dict, delay_s: float):
 
 @pytest.fixture(scope="module")
 def server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     state = FakeState()
-    config = uvicorn.Config(_fake_app(state), host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=1)  # fmt: skip
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(500):  # bounded: 5 s
-        if srv.started:
-            break
-        time.sleep(0.01)
-    assert srv.started, "the fake server did not start"
-    yield f"http://127.0.0.1:{port}", state
-    srv.should_exit = True
-    thread.join(timeout=5)
+    with serving(_fake_app(state)) as url:
+        yield url, state
 
 
 @pytest.fixture
