@@ -40,6 +40,7 @@ class TextOptions:
     skip_special_tokens: bool = True
     include_stop_str: bool = False
     wants_prompt_logprobs: bool = False  # echo with logprobs: the echo waits for them
+    token_ids: bool = False  # vLLM's return_token_ids: the ids beside the text
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token: int | None = None  # an echoed prompt's first token: it has no logprob
+    token_ids: list[int] = field(default_factory=list)  # the generated ids behind `text`
 
 
 class ChoiceOutput:
@@ -73,6 +75,7 @@ class ChoiceOutput:
         # everything sent so far (the whole answer, when not streaming)
         self.text = ""
         self.logprobs: list[TokenLogprobs] = []
+        self.token_ids: list[int] = []  # generated, up to a stop string's end
         self.first_token: int | None = None
         self.finish_reason: str | None = None
         self.stop_token: int | None = None  # the replica's stop token that ended the choice
@@ -81,6 +84,10 @@ class ChoiceOutput:
         self._echo_waits = prompt.echo is not None and options.wants_prompt_logprobs
         self._held: list[Delta] = []  # deltas made while the echo waits
         self._prompt_ids = prompt.ids
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._prompt_ids
 
     @property
     def finished(self) -> bool:
@@ -101,6 +108,7 @@ class ChoiceOutput:
         if delta is not None:
             self.text += delta.text
             self.logprobs += delta.logprobs
+            self.token_ids += delta.token_ids
             if delta.first_token is not None:
                 self.first_token = delta.first_token
         return delta
@@ -108,8 +116,10 @@ class ChoiceOutput:
     def _delta(
         self, message: Reply, prompt_logprobs: Sequence[TokenLogprobs | None] | None
     ) -> Delta | None:
-        text, logprobs = self._generated(message)
-        delta = Delta(self.index, text, logprobs, self.finish_reason, self._stop_reason())
+        text, logprobs, ids = self._generated(message)
+        delta = Delta(
+            self.index, text, logprobs, self.finish_reason, self._stop_reason(), token_ids=ids
+        )
         if self._echo is None:
             return delta
         if self._echo_waits and prompt_logprobs is None:
@@ -120,32 +130,34 @@ class ChoiceOutput:
         self._echo = None
         return _joined([echo, *self._held, delta])
 
-    def _generated(self, message: Reply) -> tuple[str, list[TokenLogprobs]]:
+    def _generated(self, message: Reply) -> tuple[str, list[TokenLogprobs], list[int]]:
+        """The text, logprobs and token ids `message` adds (tokens after a stop string's
+        end are dropped)."""
         if message.error and message.finish_reason == "error":
             status = message.status or 503
             if status == 504:  # the replica enforced the request's deadline
                 raise GatewayTimeoutError(message.error)
             raise ServiceUnavailableError(f"generation failed: {message.error}")
         if self.finished:  # cut at a stop string already: the replica's late tokens
-            return "", []
-        text, logprobs = "", list(message.logprobs)
+            return "", [], []
+        text, logprobs, ids = "", list(message.logprobs), list(message.token_ids)
         for i, token in enumerate(message.token_ids):
             self.num_tokens += 1
             delta, stopped = self.stop.feed(self.detok.add(token))
             text += delta
             if stopped:
-                return text + self._stopped(), logprobs[: i + 1]
+                return text + self._stopped(), logprobs[: i + 1], ids[: i + 1]
         if message.finished:
             if message.finish_reason not in ("stop", "length"):
                 raise ServiceUnavailableError(f"request ended: {message.finish_reason}")
             delta, stopped = self.stop.feed(self.detok.flush())
             if stopped:
-                return text + delta + self._stopped(), logprobs
+                return text + delta + self._stopped(), logprobs, ids
             text += delta + self.stop.flush()
             self.finish_reason = message.finish_reason
             if message.finish_reason == "stop":
                 self.stop_token = message.stop_token
-        return text, logprobs
+        return text, logprobs, ids
 
     def _stopped(self) -> str:
         """A stop string ended the text: what follows the text (the string, if kept)."""
@@ -165,6 +177,7 @@ def _joined(deltas: list[Delta]) -> Delta:
         last.finish_reason,
         last.stop_reason,
         first.first_token,
+        [t for d in deltas for t in d.token_ids],
     )
 
 
@@ -180,7 +193,7 @@ class RequestOutput:
         start: float,
         options: TextOptions = TextOptions(),
     ) -> None:
-        self.n = n
+        self.n, self.options = n, options
         self.choices = [
             ChoiceOutput(i * n + j, tokenizer, prompt, options)
             for i, prompt in enumerate(prompts)

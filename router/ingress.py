@@ -293,7 +293,8 @@ def _response(
     output: RequestOutput,
     logprobs: LogprobFormatter | None,
 ) -> Any:
-    """The whole answer: a choice per prompt and n, with logprobs when asked."""
+    """The whole answer: a choice per prompt and n, with logprobs and token ids when asked."""
+    ids = output.options.token_ids
     choices = []
     for c in output.choices:
         choice: dict[str, Any] = {
@@ -301,6 +302,8 @@ def _response(
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        if ids:
+            choice["token_ids"] = c.token_ids
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
             if logprobs is not None:
@@ -309,9 +312,16 @@ def _response(
             choice["text"] = c.text
             if logprobs is not None:
                 choice["logprobs"] = logprobs.completion(c.logprobs, c.first_token)
+            if ids:
+                choice["prompt_token_ids"] = c.prompt_ids
         choices.append(choice)
-    response = p.ChatCompletionResponse if chat else p.CompletionResponse
-    return response(id=request_id, model=model, choices=choices, usage=output.usage())
+    usage = output.usage()
+    if chat:
+        prompt_ids = output.choices[0].prompt_ids if ids else None
+        return p.ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+        )
+    return p.CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
 def _refuse_invalid_unicode(body: BaseModel) -> None:
@@ -588,6 +598,7 @@ class Ingress:
                 skip_special_tokens=body.skip_special_tokens is not False,
                 include_stop_str=bool(body.include_stop_str_in_output),
                 wants_prompt_logprobs=not chat and bool(body.echo) and wants_logprobs,
+                token_ids=bool(body.return_token_ids),
             ),
         )
         logprobs = self.logprob_formatter if wants_logprobs else None
@@ -698,11 +709,23 @@ class Ingress:
         created = int(time.time())
         chunk = p.ChatCompletionStreamResponse if chat else p.CompletionStreamResponse
         offsets = [0] * len(output.choices)  # completions' text_offset, per choice
+        ids = output.options.token_ids
+        prompt_ids_sent = [False] * len(output.choices)  # return_token_ids: with the first
 
         def event(delta: Delta, role: bool = False) -> str:
             choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason}
             if delta.finish_reason is not None:  # the last chunk of the choice says what ended it
                 choice["stop_reason"] = delta.stop_reason
+            extra: dict[str, Any] = {}
+            if ids and not role:
+                choice["token_ids"] = delta.token_ids
+            if ids and not prompt_ids_sent[delta.index]:
+                prompt_ids_sent[delta.index] = True
+                prompt_ids = output.choices[delta.index].prompt_ids
+                if not chat:
+                    choice["prompt_token_ids"] = prompt_ids
+                elif delta.index == 0:  # chat: once, on the response (one prompt)
+                    extra["prompt_token_ids"] = prompt_ids
             if chat:
                 choice["delta"] = (
                     {"role": "assistant", "content": ""} if role else {"content": delta.text}
@@ -719,7 +742,14 @@ class Ingress:
                     choice["logprobs"] = lp
             so_far = output.usage() if continuous_usage else None
             return p.sse_event(
-                chunk(id=request_id, created=created, model=model, choices=[choice], usage=so_far)
+                chunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[choice],
+                    usage=so_far,
+                    **extra,
+                )
             )
 
         async def deltas() -> AsyncIterator[Delta]:
@@ -736,7 +766,7 @@ class Ingress:
                 for choice in output.choices:
                     yield event(Delta(choice.index, ""), role=True)
             async for delta in deltas():
-                if delta.text or delta.finish_reason or delta.logprobs:
+                if delta.text or delta.finish_reason or delta.logprobs or (ids and delta.token_ids):
                     yield event(delta)
             outcome = output.finish_reason
             if include_usage:

@@ -170,6 +170,12 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool | None = Field(
         None, description="vLLM extension: keep the matched stop string in the text."
     )
+    return_token_ids: bool | None = Field(
+        None,
+        description="vLLM extension: the prompt's token ids (prompt_token_ids) and each "
+        "choice's generated ids (token_ids) beside the text; in a stream, each chunk's new "
+        "ids, the prompt's in the first chunk.",
+    )
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -538,6 +544,9 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason
     # vLLM extension: the stop string or stop token id that ended the output, if any
     stop_reason: int | str | None = None
+    # vLLM extension (return_token_ids): the prompt's ids and the generated ones
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -555,6 +564,8 @@ class CompletionStreamChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in a choice's first chunk
+    token_ids: list[int] | None = None  # return_token_ids: the chunk's new ids
 
 
 class CompletionStreamResponse(BaseModel):
@@ -579,6 +590,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -588,6 +600,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the rendered chat's ids
 
 
 class DeltaMessage(BaseModel):
@@ -603,6 +616,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the chunk's new ids
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -612,6 +626,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(BaseModel):

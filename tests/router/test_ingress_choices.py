@@ -143,6 +143,48 @@ def test_a_stop_string_ends_one_choice_and_the_others_go_on(client, replicas, to
     assert second["finish_reason"] == "length" and second["text"] == tokenizer.decode([8, 9])
 
 
+# -- return_token_ids (vLLM) ---------------------------------------------------------------------
+
+
+def test_token_ids_come_back_when_asked_and_end_with_a_stop_string(client, replicas, tokenizer):
+    stop = tokenizer.decode([6])
+    replicas.script = per_choice({0: [5, 6, 7], 1: [8, 9]})
+    body = {**COMPLETION, "n": 2, "stop": [stop], "return_token_ids": True}
+    first, second = client.post("/v1/completions", json=body).json()["choices"]
+    (request,) = replicas.requests
+    assert first["prompt_token_ids"] == second["prompt_token_ids"] == request.prompt_ids
+    assert first["token_ids"] == [5, 6]  # up to the token that completed the stop string
+    assert second["token_ids"] == [8, 9]
+    replicas.script = per_choice({0: [5]})
+    plain = client.post("/v1/completions", json={**COMPLETION}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+
+
+def test_streamed_token_ids_add_up_and_the_prompt_ids_come_first(client, replicas):
+    replicas.script = per_choice({0: [5, 6, 7], 1: [8, 9]})
+    body = {**COMPLETION, "n": 2, "stream": True, "return_token_ids": True}
+    chunks = streamed(client, "/v1/completions", body)
+    (request,) = replicas.requests
+    for index, want in ((0, [5, 6, 7]), (1, [8, 9])):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert [t for c in mine for t in c["token_ids"]] == want
+        assert mine[0]["prompt_token_ids"] == request.prompt_ids
+        assert all(c["prompt_token_ids"] is None for c in mine[1:])
+
+
+def test_chat_token_ids_and_the_rendered_prompt_ids(client, replicas):
+    replicas.script = per_choice({0: [5, 6]})
+    body = {**CHAT, "return_token_ids": True}
+    r = client.post("/v1/chat/completions", json=body).json()
+    (request,) = replicas.requests
+    assert r["prompt_token_ids"] == request.prompt_ids
+    assert r["choices"][0]["token_ids"] == [5, 6]
+    chunks = streamed(client, "/v1/chat/completions", {**body, "stream": True})
+    assert chunks[0]["prompt_token_ids"] == replicas.requests[1].prompt_ids
+    assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == [5, 6]
+
+
 def test_a_refused_prompt_of_a_batch_refuses_the_request_and_cancels_the_others(client, replicas):
     def script(request: GenerateRequest) -> list[Reply]:
         if request.prompt_ids == [11, 12]:
