@@ -117,6 +117,24 @@ class LoadOptions:
 
 
 @dataclass
+class Answer:
+    """What a streamed completion answered: its text and, from a server that returns them
+    (return_token_ids), the prompt's and the generated token ids."""
+
+    text: str = ""
+    prompt_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+    @property
+    def has_ids(self) -> bool:
+        return self.prompt_ids is not None and self.token_ids is not None
+
+    @property
+    def num_ids(self) -> int:
+        return len(self.prompt_ids or ()) + len(self.token_ids or ())
+
+
+@dataclass
 class RequestRecord:
     """What one request saw, in seconds from the moment it was sent."""
 
@@ -134,7 +152,9 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not sent
     conversation: int | None = None  # multi-turn: which conversation, which turn (from 0)
     turn: int | None = None
-    context_tokens: int | None = None  # multi-turn: the previous turn's prompt_tokens (turn 0: 0)
+    # multi-turn: the previous turn's tokens this prompt repeats exactly (turn 0: 0): its
+    # prompt and generated ids when the server returns ids, else its prompt
+    context_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -448,18 +468,27 @@ def shared_prefix_prompt(model: str, i: int, options: LoadOptions) -> str:
 
 
 def next_turn_prompt(previous_prompt: str, previous_answer: str, message: str) -> str:
-    """A multi-turn turn's prompt: the previous turn's prompt and answer, exactly as sent
-    and streamed, a newline, the new user message; the first turn's is the message alone.
+    """A multi-turn turn's prompt as text (for servers that do not return token ids): the
+    previous turn's prompt and answer, exactly as sent and streamed, a newline, the new
+    user message; the first turn's is the message alone.
 
     So the previous prompt is a prefix of this one, and its tokens are too: it ends in
     "Assistant:", where BPE pre-tokenizers end a word whatever the answer starts with. The
     answer's text, tokenized again, need not give the ids the model generated (with the
     demo tokenizer, 10 of 300 random 32-token outputs did): the engine's cached blocks of
-    generated tokens then miss, and what a turn can reuse is the previous prompt. The
-    summary's previous_prompt_share is that prefix's share of the prompt tokens."""
+    generated tokens then miss, and what a turn can reuse is the previous prompt. Servers
+    that return token ids (return_token_ids) get the conversation as ids instead
+    (next_turn_ids), as a client that keeps them would send it."""
     if not previous_prompt:
         return message
     return f"{previous_prompt}{previous_answer}\n{message}"
+
+
+def next_turn_ids(previous: Answer, message_ids: list[int]) -> list[int]:
+    """A multi-turn turn's prompt as token ids: the previous turn's prompt and generated
+    ids, then the new message's: all of the previous turn is an exact prefix (what a
+    real model's answer, tokenized again, mostly gives too)."""
+    return [*(previous.prompt_ids or []), *(previous.token_ids or []), *message_ids]
 
 
 def request_prompt(options: LoadOptions, model: str, i: int) -> str:
@@ -533,7 +562,8 @@ async def _drive_conversations(
         while left[0] > 0 and time.perf_counter() < deadline:
             conversation = next(conversations)
             model = pick(conversation)
-            prompt, answer, context = "", "", 0
+            prompt: str | list[int] = ""
+            answer, context = Answer(), 0
             for turn in range(options.turns):
                 if left[0] <= 0 or time.perf_counter() >= deadline:
                     return
@@ -544,11 +574,17 @@ async def _drive_conversations(
                 records.append(record)
                 message = user_message(f"{conversation}.{turn}", options.prompt_tokens,
                                        options.seed)  # fmt: skip
-                prompt = next_turn_prompt(prompt, answer, message)
+                if answer.has_ids:  # the server returns ids: the conversation goes on in ids
+                    ids = await _tokenize(client, url, model, "\n" + message, record)
+                    if ids is None:
+                        break
+                    prompt = next_turn_ids(answer, ids)
+                else:
+                    prompt = next_turn_prompt(str(prompt), answer.text, message)
                 answer = await _send(client, url, options, record, prompt)
                 if not record.ok:
                     break  # no answer to go on from: a new conversation
-                context = record.prompt_tokens
+                context = answer.num_ids if answer.has_ids else record.prompt_tokens
 
     workers = [asyncio.create_task(converse()) for _ in range(options.concurrency)]
     await _wind_down(workers, deadline + options.grace_s)
@@ -582,10 +618,30 @@ async def _wind_down(tasks: list[asyncio.Task], cutoff: float) -> None:
     await asyncio.gather(*pending, return_exceptions=True)
 
 
+async def _tokenize(
+    client: httpx.AsyncClient, url: str, model: str, text: str, record: RequestRecord
+) -> list[int] | None:
+    """`text`'s token ids by the server's /tokenize (no special tokens); None, with the
+    error in `record`, if it fails."""
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
+    try:
+        r = await client.post(f"{url}/tokenize", json=body)
+        if r.status_code == 200:
+            return list(r.json()["tokens"])
+        record.error = f"tokenize: HTTP {r.status_code}: {_error_message(r)}"
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        record.error = f"tokenize: {type(e).__name__}: {e}"
+    return None
+
+
 async def _send(
-    client: httpx.AsyncClient, url: str, options: LoadOptions, record: RequestRecord, prompt: str
-) -> str:
-    """One request into its record; the answer's text ("" when it failed)."""
+    client: httpx.AsyncClient,
+    url: str,
+    options: LoadOptions,
+    record: RequestRecord,
+    prompt: str | list[int],
+) -> Answer:
+    """One request into its record; the answer (empty when it failed)."""
     body = {
         "model": record.model,
         "prompt": prompt,
@@ -595,6 +651,8 @@ async def _send(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if options.scenario == "multi-turn":  # vLLM's extension: the ids to go on from
+        body["return_token_ids"] = True
     try:
         return await asyncio.wait_for(_stream(client, f"{url}/v1/completions", body, record),
                                       options.timeout_s)  # fmt: skip
@@ -605,21 +663,22 @@ async def _send(
         record.error = f"timeout after {options.timeout_s} s"
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         record.error = f"{type(e).__name__}: {e}"
-    return ""
+    return Answer()
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> str:
-    """One streamed completion, timed chunk by chunk into the record; its text."""
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> Answer:
+    """One streamed completion, timed chunk by chunk into the record; its answer."""
     t0 = time.perf_counter()
     text_times: list[float] = []
     texts: list[str] = []
+    answer = Answer()
     usage_tokens = None
     async with client.stream("POST", url, json=body) as r:
         record.status = r.status_code
         if r.status_code != 200:
             await r.aread()
             record.error = f"HTTP {r.status_code}: {_error_message(r)}"
-            return ""
+            return answer
         async for line in r.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -630,7 +689,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
             chunk = json.loads(data)
             if "error" in chunk:  # after the 200 header, errors come as an event
                 record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
-                return ""
+                return answer
             if chunk.get("usage"):
                 usage = chunk["usage"]
                 usage_tokens = usage["completion_tokens"]
@@ -639,18 +698,23 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
                     "cached_tokens"
                 )
             choices = chunk.get("choices") or []
+            if choices and choices[0].get("prompt_token_ids") is not None:
+                answer.prompt_ids = list(choices[0]["prompt_token_ids"])
+            if choices and choices[0].get("token_ids") is not None:
+                answer.token_ids = [*(answer.token_ids or []), *choices[0]["token_ids"]]
             if choices and choices[0].get("text"):
                 text_times.append(time.perf_counter())
                 texts.append(choices[0]["text"])
     if record.e2e_s is None:
         record.error = "the stream ended without [DONE]"
-        return ""
+        return answer
     if text_times:
         record.ttft_s = text_times[0] - t0
         record.itl_s = np.diff(text_times).tolist()
     # Servers that ignore include_usage: count text chunks instead.
     record.output_tokens = usage_tokens if usage_tokens is not None else len(text_times)
-    return "".join(texts)
+    answer.text = "".join(texts)
+    return answer
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -693,8 +757,9 @@ def prefix_figures(records: list[RequestRecord]) -> dict:
     """The prefix cache as the client saw it: prompt and cached tokens summed over the
     requests whose usage gave both, and prefix_hit_rate = cached / prompt (None where no
     usage carried cached_tokens: a server without prefix caching may leave the field out).
-    previous_prompt_share (multi-turn): the previous turns' prompt tokens over the prompt
-    tokens, what reusing exactly the previous prompts would reach, block rounding aside."""
+    previous_prompt_share (multi-turn): the previous turns' repeated tokens (context_tokens)
+    over the prompt tokens, what reusing exactly the previous turns would reach, block
+    rounding aside."""
     counted = [r for r in records if r.prompt_tokens is not None and r.cached_tokens is not None]
     prompt = sum(r.prompt_tokens for r in counted)
     cached = sum(r.cached_tokens for r in counted)
@@ -777,7 +842,7 @@ def _prefix_line(report: dict) -> str | None:
         )
     line += f", {_pct(served)} server-side" if served is not None else ", server: no counters"
     if a["previous_prompt_share"] is not None:
-        line += f"; previous turns' prompts: {_pct(a['previous_prompt_share'])} of prompt tokens"
+        line += f"; previous turns: {_pct(a['previous_prompt_share'])} of prompt tokens"
     return line
 
 

@@ -119,6 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Deploy only these setups, comma-separated (default all: "
                         f"{','.join(s.name for s in SETUPS)}); a comparison needs all "
                         "three.")  # fmt: skip
+    p.add_argument("--scenarios", type=_scenarios, default=SCENARIOS, metavar="NAME,...",
+                   help=f"Run only these (default all: {','.join(SCENARIOS)}).")  # fmt: skip
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the cluster it starts.")
     p.add_argument("--num-cpus", type=int, default=4, help="CPUs of the local Ray it starts.")
 
@@ -132,6 +134,13 @@ def _setups(names: str) -> tuple[Setup, ...]:
     return tuple(s for s in SETUPS if s.name in chosen)
 
 
+def _scenarios(names: str) -> tuple[str, ...]:
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    if not chosen or any(n not in SCENARIOS for n in chosen):
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(SCENARIOS)}, not {names!r}")
+    return tuple(s for s in SCENARIOS if s in chosen)
+
+
 def run(args: argparse.Namespace) -> int:
     json_path = args.json or (None if args.quick else DEFAULT_JSON)
     plot_path = args.plot or (None if args.quick else DEFAULT_PLOT)
@@ -143,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
                 "lorafleet bench prefix: the plot needs matplotlib: pip install -e '.[bench]'"
             ) from None
     sizes = QUICK if args.quick else Sizes()
-    results = measure_all(sizes, args.port, args.num_cpus, args.setups)
-    meta = _meta(sizes, args.quick, args.setups)
+    results = measure_all(sizes, args.port, args.num_cpus, args.setups, args.scenarios)
+    meta = _meta(sizes, args.quick, args.setups, args.scenarios)
     comparisons = compare(results)
     print(report(results, comparisons, meta))
     if json_path is not None:
@@ -155,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         panels = {
             s: {r.setup.name: r.ttfts_s for r in results if r.scenario == s and r.ttfts_s}
-            for s in SCENARIOS
+            for s in args.scenarios
         }
         plot_ttft_cdfs(panels, plot_path)
         print(f"wrote {plot_path}")
@@ -172,7 +181,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_all(
-    sizes: Sizes, port: int, cpus: int, setups: tuple[Setup, ...] = SETUPS
+    sizes: Sizes,
+    port: int,
+    cpus: int,
+    setups: tuple[Setup, ...] = SETUPS,
+    scenarios: tuple[str, ...] = SCENARIOS,
 ) -> list[RunResult]:
     """Every setup deployed in turn (the last one deleted first: each starts with an empty
     cache and no replica of another setup still busy), both scenarios against each."""
@@ -186,7 +199,7 @@ def measure_all(
             t0 = time.perf_counter()
             serving.deploy(config)
             print(f"  running after {time.perf_counter() - t0:.0f} s", flush=True)
-            for scenario in SCENARIOS:
+            for scenario in scenarios:
                 options = load_options(sizes, scenario, url, f"{setup.name} / {scenario}")
                 result = asyncio.run(run_load(options))
                 ttfts = [r.ttft_s for r in result.records if r.ok and r.ttft_s is not None]
@@ -334,10 +347,17 @@ def _met(ok: bool | None) -> str:
     return "unknown" if ok is None else ("met" if ok else "NOT met")
 
 
-def _meta(sizes: Sizes, quick: bool, setups: tuple[Setup, ...] = SETUPS) -> dict:
+def _meta(
+    sizes: Sizes,
+    quick: bool,
+    setups: tuple[Setup, ...] = SETUPS,
+    scenarios: tuple[str, ...] = SCENARIOS,
+) -> dict:
     command = "lorafleet bench prefix" + (" --quick" if quick else "")
     if setups != SETUPS:
         command += f" --setups {','.join(s.name for s in setups)}"
+    if scenarios != SCENARIOS:
+        command += f" --scenarios {','.join(scenarios)}"
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {num_cpus()} CPUs, {platform.system()} "

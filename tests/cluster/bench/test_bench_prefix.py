@@ -146,6 +146,15 @@ def test_report_has_a_row_per_run_and_a_line_per_scenario():
 def test_the_command_is_registered():
     args = build_parser().parse_args(["bench", "prefix", "--quick", "--json", "x.json"])
     assert args.func is bench_prefix.run and args.quick and str(args.json) == "x.json"
+    assert args.scenarios == SCENARIOS
+    one = build_parser().parse_args(["bench", "prefix", "--scenarios", "multi-turn"])
+    assert one.scenarios == ("multi-turn",)
+    assert (
+        "--scenarios multi-turn"
+        in bench_prefix._meta(QUICK, False, scenarios=one.scenarios)["command"]
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "prefix", "--scenarios", "zipf"])
 
 
 def test_shared_cdf_plot_draws_the_suites_and_ours(tmp_path):

@@ -16,6 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -396,10 +397,58 @@ def test_cli_multi_turn_prints_the_hit_rates_and_writes_them(fake, tmp_path, cap
     printed = capsys.readouterr().out
     assert "4 concurrent conversations" in printed and "3 turns each adding ~16+4" in printed
     line = next(x for x in printed.splitlines() if x.startswith("prefix cache:"))
-    assert "client-side" in line and "server-side" in line and "previous turns' prompts" in line
+    assert "client-side" in line and "server-side" in line and "previous turns:" in line
     report = json.loads(out.read_text())
     assert report["options"]["turns"] == 3 and report["all"]["ok"] == 16
     assert report["all"]["prefix_hit_rate"] > 0 and report["server"]["prefix_hit_rate"] > 0
     args = parser.parse_args(["--url", url, "--scenario", "multi-turn", "--rate", "2"])
     assert bench_http.run(args) == 2
     assert "closed loop" in capsys.readouterr().err
+
+
+# -- multi-turn in token ids (servers that return them) ----------------------------------------
+
+
+def test_next_turn_ids_repeat_the_previous_prompt_and_answer_exactly():
+    previous = bench_http.Answer("x", prompt_ids=[1, 5, 6], token_ids=[9, 8])
+    assert bench_http.next_turn_ids(previous, [4, 4]) == [1, 5, 6, 9, 8, 4, 4]
+
+
+def test_multi_turn_goes_on_in_token_ids_when_the_server_returns_them():
+    """A server answering with prompt_token_ids and token_ids: every later turn's prompt is
+    the previous turn's ids + its answer's ids + the new message's ids (from /tokenize)."""
+    sent: list = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/tokenize":
+            assert body["add_special_tokens"] is False and body["prompt"].startswith("\n")
+            return httpx.Response(200, json={"tokens": [70, 71]})
+        sent.append(body["prompt"])
+        assert body["return_token_ids"] is True
+        prompt = [1, 2, 3] if isinstance(body["prompt"], str) else body["prompt"]
+        answer = [50 + len(sent), 60 + len(sent)]
+        chunks = [
+            {"choices": [{"index": 0, "text": "a", "prompt_token_ids": prompt,
+                          "token_ids": answer[:1]}]},
+            {"choices": [{"index": 0, "text": "b", "token_ids": answer[1:]}]},
+            {"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 2,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}},
+        ]  # fmt: skip
+        lines = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=lines, headers={"content-type": "text/event-stream"})
+
+    options = LoadOptions(scenario="multi-turn", num_requests=3, turns=3, concurrency=1)
+
+    async def run() -> list[RequestRecord]:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench_http._drive_conversations(
+                client, "http://fake", options, lambda i: "m", BASE
+            )
+
+    records = asyncio.run(run())
+    assert isinstance(sent[0], str)  # the first turn is text: nothing to go on from yet
+    assert sent[1] == [1, 2, 3, 51, 61, 70, 71]
+    assert sent[2] == [*sent[1], 52, 62, 70, 71]
+    assert [r.context_tokens for r in records] == [0, 5, 9]  # prompt + answer ids repeated
