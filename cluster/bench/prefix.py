@@ -85,7 +85,9 @@ class Sizes:
     turns: int = 4
     max_tokens: int = 32
     requests: int = 96  # per run; multi-turn: turns
-    warmup: int = 32  # unmeasured, before each run: most system prompts get cached
+    # unmeasured, before each run, per replica: each replica computes each prefix it gets
+    # once, so a cold start of 2 replicas has twice the first computations of 1
+    warmup: int = 32
     concurrency: int = 16  # multi-turn: conversations
     kv_cache_bytes: int = 256 * 2**20  # per replica: 32k tokens of the demo model
     settle_s: float = 1.5  # wait for the replicas' counters (reported every 0.5 s)
@@ -200,7 +202,8 @@ def measure_all(
             serving.deploy(config)
             print(f"  running after {time.perf_counter() - t0:.0f} s", flush=True)
             for scenario in scenarios:
-                options = load_options(sizes, scenario, url, f"{setup.name} / {scenario}")
+                label = f"{setup.name} / {scenario}"
+                options = load_options(sizes, scenario, url, label, setup.replicas)
                 result = asyncio.run(run_load(options))
                 ttfts = [r.ttft_s for r in result.records if r.ok and r.ttft_s is not None]
                 results.append(RunResult(setup, scenario, result.summary(), ttfts))
@@ -223,14 +226,16 @@ def serve_config(setup: Setup, sizes: Sizes, port: int) -> dict:
     )
 
 
-def load_options(sizes: Sizes, scenario: str, url: str, label: str) -> LoadOptions:
+def load_options(
+    sizes: Sizes, scenario: str, url: str, label: str, replicas: int = 1
+) -> LoadOptions:
     shared = scenario == "shared-prefix"
     return LoadOptions(
         url=url,
         scenario=scenario,
         concurrency=sizes.concurrency,
         num_requests=sizes.requests,
-        warmup_requests=sizes.warmup,
+        warmup_requests=sizes.warmup * replicas,
         prompt_tokens=sizes.suffix_tokens if shared else sizes.turn_tokens,
         prefix_tokens=sizes.prefix_tokens,
         turns=sizes.turns,

@@ -62,6 +62,8 @@ def test_load_options_per_scenario():
     assert (shared.prefix_tokens, shared.prompt_tokens) == (1000, 32)
     assert (turns.turns, turns.prompt_tokens, turns.concurrency) == (4, 64, 16)
     assert shared.num_requests == turns.num_requests == 96
+    assert shared.warmup_requests == 32
+    assert load_options(Sizes(), "shared-prefix", "http://x", "l", 2).warmup_requests == 64
     # the demo model's 2048 positions hold the longest prompt and its answer
     s = Sizes()
     assert s.prefix_tokens + s.suffix_tokens + s.max_tokens + 16 < 2048
