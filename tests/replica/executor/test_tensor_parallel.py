@@ -138,6 +138,21 @@ class TestDemoModel:
         (got,) = two.generate([(prompt, greedy, adapter)])
         assert [c.output_ids for c in got.choices] == [want.output_ids] * 3
 
+    def test_penalties_and_logprobs_equal_tp1(self, demo, engines):
+        """Rows with penalties and logprobs beside plain rows, on 2 ranks: rank 0 samples
+        from the all-reduced logits, so tokens and logprobs are TP=1's."""
+        one, two = engines
+        adapter = list(demo.adapters)[3]
+        mixed = GREEDY.model_copy(update={"repetition_penalty": 1.2, "presence_penalty": 0.5,
+                                          "frequency_penalty": 0.5, "logprobs": 3})  # fmt: skip
+        ps = prompts(one.spec.vocab_size, (9, 14, 6))
+        reqs = [(ps[0], mixed, adapter), (ps[1], GREEDY, None), (ps[2], mixed, None)]
+        want, got = one.generate(reqs), two.generate(reqs)
+        assert [s.output_ids for s in got] == [s.output_ids for s in want]
+        for a, b in zip(got[0].logprobs + got[2].logprobs, want[0].logprobs + want[2].logprobs):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < LOGIT_ATOL
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
     def test_cached_prefixes_are_read_on_every_rank(self, demo, engines):
         """Requests sharing a 40-token prefix under one adapter and the base, one per
         step: the later ones start after the cached blocks, which every rank holds (rank
