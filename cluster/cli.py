@@ -242,7 +242,10 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    config = engine_config_from_args(args, model=args.model, num_slots=max(2, len(loras) + 1))
+    # a slot per adapter named (a small allocation) unless the flags size the slots
+    sized = getattr(args, "engine_adapter_memory_bytes", None) is not None
+    slots = {} if sized else {"num_slots": max(2, len(loras) + 1)}
+    config = engine_config_from_args(args, model=args.model, **slots)
     gen = OfflineGenerator(config, loras)
     try:
         requests = [GenerateRequest(p, a, sampling) for p, a in zip(args.prompt, adapters)]

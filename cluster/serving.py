@@ -40,6 +40,14 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+# Settings that size one thing two ways (AppConfig accepts one): --set of one drops the
+# other from the file.
+SIZED_BY_EITHER = {
+    "engine.num_slots": "engine.adapter_memory_bytes",
+    "engine.adapter_memory_bytes": "engine.num_slots",
+}
+
+
 def apply_overrides(
     config: dict[str, Any],
     *,
@@ -68,6 +76,8 @@ def apply_overrides(
             if not isinstance(node, dict):
                 raise ServeConfigError(f"--set {setting!r}: {part} is not a section")
         node[leaf] = yaml.safe_load(value)
+        if key in SIZED_BY_EITHER:  # the file's other way of sizing them gives way
+            node.pop(SIZED_BY_EITHER[key].rpartition(".")[2], None)
     if model is not None:
         args.setdefault("engine", {})["model"] = str(Path(model).resolve())
         if loras is None and args.get("adapters") in DEMOS:

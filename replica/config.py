@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -16,11 +16,26 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
     dtype: str = Field("auto", description="'auto' (bf16 on CUDA, fp32 on CPU) or a dtype name.")
     max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank a slot can hold.")
-    num_slots: int = Field(
-        8, ge=2, description="Device adapter slots including slot 0 (the pinned base model)."
+    adapter_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Device memory for resident adapters: the adapter slot count follows "
+        "from it (each slot holds one adapter of up to max_lora_rank; slot 0 is the base "
+        "model). Default: on CUDA a quarter of the memory left after the base weights and "
+        "the KV cache, on CPU 1 GiB; either way at most 256 slots.",
     )
-    max_loras_per_batch: int = Field(
-        8, ge=1, description="Distinct adapters allowed in one running batch."
+    num_slots: int | None = Field(
+        None,
+        ge=2,
+        description="A fixed count of device adapter slots including slot 0 (the pinned base "
+        "model), instead of sizing them from adapter_memory_bytes (set one, not both).",
+    )
+    max_loras_per_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Distinct adapters allowed in one running batch. Default: every adapter "
+        "slot (num_slots - 1), at most max_num_seqs. With adapters churning, one or two "
+        "slots fewer leave room for the next load (README, Measured).",
     )
     kv_cache_bytes: int = Field(
         256 * 2**20, ge=1, description="Memory budget of the paged KV cache, in bytes."
@@ -78,3 +93,12 @@ class EngineConfig(BaseModel):
         description="Tensor-parallel ranks (devices) per replica: rank 0 drives, ranks 1..N-1 "
         "are Ray actors in the replica's placement group. 1 = no tensor parallelism.",
     )
+
+    @model_validator(mode="after")
+    def _one_slot_sizing(self) -> EngineConfig:
+        if self.num_slots is not None and self.adapter_memory_bytes is not None:
+            raise ValueError(
+                "set engine.num_slots or engine.adapter_memory_bytes, not both: the slot "
+                "count is either fixed or sized from the memory budget"
+            )
+        return self

@@ -8,6 +8,7 @@ device work goes through one executor (executor/), one rank or several.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from replica.adapters.memory import size_adapter_slots, slot_bytes
 from replica.adapters.residency import BASE_KEY, AdapterResidency
 from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
@@ -37,6 +39,8 @@ from replica.wire import SamplingParams, TokenLogprobs
 
 __all__ = ["LLMEngine", "StepOutput"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class StepOutput:
@@ -50,10 +54,17 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: AdapterSource | None = None) -> None:
-        self.config = c = config
-        self.device = resolve_device(c.device)
-        self.dtype = resolve_dtype(c.dtype, self.device)
-        self.spec = load_model_spec(c.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.spec = load_model_spec(config.model)
+        # the slot count and per-batch limit, sized from memory unless set
+        self.config = c = size_adapter_slots(config, self.spec, self.device, self.dtype)
+        log.info(
+            "%d adapter slots (slot 0: the base) of %d bytes at rank %d; up to %d adapters "
+            "per batch",
+            c.num_slots, slot_bytes(self.spec, c.max_lora_rank, self.dtype, c.tp_size),
+            c.max_lora_rank, c.max_loras_per_batch,
+        )  # fmt: skip
         self.executor = create_executor(c, self.spec, self.device, self.dtype)
         num_blocks, self.max_model_len = self.executor.num_blocks, self.executor.max_model_len
         source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {})

@@ -52,6 +52,7 @@ class Telemetry:
             "num_waiting": len(sched.waiting),
             "num_running": len(sched.running),
             "free_slots": pool.num_free,
+            "num_slots": len(pool.slots),  # slot 0 (the base) included; sized from memory
             "adapter_loads": self.adapters.prefetcher.loads_started,
             # leak checks (tests/reliability): all blocks free and no slot referenced when idle
             "kv_blocks_free": sched.allocator.num_free,

@@ -43,6 +43,13 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def num_parameters(self) -> int:
+        """Weights the model holds (projections, embeddings, head, norms; biases aside)."""
+        projections = sum(i * o for i, o in self.module_shapes().values())
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * projections + heads * self.vocab_size * self.hidden_size + norms
+
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""
         h, i = self.hidden_size, self.intermediate_size

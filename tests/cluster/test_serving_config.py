@@ -70,6 +70,7 @@ def test_overrides_replace_the_files_values(tmp_path):
     args = config["applications"][0]["args"]
     assert args["engine"]["model"] == str(tmp_path / "model")
     assert args["engine"]["num_slots"] == 5
+    assert "adapter_memory_bytes" not in args["engine"]  # the file's sizing gives way
     assert args["adapters"] == {"support": str(lora)}
     assert str(tmp_path / "adapters") in args["adapter_roots"]
     assert args["routing"] == "default" and args["load_bound_epsilon"] == 0.5

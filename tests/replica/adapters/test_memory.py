@@ -1,0 +1,138 @@
+"""Adapter slots sized from a memory budget: the arithmetic, the buffers it allocates, and a
+batch running more adapters than the old fixed count of 7, against transformers + PEFT."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from replica.adapters import memory
+from replica.adapters.memory import MAX_DEFAULT_SLOTS, size_adapter_slots, slot_bytes
+from replica.config import EngineConfig
+from replica.engine.engine import LLMEngine
+from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.spec import load_model_spec
+from replica.model.tp_shard import TPShard
+from replica.wire import SamplingParams
+from tests.oracle import hf_greedy, hf_model
+
+CPU = torch.device("cpu")
+
+
+def buffer_bytes(lora: LoRASlotBuffers) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for groups in lora.layers
+        for buf in groups.values()
+        for t in (buf.a, buf.b)
+    )
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_bytes_are_what_the_buffers_allocate(demo, tp_size, dtype):
+    spec = load_model_spec(demo.model_dir)
+    shapes = None if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes()
+    lora = LoRASlotBuffers(spec, 3, 16, CPU, dtype, shapes)
+    assert buffer_bytes(lora) == 3 * slot_bytes(spec, 16, dtype, tp_size)
+    # a rank-16 slot is a quarter of a rank-64 one: bytes scale with max_lora_rank
+    assert 4 * slot_bytes(spec, 16, dtype, tp_size) == slot_bytes(spec, 64, dtype, tp_size)
+
+
+def test_budget_sets_the_slot_count_and_the_batch_limit(tiny):
+    spec = load_model_spec(tiny.model_dir)
+    per_slot = slot_bytes(spec, 64, torch.float32)
+    base = EngineConfig(model=str(tiny.model_dir), device="cpu")
+    sized = size_adapter_slots(
+        base.model_copy(update={"adapter_memory_bytes": 5 * per_slot + per_slot // 2}),
+        spec, CPU, torch.float32,
+    )  # fmt: skip
+    assert (sized.num_slots, sized.max_loras_per_batch) == (5, 4)
+    assert sized.adapter_memory_bytes is None  # what ranks are built from: a count
+    EngineConfig(**sized.model_dump())  # and it validates again (TP workers rebuild it)
+    capped = base.model_copy(update={"adapter_memory_bytes": 40 * per_slot, "max_num_seqs": 8})
+    assert size_adapter_slots(capped, spec, CPU, torch.float32).max_loras_per_batch == 8
+    chosen = capped.model_copy(update={"max_loras_per_batch": 3})
+    assert size_adapter_slots(chosen, spec, CPU, torch.float32).max_loras_per_batch == 3
+    fixed = base.model_copy(update={"num_slots": 4})
+    assert size_adapter_slots(fixed, spec, CPU, torch.float32).num_slots == 4
+    # the default budget: 1 GiB on CPU, which holds thousands of tiny slots: capped
+    default = size_adapter_slots(base, spec, CPU, torch.float32)
+    assert (1 << 30) // per_slot > MAX_DEFAULT_SLOTS == default.num_slots
+    # a set budget is taken as it is, past the default's cap
+    many = base.model_copy(update={"adapter_memory_bytes": (MAX_DEFAULT_SLOTS + 9) * per_slot})
+    assert size_adapter_slots(many, spec, CPU, torch.float32).num_slots == MAX_DEFAULT_SLOTS + 9
+
+
+def test_cuda_default_is_a_share_of_what_weights_and_kv_leave(tiny, monkeypatch):
+    spec = load_model_spec(tiny.model_dir)
+    free = 10 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+    cfg = EngineConfig(model=str(tiny.model_dir), kv_cache_bytes=2 << 30, tp_size=2)
+    weights = spec.num_parameters() * 2 // 2  # bf16, half on each of 2 ranks
+    expected = int((free - weights - (2 << 30)) * memory.CUDA_FREE_SHARE)
+    got = memory.default_budget(cfg, spec, torch.device("cuda"), torch.bfloat16)
+    assert got == expected
+    # nothing left: a zero budget, which size_adapter_slots refuses (below)
+    cfg = cfg.model_copy(update={"kv_cache_bytes": free})
+    assert memory.default_budget(cfg, spec, torch.device("cuda"), torch.bfloat16) == 0
+
+
+def test_num_parameters_counts_the_checkpoint(tiny):
+    import math
+
+    from safetensors import safe_open
+
+    spec = load_model_spec(tiny.model_dir)
+    total = 0
+    for path in tiny.model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "bias" not in k)
+    assert spec.num_parameters() == total
+
+
+def test_a_budget_below_two_slots_is_a_config_error_at_start(tiny):
+    spec = load_model_spec(tiny.model_dir)
+    per_slot = slot_bytes(spec, 64, torch.float32)
+    cfg = EngineConfig(model=str(tiny.model_dir), device="cpu", adapter_memory_bytes=per_slot)
+    with pytest.raises(ValueError, match="at least 2 are needed.*adapter_memory_bytes"):
+        LLMEngine(cfg)
+    # a smaller max rank makes the same budget enough
+    eng = LLMEngine(cfg.model_copy(update={"max_lora_rank": 16}))
+    assert eng.residency()["num_slots"] == 4
+    with pytest.raises(ValidationError, match="not both"):
+        EngineConfig(model="m", num_slots=4, adapter_memory_bytes=1 << 20)
+
+
+def test_more_adapters_than_the_old_seven_run_in_one_batch_like_peft(tiny):
+    """Ten adapter names (the four tiny adapters of ranks 8-64, registered under several
+    names) in one batch of an engine sized for 12 slots: every request runs in the same
+    steps and decodes what transformers + PEFT decode with its adapter."""
+    spec = load_model_spec(tiny.model_dir)
+    budget = 12 * slot_bytes(spec, 64, torch.float32)
+    cfg = EngineConfig(
+        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20,
+        adapter_memory_bytes=budget, adapter_loading="sync", max_loads_in_flight=10,
+    )  # fmt: skip
+    eng = LLMEngine(cfg)
+    assert (eng.config.num_slots, eng.config.max_loras_per_batch) == (12, 11)
+    dirs = list(tiny.adapters.values())
+    names = {f"copy{i}": dirs[i % len(dirs)] for i in range(10)}
+    for name, path in names.items():
+        eng.load_adapter(name, path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, spec.vocab_size, (5 + i,), generator=g).tolist() for i in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    seqs = [eng.add_request(p, greedy, n) for p, n in zip(prompts, names)]
+    eng.step()
+    running = {s.lora_key for s in eng.scheduler.running}
+    assert running == set(names), "all ten adapters should be admitted into the first batch"
+    for _ in range(50):
+        if not eng.has_work():
+            break
+        eng.step()
+    assert not eng.has_work()
+    oracles = {path: hf_model(tiny.model_dir, path) for path in dirs}
+    for seq, prompt, name in zip(seqs, prompts, names):
+        assert seq.output_ids == hf_greedy(oracles[names[name]], prompt, 6), name
