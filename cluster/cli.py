@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench import engine as bench_engine
     from cluster.bench import http as bench_http
     from cluster.bench import kernels as bench_kernels
+    from cluster.bench import many_adapters as bench_many_adapters
     from cluster.bench import overhead as bench_overhead
     from cluster.bench import prefix as bench_prefix
     from cluster.bench import suite as bench_suite
@@ -160,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_overhead.add_arguments(p)
     p.set_defaults(func=bench_overhead.run)
+
+    p = bench.add_parser(
+        "many-adapters",
+        help="Start the demo cluster; register 16 to 4,096 adapters, tok/s and TTFT for each.",
+    )
+    bench_many_adapters.add_arguments(p)
+    p.set_defaults(func=bench_many_adapters.run)
 
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)
