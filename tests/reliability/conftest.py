@@ -33,6 +33,22 @@ MAX_QUEUED = 4  # at the ingress's handle
 MAX_MODEL_LEN = 2048  # the tiny model's context: long requests take seconds
 
 
+OWN_RAY_MODULES = ("test_multinode.py",)  # start a Ray of their own: run before `cluster`
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Move the tests of OWN_RAY_MODULES before this package's other tests: a process holds
+    one Ray connection, and the package's shared cluster, once up, stays up to its end."""
+    here = Path(__file__).parent
+    own = [i for i in items if i.path.parent == here and i.path.name in OWN_RAY_MODULES]
+    if not own:
+        return
+    moved = set(own)
+    rest = [i for i in items if i not in moved]
+    first = next((k for k, i in enumerate(rest) if i.path.parent == here), len(rest))
+    items[:] = [*rest[:first], *own, *rest[first:]]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
