@@ -116,6 +116,7 @@ class Step:
     registration: Registration
     summary: dict
     ttfts_s: list[float] = field(default_factory=list)
+    load_average: list[float] | None = None  # the machine's, as the load run ended
 
 
 # -- the adapters -----------------------------------------------------------------------------
@@ -286,7 +287,7 @@ async def sweep(
         result = await run_load(load_options(url, n, sizes))
         ttfts = [r.ttft_s for r in result.records if r.ok and r.ttft_s is not None]
         used.update(r.model for r in [*result.warmup, *result.records])
-        steps.append(Step(n, registration, result.summary(), ttfts))
+        steps.append(Step(n, registration, result.summary(), ttfts, _loadavg()))
         a = result.summary()["all"]
         print(f"  {a['ok']}/{a['requests']} ok, {a['output_tok_per_s']:.1f} out tok/s, TTFT "
               f"p50 {ms(a['ttft_p50_s'], 0)} ms p99 {ms(a['ttft_p99_s'], 0)} ms",
@@ -452,8 +453,8 @@ def report(steps: list[Step], figures: dict, cold: dict, meta: dict) -> str:
         f"output tokens, {s['requests']} requests per N after {s['warmup']} unmeasured.",
         "",
         f"| adapters | ok | out tok/s | vs {figures['ratio_to']} | TTFT p50 / p99 ms "
-        "| TTFT p50 vs | registered (s, per s) |",
-        "|---|---|---|---|---|---|---|",
+        "| TTFT p50 vs | registered (s, per s) | load avg |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for step in steps:
         f, r = figures["per_n"][step.adapters], step.registration
@@ -462,7 +463,7 @@ def report(steps: list[Step], figures: dict, cold: dict, meta: dict) -> str:
             f"| {step.adapters} | {f['ok']}/{f['requests']} | {f['output_tok_per_s']:.1f} "
             f"| {_x(f['tok_s_ratio'])}{_target(f)} | {ms(f['ttft_p50_s'], 0)} / "
             f"{ms(f['ttft_p99_s'], 0)} | {_x(f['ttft_p50_ratio'])} "
-            f"| {r.count} in {r.seconds:.1f} s, {rate} |"
+            f"| {r.count} in {r.seconds:.1f} s, {rate} | {_load(step.load_average)} |"
         )
     reg = figures["registration"]
     lines.append("")
@@ -569,6 +570,7 @@ def _json(steps: list[Step], figures: dict, cold: dict, meta: dict) -> dict:
                 "registration": {**asdict(s.registration), "per_s": s.registration.per_s},
                 "summary": s.summary,
                 "ttfts_s": s.ttfts_s,
+                "load_average": s.load_average,
             }
             for s in steps
         ],

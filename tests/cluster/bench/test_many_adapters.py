@@ -134,7 +134,7 @@ def test_adapters_are_distinct_deterministic_valid_and_built_once(tmp_path, demo
 def _step(n: int, tok_s: float, ttft: float, before: int, seconds: float) -> Step:
     figures = {"ok": 10, "requests": 10, "output_tok_per_s": tok_s, "ttft_p50_s": ttft,
                "ttft_p99_s": 2 * ttft}  # fmt: skip
-    return Step(n, Registration(before, n, seconds), {"all": figures})
+    return Step(n, Registration(before, n, seconds), {"all": figures}, [], [1.5, 1.0, 0.5])
 
 
 def _sweep_steps(tok_1024: float = 180.0, tok_4096: float = 160.0) -> list[Step]:
@@ -179,7 +179,7 @@ def test_report_has_a_row_per_count_and_the_registration_line():
     text = report(steps, compare(steps), cold, meta)
     rows = [line for line in text.splitlines() if line.startswith("| 1024 ")]
     assert rows == ["| 1024 | 10/10 | 180.0 | 0.90x (>= 0.9: met) | 1000 / 2000 | 2.00x "
-                    "| 768 in 30.0 s, 25.6/s |"]  # fmt: skip
+                    "| 768 in 30.0 s, 25.6/s | 1.50 / 1.00 / 0.50 |"]  # fmt: skip
     assert "0.80x (>= 0.85: NOT met)" in text
     assert "the first 1,023 in 40.0 s (target <= 15 s: NOT met)" in text
     assert "TTFT p50 900 ms; the same adapter again (resident) 300 ms" in text
@@ -254,7 +254,7 @@ def test_a_sweep_registers_up_to_each_count_then_loads_exactly_those(tmp_path):
         a = step.summary["all"]
         assert a["ok"] == a["requests"] == 12 and a["output_tokens"] == 36
         assert set(step.summary["requests_per_model"]) <= set(adapter_names(step.adapters))
-        assert len(step.ttfts_s) == 12
+        assert len(step.ttfts_s) == 12 and len(step.load_average) == 3
     # the probes: adapters no request of the sweep named, each sent twice, one at a time
     probed = cold["adapters"]
     assert len(probed) == 2 and not set(probed) & {m for m, _ in received[:30]}
