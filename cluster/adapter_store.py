@@ -5,27 +5,42 @@ health-checks and restarts it). `register` validates a PEFT directory against
 the base model and the limits, converts it once with the engine's conversion
 and `ray.put`s it: weights enter the object store once per cluster, however
 many replicas use them. Replicas ask for the ObjectRef of the version a request
-names and map it zero-copy. Mutations are serialized; reads never wait on them.
+names and map it zero-copy. Mutations of one name are serialized; reads never wait.
 
-Every mutation checkpoints the registry (name -> path, version) in Ray's GCS key-value
-store, which outlives actors: a store that Serve restarts after a crash re-registers the
-same adapters under the same versions (replicas keep their copies). A checkpoint made
-under another preload list (the config changed) is ignored: the config wins.
+`resolve` is the one way requests find an adapter: a name nobody registered goes to the
+configured resolvers (cluster/resolvers.py), allow-list first; one resolution per name
+at a time, and what it finds is checked and registered exactly as an explicit load.
+
+Every mutation checkpoints what it changed in Ray's GCS key-value store, which outlives
+actors: one key per adapter (name -> path, version, source) and one meta key (preload
+list, versions reserved), so a change writes one key however many adapters there are. A
+store that Serve restarts after a crash re-registers the same adapters under the same
+versions (replicas keep their copies). A checkpoint made under another preload list (the
+config changed) is dropped: the config wins.
+
+Replicas report every stats period with the registry epoch they have seen; the answer
+carries only the versions removed since (unloads, in-place replacements), or the whole
+live map when the replica is too far behind or this store is a new incarnation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import json
 import logging
 import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from cluster.resolvers import AdapterResolver, ResolveError, allowed
 from replica.adapters.packing import pack_adapter
 from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
 from replica.model.spec import load_model_spec
@@ -38,6 +53,14 @@ CANCEL_TTL_S = 120.0  # how long a cancelled request id is passed on to replicas
 # How long a replaced or unloaded version's weights stay fetchable: requests the ingress
 # resolved to it just before may still reach a replica that has no copy yet.
 RETIRED_TTL_S = 60.0
+# Removals remembered for replica reports; a replica further behind gets the whole map.
+CHANGE_LOG_LEN = 4096
+# Conversions running at once (each holds an adapter's tensors in memory, up to
+# max_adapter_bytes): two overlap one load's disk reads with another's conversion.
+MAX_CONCURRENT_LOADS = 2
+# Versions the checkpoint's meta key reserves at a time: one meta write per this many
+# registrations; a restored store skips what was left of the block.
+VERSION_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,20 @@ class AdapterInfo:
     target_modules: tuple[str, ...]
     nbytes: int
     created: int
+    source: str | None = None  # the resolver that found it; None: loaded or preloaded
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """A validated, converted adapter in the object store, not registered yet."""
+
+    name: str
+    path: str
+    rank: int
+    target_modules: tuple[str, ...]
+    nbytes: int
+    ref: ray.ObjectRef
+    source: str | None
 
 
 class AdapterStore:
@@ -63,29 +100,47 @@ class AdapterStore:
         reserved_names: tuple[str, ...] = (),
         max_adapter_bytes: int | None = None,
         checkpoint: bool = False,
+        resolvers: Sequence[AdapterResolver] = (),
+        resolve_allow: Sequence[str] = ("*",),
     ) -> None:
         """`checkpoint`: keep the registry in Ray's GCS key-value store, under the Serve
-        application's name (off: a restart loses runtime loads)."""
+        application's name (off: a restart loses runtime loads). `resolvers`, tried in
+        order for names nobody registered whose name matches a `resolve_allow` glob."""
         self.spec = load_model_spec(model)
         self.max_lora_rank = max_lora_rank
         self.roots = [Path(r).resolve() for r in adapter_roots]
         self.reserved = set(reserved_names)
         self.max_adapter_bytes = max_adapter_bytes
+        self.resolvers = list(resolvers)
+        self.resolve_allow = tuple(resolve_allow)
         self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef]] = {}
+        self._listing: list[AdapterInfo] | None = None  # list()'s answer until a change
         self._versions = itertools.count(1)
         self._retired: dict[tuple[str, int], tuple[ray.ObjectRef, float]] = {}
-        self._lock = asyncio.Lock()
+        self._name_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # lock, holders+waiters
+        self._loads = asyncio.Semaphore(MAX_CONCURRENT_LOADS)
+        self._resolving: dict[str, asyncio.Future[AdapterInfo]] = {}
+        # registry epoch: +1 per removed version; (epoch, name, version) of recent removals
+        self.incarnation = uuid.uuid4().hex
+        self._epoch = 0
+        self._removals: collections.deque[tuple[int, str, int]] = collections.deque(
+            maxlen=CHANGE_LOG_LEN
+        )
         self._replica_stats: dict[str, tuple[float, dict]] = {}
         self._cancelled: dict[str, float] = {}  # request id -> when the ingress gave up
         self.num_puts = 0
         self.num_ref_requests = 0
         self.num_restored = 0
-        self._checkpoint_key = _checkpoint_key() if checkpoint else None
+        self.num_resolved = 0
+        self.num_kv_writes = 0  # checkpoint keys written or deleted
+        self._kv_prefix = _checkpoint_prefix() if checkpoint else None
         self._preload = dict(preload)
+        self._reserved = 0  # versions below this are reserved in the checkpoint's meta key
         if not self._restore():
+            self._kv_clear()
+            self._kv_put_meta(self._peek_version() + VERSION_BLOCK)
             for name, path in preload.items():  # the operator's config: trusted, no roots
-                self._add(name, path)
-            self._checkpoint()
+                self._insert(self._load(name, path))
 
     # -- mutations -----------------------------------------------------------------------------
 
@@ -95,37 +150,43 @@ class AdapterStore:
         `inplace` replaces a live `name` with a new version in one step (vLLM's
         load_inplace): requests resolved before it finish on the old version, later ones
         get the new one, and no request in between finds the name missing."""
-        async with self._lock:
-            old = self._adapters.get(name)
-            if old is not None and not inplace:
+        async with self._name_lock(name):
+            if name in self._adapters and not inplace:
                 raise BadRequestError(
                     f"adapter {name!r} is already registered; unload it first, or load it "
                     "with load_inplace: true to replace it"
                 )
             resolved = self._check_path(path)
-            info = await asyncio.to_thread(self._add, name, resolved)
-            if old is not None:
-                self._retire(*old)
-            self._checkpoint()
-            return info
+            return self._insert(await self._load_async(name, resolved))
 
     async def unregister(self, name: str) -> AdapterInfo:
         """Remove `name` for new requests at once; replicas drop their copies when unused."""
-        async with self._lock:
+        async with self._name_lock(name):
             entry = self._adapters.pop(name, None)
             if entry is None:
                 raise NotFoundError(self._not_found(name))
+            self._listing = None
             self._retire(*entry)
-            self._checkpoint()
+            self._kv_delete(name)
             return entry[0]
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def resolve(self, name: str) -> AdapterInfo:
+    async def resolve(self, name: str) -> AdapterInfo:
+        """The registered adapter `name`; one nobody registered is looked up by the
+        resolvers (concurrent calls for it share one lookup). NotFoundError says why."""
         entry = self._adapters.get(name)
-        if entry is None:
+        if entry is not None:
+            return entry[0]
+        if not self.resolvers:
             raise NotFoundError(self._not_found(name))
-        return entry[0]
+        pending = self._resolving.get(name)
+        if pending is None:
+            pending = asyncio.ensure_future(self._resolve_new(name))
+            self._resolving[name] = pending
+            pending.add_done_callback(lambda f: self._resolved(name, f))
+        # a caller that gives up (its request's deadline) leaves the lookup to the others
+        return await asyncio.shield(pending)
 
     def get_ref(self, name: str, version: int) -> list[ray.ObjectRef]:
         """The weights of one version, wrapped in a list so Ray hands over the reference,
@@ -141,7 +202,9 @@ class AdapterStore:
         return [retired[0]]
 
     def list(self) -> list[AdapterInfo]:
-        return sorted((info for info, _ in self._adapters.values()), key=lambda i: i.name)
+        if self._listing is None:  # sorted once per change, not once per GET /v1/models
+            self._listing = sorted((i for i, _ in self._adapters.values()), key=lambda i: i.name)
+        return self._listing
 
     def live_versions(self) -> dict[str, int]:
         return {name: info.version for name, (info, _) in self._adapters.items()}
@@ -152,15 +215,34 @@ class AdapterStore:
             "num_puts": self.num_puts,
             "num_ref_requests": self.num_ref_requests,
             "num_restored": self.num_restored,
+            "num_resolved": self.num_resolved,
+            "num_kv_writes": self.num_kv_writes,
         }
 
     # -- replica reports (for `lorafleet bench` and operators) ----------------------------------
 
-    def report_replica(self, replica_id: str, stats: dict) -> dict[str, Any]:
-        """A replica's periodic report; answers with the live versions (so it can drop
-        references to unloaded adapters) and the requests the ingress gave up on."""
+    def report_replica(
+        self, replica_id: str, stats: dict, seen: tuple[str, int] | None = None
+    ) -> dict[str, Any]:
+        """A replica's periodic report. `seen` is the `epoch` of the previous answer it
+        got (None at first). Answers with the new `epoch`, the adapter versions removed
+        since `seen` (`removed`: [name, version] pairs; unloads and in-place
+        replacements), and the requests the ingress gave up on. When `seen` is from
+        another incarnation of the store or older than the change log, `live` (name ->
+        version) lists every live version instead, and `removed` those removed versions
+        that are still fetchable (a fetch of one may cross this answer)."""
         self._replica_stats[replica_id] = (time.time(), stats)
-        return {"live": self.live_versions(), "cancelled": list(self._cancelled)}
+        answer: dict[str, Any] = {
+            "epoch": (self.incarnation, self._epoch),
+            "cancelled": list(self._cancelled),
+        }
+        removed = self._removed_since(seen)
+        if removed is None:
+            self._prune_retired()
+            answer["live"] = self.live_versions()
+            removed = list(self._retired)
+        answer["removed"] = removed
+        return answer
 
     def cancel_requests(self, request_ids: list[str]) -> None:
         """Requests whose client left or whose deadline passed. Serve's own cancellation
@@ -178,7 +260,8 @@ class AdapterStore:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _add(self, name: str, path: str | Path, version: int | None = None) -> AdapterInfo:
+    def _load(self, name: str, path: str | Path, source: str | None = None) -> _Loaded:
+        """Validate and convert `path`, put the weights in the object store (blocking)."""
         if name in self.reserved:
             raise BadRequestError(f"adapter name {name!r} is reserved (the base model's name)")
         self._check_size(Path(path))
@@ -186,36 +269,113 @@ class AdapterStore:
             weights = load_peft_adapter(path, self.spec, self.max_lora_rank, name)
         except AdapterFormatError as e:
             raise BadRequestError(str(e)) from None
-        info = AdapterInfo(
-            name=name,
-            version=next(self._versions) if version is None else version,
-            path=str(path),
-            rank=weights.rank,
-            target_modules=weights.target_modules,
-            nbytes=weights.nbytes,
-            created=int(time.time()),
+        ref = ray.put(pack_adapter(weights))
+        return _Loaded(
+            name, str(path), weights.rank, weights.target_modules, weights.nbytes, ref, source
         )
-        self._adapters[name] = (info, ray.put(pack_adapter(weights)))
-        self.num_puts += 1
+
+    async def _load_async(self, name: str, path: Path, source: str | None = None) -> _Loaded:
+        async with self._loads:
+            return await asyncio.to_thread(self._load, name, path, source)
+
+    def _insert(self, loaded: _Loaded, version: int | None = None) -> AdapterInfo:
+        """Register a loaded adapter under a new version (or `version`, restoring),
+        retiring the one it replaces. Synchronous: no request sees a half-done change."""
+        info = AdapterInfo(
+            name=loaded.name,
+            version=next(self._versions) if version is None else version,
+            path=loaded.path,
+            rank=loaded.rank,
+            target_modules=loaded.target_modules,
+            nbytes=loaded.nbytes,
+            created=int(time.time()),
+            source=loaded.source,
+        )
+        old = self._adapters.get(info.name)
+        self._adapters[info.name] = (info, loaded.ref)
+        self.num_puts += 1  # counted here, in the event loop: loads run on threads
+        self._listing = None
+        if old is not None:
+            self._retire(*old)
+        if version is None:
+            self._kv_put(info)
         return info
 
-    def _check_path(self, path: str) -> Path:
-        """`path` and the files read from it must lie inside an adapter root, symlinks
-        resolved (no traversal, no symlink escape)."""
-        if not self.roots:
-            raise BadRequestError(
-                "loading adapters at runtime is disabled: no adapter_roots are configured"
+    async def _resolve_new(self, name: str) -> AdapterInfo:
+        if not allowed(name, self.resolve_allow):
+            raise NotFoundError(
+                f"adapter {name!r} is not registered, and resolve_allow does not let it be "
+                "resolved on first request"
             )
+        reasons = []
+        for resolver in self.resolvers:
+            try:
+                found = await asyncio.to_thread(resolver.find, name)
+                break
+            except ResolveError as e:
+                reasons.append(f"{resolver.kind}: {e}")
+        else:
+            raise NotFoundError(
+                f"adapter {name!r} is not registered, and no resolver found it "
+                f"({'; '.join(reasons)})"
+            )
+        async with self._name_lock(name):
+            entry = self._adapters.get(name)
+            if entry is not None:  # registered explicitly meanwhile
+                return entry[0]
+            try:
+                path = self._check_path(str(found.path), found.roots)
+                loaded = await self._load_async(name, path, found.source)
+            except BadRequestError as e:
+                raise NotFoundError(
+                    f"adapter {name!r} is not registered, and what the {found.source} "
+                    f"resolver found is not a valid adapter: {e.message}"
+                ) from None
+            info = self._insert(loaded)
+            self.num_resolved += 1
+            log.info("adapter %r resolved by %s: %s (v%d)", name, found.source, path, info.version)
+            return info
+
+    def _resolved(self, name: str, future: asyncio.Future) -> None:
+        self._resolving.pop(name, None)
+        if not future.cancelled():
+            future.exception()  # retrieved: every caller may have gone
+
+    @contextlib.asynccontextmanager
+    async def _name_lock(self, name: str) -> AsyncIterator[None]:
+        """Serialize mutations of one name; other names go on meanwhile. The lock goes
+        when nobody holds or waits for it: thousands of names leave nothing behind."""
+        lock, users = self._name_locks.get(name, (asyncio.Lock(), 0))
+        self._name_locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._name_locks[name]
+            if users == 1:
+                del self._name_locks[name]
+            else:
+                self._name_locks[name] = (lock, users - 1)
+
+    def _check_path(self, path: str, roots: Sequence[Path] | None = None) -> Path:
+        """`path` and the files read from it must lie inside one of `roots` (default: the
+        adapter roots), symlinks resolved (no traversal, no symlink escape)."""
+        if roots is None:
+            roots = self.roots
+            if not roots:
+                raise BadRequestError(
+                    "loading adapters at runtime is disabled: no adapter_roots are configured"
+                )
         try:
             resolved = Path(path).resolve(strict=True)
         except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the path
             raise BadRequestError(f"adapter path {path!r} does not exist") from None
         files = [resolved / "adapter_config.json", resolved / "adapter_model.safetensors"]
         for p in [resolved, *(f.resolve() for f in files if f.exists())]:
-            if not any(p.is_relative_to(root) for root in self.roots):
-                roots = ", ".join(str(r) for r in self.roots)
+            if not any(p.is_relative_to(root) for root in roots):
+                shown = ", ".join(str(r) for r in roots)
                 raise BadRequestError(
-                    f"adapter path {path!r} is outside the configured adapter roots ({roots})"
+                    f"adapter path {path!r} is outside the configured adapter roots ({shown})"
                 )
         return resolved
 
@@ -231,56 +391,16 @@ class AdapterStore:
                 f"limit of {self.max_adapter_bytes} (max_adapter_bytes)"
             )
 
-    # -- checkpoint in the GCS key-value store -------------------------------------------------
-
-    def _checkpoint(self) -> None:
-        if self._checkpoint_key is None:
-            return
-        from ray.experimental import internal_kv
-
-        registry = {n: [info.path, info.version] for n, (info, _) in self._adapters.items()}
-        state = {"preload": self._preload, "registry": registry, "next": self._peek_version()}
-        internal_kv._internal_kv_put(
-            self._checkpoint_key, json.dumps(state), overwrite=True, namespace=KV_NAMESPACE
-        )
-
-    def _restore(self) -> bool:
-        """Rebuild the registry from the checkpoint; False if there is none for this config."""
-        if self._checkpoint_key is None:
-            return False
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(self._checkpoint_key, namespace=KV_NAMESPACE)
-        if raw is None:
-            return False
-        state = json.loads(raw)
-        if state.get("preload") != self._preload:
-            return False
-        for name, (path, version) in sorted(state["registry"].items(), key=lambda kv: kv[1][1]):
-            try:
-                if self._preload.get(name) != path:  # loaded at runtime: the roots apply
-                    path = self._check_path(path)
-                self._add(name, path, version)
-                self.num_restored += 1
-            except Exception as e:  # gone or changed on disk since: drop it, keep the rest
-                log.warning("adapter %r not restored from %s: %s", name, path, e)
-        self._versions = itertools.count(state["next"])
-        self._checkpoint()
-        return True
-
-    def _peek_version(self) -> int:
-        """The next version `_versions` will hand out, without consuming it."""
-        nxt = next(self._versions)
-        self._versions = itertools.count(nxt)
-        return nxt
-
     def _not_found(self, name: str) -> str:
         return f"adapter {name!r} is not registered"  # not every name: there may be thousands
 
     def _retire(self, info: AdapterInfo, ref: ray.ObjectRef) -> None:
-        """Keep a version that left the registry fetchable for RETIRED_TTL_S."""
+        """Keep a version that left the registry fetchable for RETIRED_TTL_S, and tell
+        replicas (next report) to drop their copies once unused."""
         self._prune_retired()
         self._retired[(info.name, info.version)] = (ref, time.monotonic())
+        self._epoch += 1
+        self._removals.append((self._epoch, info.name, info.version))
 
     def _prune_retired(self) -> None:
         now = time.monotonic()
@@ -288,8 +408,129 @@ class AdapterStore:
             k: (ref, t) for k, (ref, t) in self._retired.items() if now - t < RETIRED_TTL_S
         }
 
+    def _removed_since(self, seen: tuple[str, int] | None) -> list[tuple[str, int]] | None:
+        """[name, version] removed after epoch `seen`; None when the log cannot tell."""
+        if seen is None or seen[0] != self.incarnation or seen[1] > self._epoch:
+            return None
+        oldest = self._removals[0][0] if self._removals else self._epoch + 1
+        if seen[1] < oldest - 1:  # removals between seen and the log's start were dropped
+            return None
+        return [(name, version) for epoch, name, version in self._removals if epoch > seen[1]]
 
-def _checkpoint_key() -> str:
+    # -- checkpoint in the GCS key-value store -------------------------------------------------
+
+    def _kv_put(self, info: AdapterInfo) -> None:
+        """Checkpoint one registration: its own key (and, once per VERSION_BLOCK
+        versions, the meta key reserving the next block)."""
+        if self._kv_prefix is None:
+            return
+        from ray.experimental import internal_kv
+
+        if info.version >= self._reserved:  # reserved before it is handed out: no reuse
+            self._kv_put_meta(info.version + VERSION_BLOCK)
+        entry = {"name": info.name, "path": info.path, "version": info.version}
+        if info.source is not None:
+            entry["source"] = info.source
+        internal_kv._internal_kv_put(
+            self._adapter_key(info.name), json.dumps(entry), overwrite=True, namespace=KV_NAMESPACE
+        )
+        self.num_kv_writes += 1
+
+    def _kv_put_meta(self, reserved: int) -> None:
+        """The preload list the checkpoint belongs to, and the versions handed out so far
+        (all below `reserved`): a restored store starts there."""
+        if self._kv_prefix is None:
+            return
+        from ray.experimental import internal_kv
+
+        meta = {"preload": self._preload, "next": reserved}
+        internal_kv._internal_kv_put(
+            self._kv_prefix + "meta", json.dumps(meta), overwrite=True, namespace=KV_NAMESPACE
+        )
+        self._reserved = reserved
+        self.num_kv_writes += 1
+
+    def _kv_delete(self, name: str) -> None:
+        if self._kv_prefix is None:
+            return
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self._adapter_key(name), namespace=KV_NAMESPACE)
+        self.num_kv_writes += 1
+
+    def _kv_clear(self) -> None:
+        """Drop a checkpoint this store will not restore (another config's, or none)."""
+        if self._kv_prefix is None:
+            return
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self._kv_prefix, del_by_prefix=True, namespace=KV_NAMESPACE)
+
+    def _adapter_key(self, name: str) -> str:
+        assert self._kv_prefix is not None
+        return f"{self._kv_prefix}adapter/{name}"
+
+    def _restore(self) -> bool:
+        """Rebuild the registry from the checkpoint; False if there is none for this config."""
+        if self._kv_prefix is None:
+            return False
+        from ray.experimental import internal_kv
+
+        raw = internal_kv._internal_kv_get(self._kv_prefix + "meta", namespace=KV_NAMESPACE)
+        if raw is None:
+            return False
+        meta = json.loads(raw)
+        if meta.get("preload") != self._preload:
+            return False
+        keys = internal_kv._internal_kv_list(self._kv_prefix + "adapter/", namespace=KV_NAMESPACE)
+        entries = [json.loads(v) for v in _kv_multi_get(keys).values() if v is not None]
+        last = 0
+        for entry in sorted(entries, key=lambda e: e["version"]):
+            name, path, version = entry["name"], entry["path"], entry["version"]
+            last = max(last, version)
+            try:
+                self._insert(self._restore_one(name, path, entry.get("source")), version)
+                self.num_restored += 1
+            except Exception as e:  # gone or changed on disk since: drop it, keep the rest
+                log.warning("adapter %r not restored from %s: %s", name, path, e)
+                self._kv_delete(name)
+        # past every version handed out before (some were unloaded since: not in `last`)
+        self._versions = itertools.count(max(meta["next"], last + 1))
+        return True
+
+    def _restore_one(self, name: str, path: str, source: str | None) -> _Loaded:
+        """Load a checkpointed adapter under the checks its first load passed."""
+        if source is not None:  # found by a resolver: it must still find the same directory
+            resolver = next((r for r in self.resolvers if r.kind == source), None)
+            if resolver is None:
+                raise ValueError(f"the {source} resolver is no longer configured")
+            found = resolver.find(name)
+            if str(found.path) != path:
+                raise ValueError(f"{name!r} now resolves to {found.path}")
+            return self._load(name, self._check_path(path, found.roots), source)
+        if self._preload.get(name) != path:  # loaded at runtime: the roots apply
+            path = str(self._check_path(path))
+        return self._load(name, path)
+
+    def _peek_version(self) -> int:
+        """The next version `_versions` will hand out, without consuming it."""
+        nxt = next(self._versions)
+        self._versions = itertools.count(nxt)
+        return nxt
+
+
+def _kv_multi_get(keys: list[bytes]) -> dict[bytes, bytes | None]:
+    """Values of `keys` in one GCS round trip (Ray's GcsClient), else one call per key."""
+    from ray.experimental import internal_kv
+
+    client = internal_kv.global_gcs_client
+    multi_get = getattr(client, "internal_kv_multi_get", None)
+    if multi_get is not None and keys:
+        return multi_get(keys, KV_NAMESPACE.encode())
+    return {k: internal_kv._internal_kv_get(k, namespace=KV_NAMESPACE) for k in keys}
+
+
+def _checkpoint_prefix() -> str:
     from ray import serve
 
-    return f"adapter-registry/{serve.get_replica_context().app_name}"
+    return f"adapter-registry/{serve.get_replica_context().app_name}/"

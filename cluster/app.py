@@ -14,6 +14,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.adapter_store import AdapterStore
 from cluster.config import AppConfig
+from cluster.resolvers import build_resolvers
 from replica.config import EngineConfig
 from replica.serve.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter
@@ -47,6 +48,13 @@ def build_app(args: dict[str, Any]) -> Application:
             (config.served_model_name,),
             config.max_adapter_bytes,
             True,  # checkpoint the registry: a restarted store keeps runtime loads
+            build_resolvers(
+                config.adapter_resolvers,
+                config.adapter_roots,
+                config.hf_cache_dir,
+                config.hf_allow_download,
+            ),
+            config.resolve_allow,
         )
     )
     routing: dict[str, Any] = {

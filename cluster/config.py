@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from replica.config import EngineConfig
 from router.options import IngressOptions
@@ -77,6 +77,30 @@ class AppConfig(IngressOptions):
     max_adapter_bytes: int = Field(
         4 * 2**30, gt=0, description="Largest adapter_model.safetensors the store accepts."
     )
+    adapter_resolvers: list[Literal["local", "hf_cache"]] = Field(
+        default_factory=list,
+        description="Where a request's unknown adapter name is looked up, in this order, "
+        "before it is a 404 (the adapter is then registered as by POST "
+        "/v1/load_lora_adapter, same checks): 'local' = the subdirectory of that name in "
+        "an adapter root; 'hf_cache' = for an 'org/name', that Hugging Face repo's snapshot "
+        "in the local hub cache. Empty: nothing resolves.",
+    )
+    resolve_allow: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="Glob patterns (fnmatch, case-sensitive; '*' matches '/' too) of the "
+        "names that adapter_resolvers may resolve, e.g. ['myorg/*', 'support-*']; a name "
+        "matching none is a 404 without any lookup.",
+    )
+    hf_cache_dir: str | None = Field(
+        None,
+        description="The Hugging Face hub cache the 'hf_cache' resolver reads (default: "
+        "huggingface_hub's, i.e. $HF_HUB_CACHE or $HF_HOME/hub).",
+    )
+    hf_allow_download: bool = Field(
+        False,
+        description="Let the 'hf_cache' resolver download an adapter missing from the cache "
+        "(its two adapter files) from the Hugging Face hub; off: nothing leaves the machine.",
+    )
 
     @field_validator("adapters")
     @classmethod
@@ -86,6 +110,15 @@ class AppConfig(IngressOptions):
                 if not name or "/" in name:
                     raise ValueError(f"adapter name {name!r}: must be non-empty, without '/'")
         return v
+
+    @model_validator(mode="after")
+    def _resolvers(self) -> AppConfig:
+        kinds = self.adapter_resolvers
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"adapter_resolvers: each resolver at most once, got {kinds}")
+        if "local" in kinds and not self.adapter_roots and self.adapters not in DEMOS:
+            raise ValueError("adapter_resolvers: 'local' needs adapter_roots to look in")
+        return self
 
     def resolved(self) -> AppConfig:
         """'demo' replaced by built (cached) demo assets; names and paths made explicit."""

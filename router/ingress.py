@@ -434,10 +434,7 @@ class Ingress:
         self._authorize(authorization, admin=False)
         if model_id == self.model_name:
             return self._base_card()
-        try:
-            return self._adapter_card(await self.store.resolve.remote(model_id))
-        except NotFoundError:
-            raise NotFoundError(f"model {model_id!r} does not exist", "model") from None
+        return self._adapter_card(await self._adapter_info(model_id))
 
     def _base_card(self) -> p.ModelCard:
         return p.ModelCard(id=self.model_name, created=self.created, root=self.model_dir)
@@ -609,7 +606,7 @@ class Ingress:
         # "abort" unless set below: the task was cancelled, the client went away
         kind, model, outcome, streaming = "unknown", "unknown", "abort", False
         try:
-            adapter = await self._resolve(body.model)
+            adapter = await self._resolve(body.model, backstop)
             kind, model = ("base" if adapter is None else "adapter"), body.model
             if any(not prompt.ids for prompt in prompts):
                 raise BadRequestError("the prompt is empty", "prompt")
@@ -680,19 +677,36 @@ class Ingress:
             kind, model, outcome, output.ttft_s, elapsed, output.num_tokens, output.itl_s
         )
 
-    async def _resolve(self, model: str) -> AdapterKey | None:
+    async def _resolve(self, model: str, deadline: float | None = None) -> AdapterKey | None:
         """The adapter version `model` names; None for the base model."""
         if model == self.model_name:
             return None
+        info = await self._adapter_info(model, deadline)
+        return AdapterKey(info.name, info.version)
+
+    async def _adapter_info(self, model: str, deadline: float | None = None) -> Any:
+        """The store's AdapterInfo of `model`. The store may have to find and load it first
+        (adapter_resolvers): that wait ends at `deadline` (perf_counter; default: the
+        request time limit from now)."""
+        if deadline is None:
+            deadline = time.perf_counter() + self.options.request_timeout_s
         try:
-            info = await self.store.resolve.remote(model)
-        except NotFoundError:
-            # not the whole list: with thousands of adapters every 404 would carry it
+            return await asyncio.wait_for(
+                self.store.resolve.remote(model), max(0.0, deadline - time.perf_counter())
+            )
+        except NotFoundError as e:
+            # the store's reason, not the whole list: with thousands of adapters every 404
+            # would carry it
             raise NotFoundError(
-                f"model {model!r} does not exist; GET /v1/models lists the available ones",
+                f"model {model!r} does not exist ({e.message}); GET /v1/models lists the "
+                "available ones",
                 "model",
             ) from None
-        return AdapterKey(info.name, info.version)
+        except asyncio.TimeoutError:
+            raise GatewayTimeoutError(
+                f"model {model!r}: finding and loading the adapter took longer than the "
+                "request's time limit"
+            ) from None
 
     async def _sse(
         self,

@@ -32,6 +32,10 @@ from replica.wire import AdapterKey, GenerateRequest, Reply, RoutingStats
 log = logging.getLogger(__name__)
 
 STORE_TIMEOUT_S = 10.0
+# How long a version the store removed is remembered: a fetch of it that crosses the
+# report announcing the removal (the store serves removed versions for 60 s) still
+# gets dropped.
+REMOVED_MEMORY_S = 180.0
 
 
 @serve.deployment(name="LoRAReplica")
@@ -48,6 +52,8 @@ class LoRAReplica:
         self.metrics = ReplicaMetrics(self.replica_id)
         self._fetching: dict[str, asyncio.Future] = {}
         self._active: set[str] = set()  # request ids being generated here
+        self._store_epoch: Any = None  # the registry epoch of the store's last answer
+        self._removed: dict[str, float] = {}  # adapter key -> when the store removed it
 
     async def generate(self, request: GenerateRequest):
         """Yields wire.Replies; a refused request yields one finished reply with a status.
@@ -137,21 +143,29 @@ class LoRAReplica:
         self.source.add(str(adapter), ref)
 
     async def _report(self, stats: dict[str, Any]) -> None:
-        """Report to the store; drop references to adapter versions it no longer holds."""
+        """Report to the store; drop references to adapter versions it no longer holds.
+        The store answers with the versions removed since the epoch we last saw, or with
+        every live version when it cannot tell (a restarted store, a replica far behind)."""
         try:
             reply = await asyncio.wait_for(
-                self.store.report_replica.remote(self.replica_id, stats), STORE_TIMEOUT_S
+                self.store.report_replica.remote(self.replica_id, stats, self._store_epoch),
+                STORE_TIMEOUT_S,
             )
         except Exception as e:  # the store restarting must not break routing stats
             log.warning("adapter store unreachable: %s", e)
             return
         for request_id in self._active.intersection(reply["cancelled"]):
             self.aengine.abort(request_id)
-        live = reply["live"]
-        for key in self.source.names():
-            adapter = AdapterKey.parse(key)
-            if live.get(adapter.name) == adapter.version:
-                continue
+        self._store_epoch = reply["epoch"]
+        now = time.monotonic()
+        self._removed = {k: t for k, t in self._removed.items() if now - t < REMOVED_MEMORY_S}
+        self._removed.update(dict.fromkeys((str(AdapterKey(*r)) for r in reply["removed"]), now))
+        stale = {key for key in self._removed if key in self.source}
+        if "live" in reply:
+            live = reply["live"]
+            held = map(AdapterKey.parse, self.source.names())
+            stale.update(str(a) for a in held if live.get(a.name) != a.version)
+        for key in stale:
             await self.aengine.call(lambda key=key: self.engine.unload_adapter(key))
 
 

@@ -31,6 +31,7 @@ PRELOADED = ["adapter-00", "adapter-01", "adapter-02"]
 MAX_ONGOING = 4  # per LoRAReplica
 MAX_QUEUED = 4  # at the ingress's handle
 MAX_MODEL_LEN = 2048  # the tiny model's context: long requests take seconds
+RESOLVABLE = "resolvable-"  # the prefix of the adapter names resolved on first request
 
 
 OWN_RAY_MODULES = ("test_multinode.py",)  # start a Ray of their own: run before `cluster`
@@ -77,6 +78,9 @@ def app_config(assets, port: int, adapter_limit: int) -> dict[str, Any]:
                     "served_model_name": "tiny-base",
                     "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
                     "adapter_roots": [str(assets.root / "adapters")],
+                    # names no other test uses: test_adapters.py's resolution tests
+                    "adapter_resolvers": ["local"],
+                    "resolve_allow": [f"{RESOLVABLE}*"],
                     "routing_stats_period_s": 0.25,
                     "request_timeout_s": 60,
                     "max_queued_requests": MAX_QUEUED,

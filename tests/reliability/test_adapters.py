@@ -1,6 +1,7 @@
 """Adapter loading is safe: malformed or oversized adapters are refused with nothing
 registered, concurrent loads and unloads of one name are serialized, and an unload lets
-the requests in flight finish while refusing new ones."""
+the requests in flight finish while refusing new ones. An adapter in a root that no one
+registered is loaded by its first request (the app's local resolver), once."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.reliability.conftest import (
     ADMIN,
+    RESOLVABLE,
     complete,
     load,
     model_names,
@@ -186,3 +188,54 @@ def test_load_inplace_swaps_a_live_adapter_without_a_gap(cluster, assets):
     for name in ("swap", "swap-ref"):
         assert unload(cluster, name).status_code == 200
     wait_idle(cluster)
+
+
+def _store_stats(cluster) -> dict:
+    return httpx.get(cluster["url"] + "/v1/lorafleet/stats", timeout=30).json()["store"]
+
+
+def test_an_adapter_in_a_root_is_loaded_by_its_first_requests_once(cluster, assets):
+    """Ten concurrent first requests for an unregistered adapter: one load, and every
+    answer is the one the same weights give when registered explicitly."""
+    name = f"{RESOLVABLE}{time.monotonic_ns()}"
+    shutil.copytree(assets.adapters["adapter-04"], assets.root / "adapters" / name)
+    greedy = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
+    try:
+        assert load(cluster, "explicit-04", assets.adapters["adapter-04"]).status_code == 200
+        want = post(cluster, "/v1/completions", {**greedy, "model": "explicit-04"}).json()
+        before = _store_stats(cluster)
+        with ThreadPoolExecutor(10) as pool:
+            body = {**greedy, "model": name}
+            replies = list(pool.map(lambda _: post(cluster, "/v1/completions", body), range(10)))
+        # every one resolves the name at the ingress first; past that, this app's small
+        # queue (MAX_ONGOING per replica, MAX_QUEUED) may refuse some with a 429
+        served = [r for r in replies if r.status_code == 200]
+        assert served and all(r.status_code == 429 for r in replies if r not in served)
+        texts = {r.json()["choices"][0]["text"] for r in served}
+        assert texts == {want["choices"][0]["text"]}
+        after = _store_stats(cluster)
+        assert after["num_puts"] == before["num_puts"] + 1  # one load for the ten
+        assert after["num_resolved"] == before["num_resolved"] + 1
+        assert name in model_names(cluster)
+    finally:
+        shutil.rmtree(assets.root / "adapters" / name)
+        for adapter in ("explicit-04", name):
+            unload(cluster, adapter)
+    wait_idle(cluster)
+
+
+def test_names_the_resolvers_may_not_resolve_are_404_and_load_nothing(cluster, assets):
+    before, names = _store_stats(cluster), model_names(cluster)
+    reasons = {
+        "adapter-05": "resolve_allow",  # in the root, but outside the allow-list
+        "../adapter-05": "resolve_allow",
+        f"{RESOLVABLE}../adapter-05": "not a directory name",  # allowed, escapes the root
+        f"{RESOLVABLE}absent": "no resolver found it",
+    }
+    for model, reason in reasons.items():
+        r = complete(cluster, model)
+        assert r.status_code == 404, r.text
+        message = r.json()["error"]["message"]
+        assert "does not exist" in message and reason in message, message
+    after = _store_stats(cluster)
+    assert after["num_puts"] == before["num_puts"] and model_names(cluster) == names

@@ -1,0 +1,400 @@
+"""The AdapterStore without Serve (a local Ray for the object store and the GCS key-value
+store): adapters resolved on first request, the incremental checkpoint, replica reports
+that carry changes only, and a registry of 4,096 adapters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import shutil
+import time
+import tracemalloc
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+from ray.experimental import internal_kv
+
+from cluster import adapter_store
+from cluster.adapter_store import KV_NAMESPACE, AdapterStore
+from cluster.resolvers import HFCacheResolver, LocalDirResolver
+from router.errors import BadRequestError, NotFoundError
+from tests.cluster.test_resolvers import fake_hf_cache
+
+BASE = "tiny-base"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # a Ray of its own, even where another test run has one going on this machine
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def root(tmp_path, tiny) -> Path:
+    """An adapter root holding copies of two of the tiny adapters (rank 8 and rank 16)."""
+    root = tmp_path / "adapters"
+    for name in ("adapter-00", "adapter-01"):
+        shutil.copytree(tiny.adapters[name], root / name)
+    return root
+
+
+@pytest.fixture
+def prefix(monkeypatch, local_ray) -> str:
+    """A checkpoint key prefix of this test's own (Serve's app name is not there)."""
+    prefix = f"test-registry/{uuid.uuid4().hex}/"
+    monkeypatch.setattr(adapter_store, "_checkpoint_prefix", lambda: prefix)
+    yield prefix
+    internal_kv._internal_kv_del(prefix, del_by_prefix=True, namespace=KV_NAMESPACE)
+
+
+def make_store(tiny, root: Path, local_ray=None, **kwargs) -> AdapterStore:
+    kwargs.setdefault("reserved_names", (BASE,))
+    kwargs.setdefault("preload", {})
+    return AdapterStore(str(tiny.model_dir), 64, [str(root)], **kwargs)
+
+
+def local_store(tiny, root: Path, **kwargs) -> AdapterStore:
+    return make_store(tiny, root, resolvers=[LocalDirResolver([root])], **kwargs)
+
+
+class KVWrites:
+    """Records the checkpoint keys written and deleted."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.keys: list[str] = []
+        put, delete = internal_kv._internal_kv_put, internal_kv._internal_kv_del
+
+        def recording_put(key, value, **kwargs):
+            self.keys.append(key)
+            return put(key, value, **kwargs)
+
+        def recording_del(key, **kwargs):
+            self.keys.append(key)
+            return delete(key, **kwargs)
+
+        monkeypatch.setattr(internal_kv, "_internal_kv_put", recording_put)
+        monkeypatch.setattr(internal_kv, "_internal_kv_del", recording_del)
+
+    def during(self, action) -> list[str]:
+        start = len(self.keys)
+        action()
+        return self.keys[start:]
+
+
+# -- resolution on first request ---------------------------------------------------------------
+
+
+def test_an_unregistered_adapter_in_a_root_is_registered_on_first_request(tiny, root, local_ray):
+    store = local_store(tiny, root)
+
+    async def main():
+        info = await store.resolve("adapter-01")
+        assert (info.name, info.rank, info.source) == ("adapter-01", 16, "local")
+        assert info.path == str((root / "adapter-01").resolve())
+        assert await store.resolve("adapter-01") == info  # registered: no second lookup
+        assert [i.name for i in store.list()] == ["adapter-01"]
+        assert store.get_ref("adapter-01", info.version)
+        # as an explicit load would: taken, so a plain load of the name is refused
+        with pytest.raises(BadRequestError, match="already registered"):
+            await store.register("adapter-01", str(root / "adapter-01"))
+
+    asyncio.run(main())
+    assert store.stats()["num_resolved"] == 1 and store.num_puts == 1
+
+
+def test_concurrent_first_requests_share_one_resolution(tiny, root, local_ray, monkeypatch):
+    store = local_store(tiny, root)
+    finds = []
+    find = store.resolvers[0].find
+
+    def slow_find(name):
+        finds.append(name)
+        time.sleep(0.2)  # long enough for every request to arrive meanwhile
+        return find(name)
+
+    monkeypatch.setattr(store.resolvers[0], "find", slow_find)
+
+    async def main():
+        return await asyncio.gather(*(store.resolve("adapter-00") for _ in range(10)))
+
+    infos = asyncio.run(main())
+    assert finds == ["adapter-00"] and store.num_puts == 1
+    assert len({(i.name, i.version) for i in infos}) == 1
+    assert store._resolving == {}  # nothing left behind
+
+
+def test_a_failed_resolution_is_404_with_the_reason_and_registers_nothing(tiny, root, local_ray):
+    store = local_store(tiny, root, max_adapter_bytes=10**9, resolve_allow=["adapter-*", "x*"])
+
+    async def refused(name: str) -> str:
+        with pytest.raises(NotFoundError) as e:
+            await store.resolve(name)
+        return e.value.message
+
+    async def main():
+        assert "no resolver found it (local: no adapter root has a directory" in (
+            await refused("adapter-99")
+        )
+        assert "resolve_allow" in await refused("other")
+        assert "not a directory name" in await refused("x/../../etc")
+        (root / "adapter-02").mkdir()  # a directory, not an adapter
+        assert "not a valid adapter" in await refused("adapter-02")
+
+    asyncio.run(main())
+    assert store.list() == [] and store.num_puts == 0
+
+
+def test_names_outside_the_allow_list_are_never_looked_up(tiny, root, local_ray, monkeypatch):
+    store = local_store(tiny, root, resolve_allow=["support-*"])
+    monkeypatch.setattr(store.resolvers[0], "find", lambda name: pytest.fail("looked up"))
+
+    async def main():
+        for name in ("adapter-00", "../adapter-00", "support/../../x" + "\x00"):
+            if name.startswith("support"):
+                continue
+            with pytest.raises(NotFoundError, match="resolve_allow"):
+                await store.resolve(name)
+
+    asyncio.run(main())
+
+
+def test_resolved_adapters_meet_the_limits_of_explicit_loads(tiny, root, tmp_path, local_ray):
+    """Rank, size and path confinement: a symlink out of the root is refused."""
+    outside = tmp_path / "outside"
+    shutil.copytree(tiny.adapters["adapter-00"], outside)
+    (root / "escape").symlink_to(outside)
+    shutil.copytree(tiny.adapters["adapter-02"], root / "rank32")
+    shutil.copytree(tiny.adapters["adapter-00"], root / "big")
+    size = (root / "big" / "adapter_model.safetensors").stat().st_size
+    with open(root / "big" / "adapter_model.safetensors", "ab") as f:
+        f.write(b"\0" * 16)
+    store = make_store(tiny, root, resolvers=[LocalDirResolver([root])], max_adapter_bytes=size)
+    store.max_lora_rank = 16
+
+    async def message(name: str) -> str:
+        with pytest.raises(NotFoundError) as e:
+            await store.resolve(name)
+        return e.value.message
+
+    async def main():
+        assert "outside the configured adapter roots" in await message("escape")
+        assert "max_adapter_bytes" in await message("big")
+        assert "exceeds max_lora_rank" in await message("rank32")
+        assert (await store.resolve("adapter-00")).rank == 8
+
+    asyncio.run(main())
+    assert [i.name for i in store.list()] == ["adapter-00"]
+
+
+def test_hf_cache_adapters_resolve_by_org_and_name(tiny, root, tmp_path, local_ray):
+    cache = tmp_path / "hub"
+    fake_hf_cache(cache, "acme/support", tiny.adapters["adapter-01"])
+    # a snapshot whose weights link out of the repo's folder
+    bad = fake_hf_cache(cache, "acme/escape", tiny.adapters["adapter-00"])
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(tiny.adapters["adapter-00"] / "adapter_model.safetensors", outside)
+    (bad / "adapter_model.safetensors").unlink()
+    (bad / "adapter_model.safetensors").symlink_to(outside)
+    store = make_store(tiny, root, resolvers=[LocalDirResolver([root]), HFCacheResolver(cache)])
+
+    async def main():
+        info = await store.resolve("acme/support")
+        assert (info.name, info.rank, info.source) == ("acme/support", 16, "hf_cache")
+        with pytest.raises(NotFoundError, match="outside the configured adapter roots"):
+            await store.resolve("acme/escape")
+        with pytest.raises(NotFoundError, match="local: not a directory name.*hf_cache: not in"):
+            await store.resolve("acme/absent")
+        assert (await store.resolve("adapter-00")).source == "local"  # the local one first
+
+    asyncio.run(main())
+    assert [i.name for i in store.list()] == ["acme/support", "adapter-00"]
+
+
+def test_without_resolvers_an_unknown_name_is_just_not_registered(tiny, root, local_ray):
+    store = make_store(tiny, root)
+    with pytest.raises(NotFoundError, match="'adapter-00' is not registered$"):
+        asyncio.run(store.resolve("adapter-00"))
+
+
+# -- checkpoint: one key per adapter -----------------------------------------------------------
+
+
+def test_each_change_writes_its_own_keys_only(tiny, root, prefix, monkeypatch):
+    store = local_store(tiny, root, checkpoint=True)
+    kv = KVWrites(monkeypatch)
+    path = str(root / "adapter-00")
+
+    async def main():
+        for i in range(20):
+            await store.register(f"a-{i}", path)
+        assert kv.during(lambda: None) == []
+        start = len(kv.keys)
+        await store.register("one-more", path)
+        assert kv.keys[start:] == [f"{prefix}adapter/one-more"]
+        start = len(kv.keys)
+        await store.unregister("a-3")
+        assert kv.keys[start:] == [f"{prefix}adapter/a-3"]
+        start = len(kv.keys)
+        await store.register("a-4", str(root / "adapter-01"), inplace=True)
+        assert kv.keys[start:] == [f"{prefix}adapter/a-4"]
+
+    asyncio.run(main())
+    entry = internal_kv._internal_kv_get(f"{prefix}adapter/a-4", namespace=KV_NAMESPACE)
+    assert json.loads(entry)["path"] == str((root / "adapter-01").resolve())
+
+
+def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, root, prefix):
+    preload = {"pre": str(tiny.adapters["adapter-02"])}
+    store = local_store(tiny, root, checkpoint=True, preload=preload)
+    shutil.copytree(root / "adapter-01", root / "other")
+
+    async def main():
+        await store.register("loaded", str(root / "adapter-00"))
+        await store.register("gone", str(root / "adapter-00"))
+        await store.resolve("adapter-01")
+        await store.unregister("gone")
+        await store.register("loaded", str(root / "other"), inplace=True)
+        assert (await store.register("last", str(root / "adapter-00"))).version == 6
+        await store.unregister("last")
+
+    asyncio.run(main())
+    before = {i.name: (i.version, i.path, i.source) for i in store.list()}
+    again = local_store(tiny, root, checkpoint=True, preload=preload)
+    assert {i.name: (i.version, i.path, i.source) for i in again.list()} == before
+    assert set(before) == {"pre", "loaded", "adapter-01"} and again.num_restored == 3
+    assert again._peek_version() >= store._peek_version()  # no version is handed out twice
+
+    # versions unloaded before the restart are not handed out again either
+    assert asyncio.run(again.register("new", str(root / "adapter-00"))).version > 6
+
+    # a checkpoint entry that no longer checks out is dropped, its key too
+    shutil.rmtree(root / "adapter-01")
+    third = local_store(tiny, root, checkpoint=True, preload=preload)
+    assert {i.name for i in third.list()} == {"pre", "loaded", "new"}
+    keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
+    assert sorted(keys) == [f"{prefix}adapter/{n}".encode() for n in ("loaded", "new", "pre")]
+
+
+def test_a_checkpoint_of_another_preload_list_is_dropped(tiny, root, prefix):
+    store = local_store(tiny, root, checkpoint=True)
+    asyncio.run(store.register("loaded", str(root / "adapter-00")))
+    preload = {"pre": str(tiny.adapters["adapter-02"])}
+    other = local_store(tiny, root, checkpoint=True, preload=preload)
+    assert [i.name for i in other.list()] == ["pre"] and other.num_restored == 0
+    keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
+    assert sorted(keys) == [f"{prefix}adapter/pre".encode(), f"{prefix}meta".encode()]
+
+
+def test_a_resolved_hub_adapter_is_restored_only_while_its_resolver_finds_it(
+    tiny, root, tmp_path, prefix
+):
+    cache = tmp_path / "hub"
+    fake_hf_cache(cache, "acme/support", tiny.adapters["adapter-01"])
+    resolvers = [HFCacheResolver(cache)]
+    store = make_store(tiny, root, checkpoint=True, resolvers=resolvers)
+    version = asyncio.run(store.resolve("acme/support")).version
+    again = make_store(tiny, root, checkpoint=True, resolvers=resolvers)
+    assert [(i.name, i.version) for i in again.list()] == [("acme/support", version)]
+    without = make_store(tiny, root, checkpoint=True)
+    assert without.list() == []
+
+
+# -- replica reports carry changes ----------------------------------------------------------
+
+
+def test_replica_reports_carry_only_what_was_removed_since_the_last(tiny, root, local_ray):
+    store = make_store(tiny, root)
+    path = str(root / "adapter-00")
+
+    async def main():
+        for name in ("a", "b", "c"):
+            await store.register(name, path)
+        first = store.report_replica("r1", {})
+        assert first["live"] == {"a": 1, "b": 2, "c": 3} and first["removed"] == []
+        quiet = store.report_replica("r1", {}, first["epoch"])
+        assert "live" not in quiet and quiet["removed"] == []
+        await store.unregister("b")
+        await store.register("c", str(root / "adapter-01"), inplace=True)
+        await store.register("d", path)  # a new name: nothing a replica must drop
+        changed = store.report_replica("r1", {}, quiet["epoch"])
+        assert "live" not in changed and changed["removed"] == [("b", 2), ("c", 3)]
+        assert store.report_replica("r1", {}, changed["epoch"])["removed"] == []
+        # another store's epoch (a restart): the whole map, and what is still fetchable
+        other = store.report_replica("r1", {}, ("another-incarnation", 1))
+        assert other["live"] == {"a": 1, "c": 4, "d": 5}
+        assert other["removed"] == [("b", 2), ("c", 3)]
+
+    asyncio.run(main())
+
+
+def test_a_replica_behind_the_change_log_gets_the_whole_map(tiny, root, local_ray, monkeypatch):
+    monkeypatch.setattr(adapter_store, "CHANGE_LOG_LEN", 4)
+    store = make_store(tiny, root)
+    path = str(root / "adapter-00")
+
+    async def main():
+        epoch = store.report_replica("r1", {})["epoch"]
+        for i in range(6):
+            await store.register(f"n{i}", path)
+            await store.unregister(f"n{i}")
+        behind = store.report_replica("r1", {}, epoch)
+        assert behind["live"] == {}
+        assert store.report_replica("r1", {}, behind["epoch"])["removed"] == []
+
+    asyncio.run(main())
+
+
+# -- thousands of adapters ---------------------------------------------------------------------
+
+NUM_MANY = 4096
+
+
+def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, prefix, monkeypatch):
+    """A change writes two checkpoint keys and a replica's report carries that change
+    alone, with 4,096 adapters registered; the store's own memory stays under 4 KiB per
+    adapter (the weights live in the object store), and listing them all stays fast."""
+    store = local_store(tiny, root, checkpoint=True)
+    path = str(tiny.adapters["adapter-02"])  # the smallest: q and v only
+    store.roots.append(Path(path).parent.resolve())
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+
+        async def register_all():
+            for i in range(NUM_MANY):
+                await store.register(f"many-{i:05d}", path)
+
+        asyncio.run(register_all())
+        per_adapter = (tracemalloc.get_traced_memory()[0] - baseline) / NUM_MANY
+    finally:
+        tracemalloc.stop()
+    assert per_adapter < 4096, f"{per_adapter:.0f} bytes of store memory per adapter"
+    assert store.stats()["num_adapters"] == NUM_MANY
+
+    epoch = store.report_replica("r1", {})["epoch"]
+    kv = KVWrites(monkeypatch)
+    written = kv.during(lambda: asyncio.run(store.unregister("many-00007")))
+    assert written == [f"{prefix}adapter/many-00007"]
+    written = kv.during(
+        lambda: asyncio.run(store.register("many-00008", str(root / "adapter-01"), inplace=True))
+    )
+    key = f"{prefix}adapter/many-00008"
+    assert written in ([key], [f"{prefix}meta", key])  # the meta key once per 1,024 versions
+
+    report = store.report_replica("r1", {}, epoch)
+    # versions count from 1: many-i is version i + 1
+    assert "live" not in report and report["removed"] == [("many-00007", 8), ("many-00008", 9)]
+    assert len(pickle.dumps(report)) < 1024
+
+    start = time.perf_counter()
+    for _ in range(10):
+        listing = store.list()
+    assert len(listing) == NUM_MANY - 1 and time.perf_counter() - start < 1.0
+
+    keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
+    assert len(keys) == NUM_MANY - 1  # what a restart reads back
