@@ -171,6 +171,8 @@ class AdapterStore:
             return entry[0]
 
     # -- reads ---------------------------------------------------------------------------------
+    # Every method is async: Serve runs a deployment's sync methods on a thread pool, where
+    # they would read the registry while a mutation on the event loop changes it.
 
     async def resolve(self, name: str) -> AdapterInfo:
         """The registered adapter `name`; one nobody registered is looked up by the
@@ -188,7 +190,7 @@ class AdapterStore:
         # a caller that gives up (its request's deadline) leaves the lookup to the others
         return await asyncio.shield(pending)
 
-    def get_ref(self, name: str, version: int) -> list[ray.ObjectRef]:
+    async def get_ref(self, name: str, version: int) -> list[ray.ObjectRef]:
         """The weights of one version, wrapped in a list so Ray hands over the reference,
         not the value. Raises NotFoundError if that version is gone (unloaded)."""
         self.num_ref_requests += 1
@@ -201,15 +203,15 @@ class AdapterStore:
             raise NotFoundError(f"adapter {name!r} version {version} is no longer registered")
         return [retired[0]]
 
-    def list(self) -> list[AdapterInfo]:
+    async def list(self) -> list[AdapterInfo]:
         if self._listing is None:  # sorted once per change, not once per GET /v1/models
             self._listing = sorted((i for i, _ in self._adapters.values()), key=lambda i: i.name)
         return self._listing
 
-    def live_versions(self) -> dict[str, int]:
-        return {name: info.version for name, (info, _) in self._adapters.items()}
+    async def live_versions(self) -> dict[str, int]:
+        return self._live_versions()
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         return {
             "num_adapters": len(self._adapters),
             "num_puts": self.num_puts,
@@ -221,7 +223,7 @@ class AdapterStore:
 
     # -- replica reports (for `lorafleet bench` and operators) ----------------------------------
 
-    def report_replica(
+    async def report_replica(
         self, replica_id: str, stats: dict, seen: tuple[str, int] | None = None
     ) -> dict[str, Any]:
         """A replica's periodic report. `seen` is the `epoch` of the previous answer it
@@ -239,12 +241,12 @@ class AdapterStore:
         removed = self._removed_since(seen)
         if removed is None:
             self._prune_retired()
-            answer["live"] = self.live_versions()
+            answer["live"] = self._live_versions()
             removed = list(self._retired)
         answer["removed"] = removed
         return answer
 
-    def cancel_requests(self, request_ids: list[str]) -> None:
+    async def cancel_requests(self, request_ids: list[str]) -> None:
         """Requests whose client left or whose deadline passed. Serve's own cancellation
         does not always reach the replica's generator; this reaches it within a stats
         period, whatever state the request was in."""
@@ -252,13 +254,16 @@ class AdapterStore:
         self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < CANCEL_TTL_S}
         self._cancelled.update(dict.fromkeys(request_ids, now))
 
-    def replica_stats(self) -> dict[str, dict]:
+    async def replica_stats(self) -> dict[str, dict]:
         now = time.time()
         return {
             rid: {**s, "age_s": round(now - t, 3)} for rid, (t, s) in self._replica_stats.items()
         }
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _live_versions(self) -> dict[str, int]:
+        return {name: info.version for name, (info, _) in self._adapters.items()}
 
     def _load(self, name: str, path: str | Path, source: str | None = None) -> _Loaded:
         """Validate and convert `path`, put the weights in the object store (blocking)."""

@@ -5,6 +5,7 @@ that carry changes only, and a registry of 4,096 adapters."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import pickle
 import shutil
@@ -12,6 +13,7 @@ import time
 import tracemalloc
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -24,6 +26,11 @@ from router.errors import BadRequestError, NotFoundError
 from tests.cluster.test_resolvers import fake_hf_cache
 
 BASE = "tiny-base"
+
+
+def run(coro: Any) -> Any:
+    """One store call outside an event loop (the store's methods are all async)."""
+    return asyncio.run(coro)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +93,14 @@ class KVWrites:
         return self.keys[start:]
 
 
+def test_every_store_method_runs_on_the_event_loop():
+    """Serve runs a deployment's sync methods on a thread pool: one reading the registry
+    there could see a registration half done on the event loop."""
+    public = [n for n, f in vars(AdapterStore).items() if callable(f) and not n.startswith("_")]
+    assert {"resolve", "register", "get_ref", "list", "report_replica"} <= set(public)
+    assert [n for n in public if not inspect.iscoroutinefunction(getattr(AdapterStore, n))] == []
+
+
 # -- resolution on first request ---------------------------------------------------------------
 
 
@@ -97,14 +112,14 @@ def test_an_unregistered_adapter_in_a_root_is_registered_on_first_request(tiny, 
         assert (info.name, info.rank, info.source) == ("adapter-01", 16, "local")
         assert info.path == str((root / "adapter-01").resolve())
         assert await store.resolve("adapter-01") == info  # registered: no second lookup
-        assert [i.name for i in store.list()] == ["adapter-01"]
-        assert store.get_ref("adapter-01", info.version)
+        assert [i.name for i in await store.list()] == ["adapter-01"]
+        assert await store.get_ref("adapter-01", info.version)
         # as an explicit load would: taken, so a plain load of the name is refused
         with pytest.raises(BadRequestError, match="already registered"):
             await store.register("adapter-01", str(root / "adapter-01"))
 
     asyncio.run(main())
-    assert store.stats()["num_resolved"] == 1 and store.num_puts == 1
+    assert run(store.stats())["num_resolved"] == 1 and store.num_puts == 1
 
 
 def test_concurrent_first_requests_share_one_resolution(tiny, root, local_ray, monkeypatch):
@@ -146,7 +161,7 @@ def test_a_failed_resolution_is_404_with_the_reason_and_registers_nothing(tiny, 
         assert "not a valid adapter" in await refused("adapter-02")
 
     asyncio.run(main())
-    assert store.list() == [] and store.num_puts == 0
+    assert run(store.list()) == [] and store.num_puts == 0
 
 
 def test_names_outside_the_allow_list_are_never_looked_up(tiny, root, local_ray, monkeypatch):
@@ -188,7 +203,7 @@ def test_resolved_adapters_meet_the_limits_of_explicit_loads(tiny, root, tmp_pat
         assert (await store.resolve("adapter-00")).rank == 8
 
     asyncio.run(main())
-    assert [i.name for i in store.list()] == ["adapter-00"]
+    assert [i.name for i in run(store.list())] == ["adapter-00"]
 
 
 def test_hf_cache_adapters_resolve_by_org_and_name(tiny, root, tmp_path, local_ray):
@@ -212,7 +227,7 @@ def test_hf_cache_adapters_resolve_by_org_and_name(tiny, root, tmp_path, local_r
         assert (await store.resolve("adapter-00")).source == "local"  # the local one first
 
     asyncio.run(main())
-    assert [i.name for i in store.list()] == ["acme/support", "adapter-00"]
+    assert [i.name for i in run(store.list())] == ["acme/support", "adapter-00"]
 
 
 def test_without_resolvers_an_unknown_name_is_just_not_registered(tiny, root, local_ray):
@@ -263,9 +278,9 @@ def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, ro
         await store.unregister("last")
 
     asyncio.run(main())
-    before = {i.name: (i.version, i.path, i.source) for i in store.list()}
+    before = {i.name: (i.version, i.path, i.source) for i in run(store.list())}
     again = local_store(tiny, root, checkpoint=True, preload=preload)
-    assert {i.name: (i.version, i.path, i.source) for i in again.list()} == before
+    assert {i.name: (i.version, i.path, i.source) for i in run(again.list())} == before
     assert set(before) == {"pre", "loaded", "adapter-01"} and again.num_restored == 3
     assert again._peek_version() >= store._peek_version()  # no version is handed out twice
 
@@ -275,7 +290,7 @@ def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, ro
     # a checkpoint entry that no longer checks out is dropped, its key too
     shutil.rmtree(root / "adapter-01")
     third = local_store(tiny, root, checkpoint=True, preload=preload)
-    assert {i.name for i in third.list()} == {"pre", "loaded", "new"}
+    assert {i.name for i in run(third.list())} == {"pre", "loaded", "new"}
     keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
     assert sorted(keys) == [f"{prefix}adapter/{n}".encode() for n in ("loaded", "new", "pre")]
 
@@ -285,7 +300,7 @@ def test_a_checkpoint_of_another_preload_list_is_dropped(tiny, root, prefix):
     asyncio.run(store.register("loaded", str(root / "adapter-00")))
     preload = {"pre": str(tiny.adapters["adapter-02"])}
     other = local_store(tiny, root, checkpoint=True, preload=preload)
-    assert [i.name for i in other.list()] == ["pre"] and other.num_restored == 0
+    assert [i.name for i in run(other.list())] == ["pre"] and other.num_restored == 0
     keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
     assert sorted(keys) == [f"{prefix}adapter/pre".encode(), f"{prefix}meta".encode()]
 
@@ -299,9 +314,9 @@ def test_a_resolved_hub_adapter_is_restored_only_while_its_resolver_finds_it(
     store = make_store(tiny, root, checkpoint=True, resolvers=resolvers)
     version = asyncio.run(store.resolve("acme/support")).version
     again = make_store(tiny, root, checkpoint=True, resolvers=resolvers)
-    assert [(i.name, i.version) for i in again.list()] == [("acme/support", version)]
+    assert [(i.name, i.version) for i in run(again.list())] == [("acme/support", version)]
     without = make_store(tiny, root, checkpoint=True)
-    assert without.list() == []
+    assert run(without.list()) == []
 
 
 # -- replica reports carry changes ----------------------------------------------------------
@@ -314,18 +329,18 @@ def test_replica_reports_carry_only_what_was_removed_since_the_last(tiny, root, 
     async def main():
         for name in ("a", "b", "c"):
             await store.register(name, path)
-        first = store.report_replica("r1", {})
+        first = await store.report_replica("r1", {})
         assert first["live"] == {"a": 1, "b": 2, "c": 3} and first["removed"] == []
-        quiet = store.report_replica("r1", {}, first["epoch"])
+        quiet = await store.report_replica("r1", {}, first["epoch"])
         assert "live" not in quiet and quiet["removed"] == []
         await store.unregister("b")
         await store.register("c", str(root / "adapter-01"), inplace=True)
         await store.register("d", path)  # a new name: nothing a replica must drop
-        changed = store.report_replica("r1", {}, quiet["epoch"])
+        changed = await store.report_replica("r1", {}, quiet["epoch"])
         assert "live" not in changed and changed["removed"] == [("b", 2), ("c", 3)]
-        assert store.report_replica("r1", {}, changed["epoch"])["removed"] == []
+        assert (await store.report_replica("r1", {}, changed["epoch"]))["removed"] == []
         # another store's epoch (a restart): the whole map, and what is still fetchable
-        other = store.report_replica("r1", {}, ("another-incarnation", 1))
+        other = await store.report_replica("r1", {}, ("another-incarnation", 1))
         assert other["live"] == {"a": 1, "c": 4, "d": 5}
         assert other["removed"] == [("b", 2), ("c", 3)]
 
@@ -338,13 +353,13 @@ def test_a_replica_behind_the_change_log_gets_the_whole_map(tiny, root, local_ra
     path = str(root / "adapter-00")
 
     async def main():
-        epoch = store.report_replica("r1", {})["epoch"]
+        epoch = (await store.report_replica("r1", {}))["epoch"]
         for i in range(6):
             await store.register(f"n{i}", path)
             await store.unregister(f"n{i}")
-        behind = store.report_replica("r1", {}, epoch)
+        behind = await store.report_replica("r1", {}, epoch)
         assert behind["live"] == {}
-        assert store.report_replica("r1", {}, behind["epoch"])["removed"] == []
+        assert (await store.report_replica("r1", {}, behind["epoch"]))["removed"] == []
 
     asyncio.run(main())
 
@@ -374,9 +389,9 @@ def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, prefi
     finally:
         tracemalloc.stop()
     assert per_adapter < 4096, f"{per_adapter:.0f} bytes of store memory per adapter"
-    assert store.stats()["num_adapters"] == NUM_MANY
+    assert run(store.stats())["num_adapters"] == NUM_MANY
 
-    epoch = store.report_replica("r1", {})["epoch"]
+    epoch = run(store.report_replica("r1", {}))["epoch"]
     kv = KVWrites(monkeypatch)
     written = kv.during(lambda: asyncio.run(store.unregister("many-00007")))
     assert written == [f"{prefix}adapter/many-00007"]
@@ -386,14 +401,14 @@ def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, prefi
     key = f"{prefix}adapter/many-00008"
     assert written in ([key], [f"{prefix}meta", key])  # the meta key once per 1,024 versions
 
-    report = store.report_replica("r1", {}, epoch)
+    report = run(store.report_replica("r1", {}, epoch))
     # versions count from 1: many-i is version i + 1
     assert "live" not in report and report["removed"] == [("many-00007", 8), ("many-00008", 9)]
     assert len(pickle.dumps(report)) < 1024
 
     start = time.perf_counter()
     for _ in range(10):
-        listing = store.list()
+        listing = run(store.list())
     assert len(listing) == NUM_MANY - 1 and time.perf_counter() - start < 1.0
 
     keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
