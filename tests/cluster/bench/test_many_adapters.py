@@ -88,6 +88,18 @@ def test_the_app_is_the_demo_with_default_settings_and_one_adapter(tmp_path):
     replica = next(d for d in app["deployments"] if d["name"] == "LoRAReplica")
     assert replica["num_replicas"] == 2 and "autoscaling_config" not in replica
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert "adapter_resolvers" not in app["args"]
+
+
+def test_with_resolvers_the_local_one_looks_in_the_adapters_directory(tmp_path):
+    from cluster.config import AppConfig
+
+    if not bench.resolvers_available():
+        pytest.skip("this build has no adapter resolvers")
+    paths = {n: tmp_path / n for n in adapter_names(3)}
+    args = serve_config(paths, port=8123, resolve=True)["applications"][0]["args"]
+    assert args["adapter_resolvers"] == ["local"] and str(tmp_path) in args["adapter_roots"]
+    AppConfig.model_validate(args)  # a config the app accepts
 
 
 # -- the adapters ----------------------------------------------------------------------------------
@@ -171,6 +183,17 @@ def test_without_1024_adapters_there_is_no_1023_figure():
     assert compare([])["per_n"] == {}
 
 
+def test_resolution_is_compared_with_registered_adapters_no_replica_held():
+    cold = {"cold_ttft_p50_s": 0.2, "resolution": {"cold_ttft_p50_s": 0.3}}
+    r = compare(_sweep_steps(), cold)["resolution"]
+    assert r["over_registered"] == pytest.approx(1.5) and r["met"] is True  # the bound
+    cold["resolution"]["cold_ttft_p50_s"] = 0.31
+    assert compare(_sweep_steps(), cold)["resolution"]["met"] is False
+    cold["resolution"]["cold_ttft_p50_s"] = None  # every probe failed
+    assert compare(_sweep_steps(), cold)["resolution"]["met"] is None
+    assert compare(_sweep_steps(), {"cold_ttft_p50_s": 0.2})["resolution"] is None
+
+
 def test_report_has_a_row_per_count_and_the_registration_line():
     steps = _sweep_steps()
     meta = bench._meta(Sizes(), AdapterSpec(), DEFAULT_COUNTS, argparse.Namespace(quick=False))
@@ -184,7 +207,11 @@ def test_report_has_a_row_per_count_and_the_registration_line():
     assert "the first 1,023 in 40.0 s (target <= 15 s: NOT met)" in text
     assert "TTFT p50 900 ms; the same adapter again (resident) 300 ms" in text
     assert "load average 1.00 / 2.00 / 3.00 before" in text
-    assert "first-request resolution: not measured" in text
+    assert "first-request resolution: " + meta["resolution"] in text
+    cold["resolution"] = {"cold_ttft_p50_s": 1.8}
+    assert ("first-request resolution (the 'local' resolver), the same probes to adapters "
+            "never registered: TTFT p50 1800 ms, 2.00x that of a registered one (target "
+            "<= 1.5x: NOT met)") in report(steps, compare(steps, cold), cold, meta)  # fmt: skip
 
 
 def test_plot_is_a_png(tmp_path):
@@ -197,9 +224,13 @@ def test_plot_is_a_png(tmp_path):
 # -- a sweep against a fake server ---------------------------------------------------------------
 
 
-def _fake_app(registered: dict[str, str], received: list[tuple[str, int]]) -> FastAPI:
+def _fake_app(
+    registered: dict[str, str], received: list[tuple[str, int]], root: Path | None = None
+) -> FastAPI:
     """The endpoints a sweep uses: models, runtime loads, streamed completions (no stats).
-    `received`: each completion's model and how many adapters were registered then."""
+    `received`: each completion's model and how many adapters were registered then. With
+    `root`, an unknown model that is a directory there is registered on its first request
+    (a 'local' resolver)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -219,6 +250,8 @@ def _fake_app(registered: dict[str, str], received: list[tuple[str, int]]) -> Fa
     @app.post("/v1/completions")
     async def completions(body: dict) -> Response:
         received.append((body["model"], len(registered)))
+        if root is not None and (root / body["model"] / "adapter_config.json").is_file():
+            registered.setdefault(body["model"], str(root / body["model"]))
         if body["model"] not in registered:
             return JSONResponse({"error": {"message": "no such model"}}, 404)
         return StreamingResponse(_words(body["max_tokens"]), media_type="text/event-stream")
@@ -270,3 +303,20 @@ def test_failed_registrations_are_counted_not_raised(tmp_path):
         r = asyncio.run(bench.register(url, list(adapters.items())[1:], 2, before=1))
     assert (r.count, r.failed) == (2, 2)
     assert all("HTTP 400" in e for e in r.errors)
+
+
+def test_with_a_resolver_the_probes_go_to_adapters_never_registered_too(tmp_path):
+    adapters = build_adapters(8, AdapterSpec(), tmp_path)  # 6 for the sweep, 2 to resolve
+    first = next(iter(adapters))
+    registered, received = {first: str(adapters[first])}, []
+    sizes = Sizes(concurrency=2, prompt_tokens=8, max_tokens=2, requests=4, warmup=0,
+                  register_concurrency=2, cold_probes=2, settle_s=0.0)  # fmt: skip
+    with serving(_fake_app(registered, received, root=tmp_path)) as url:
+        steps, cold = asyncio.run(sweep(url, adapters, (6,), sizes, resolve=True))
+    resolved = cold["resolution"]
+    assert resolved["adapters"] == adapter_names(8)[6:]  # past the last N: never registered
+    # each resolved on its first request: 6 adapters registered then, 7 on the second
+    assert received[-4:] == [("many-00006", 6), ("many-00006", 7), ("many-00007", 7),
+                             ("many-00007", 8)]  # fmt: skip
+    assert len(resolved["cold_ttft_s"]) == len(resolved["warm_ttft_s"]) == 2
+    assert compare(steps, cold)["resolution"]["over_registered"] > 0
