@@ -179,3 +179,20 @@ def test_build_resolvers_keeps_the_configured_order(tmp_path):
     assert kinds == ["hf_cache", "local"]
     with pytest.raises(ValueError, match="unknown adapter resolver 's3'"):
         build_resolvers(["s3"], [])
+
+
+def test_app_config_checks_the_resolver_settings(tmp_path):
+    from cluster.config import AppConfig
+
+    base = {"engine": {"model": str(tmp_path)}}
+    config = AppConfig.model_validate(
+        {**base, "adapter_roots": [str(tmp_path)], "adapter_resolvers": ["local", "hf_cache"]}
+    )
+    assert config.resolve_allow == ["*"] and not config.hf_allow_download
+    assert AppConfig.model_validate(base).adapter_resolvers == []  # nothing resolves
+    with pytest.raises(ValueError, match="'local' needs adapter_roots"):
+        AppConfig.model_validate({**base, "adapter_resolvers": ["local"]})
+    with pytest.raises(ValueError, match="each resolver at most once"):
+        AppConfig.model_validate({**base, "adapter_resolvers": ["hf_cache", "hf_cache"]})
+    with pytest.raises(ValueError, match="adapter_resolvers"):
+        AppConfig.model_validate({**base, "adapter_resolvers": ["s3"]})
