@@ -8,13 +8,17 @@ STAMP := $(VENV)/.lorafleet-installed
 # (grep's own "nothing left" status is ignored; pip's failure still fails the pipeline.)
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: run test lint install clean
+.PHONY: run test test-multinode lint install clean
 
 run: $(STAMP)
 	$(VENV)/bin/lorafleet up
 
+# The two-node Ray test (~1.5 min) runs on its own: the suite stays under 20 minutes here.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not multinode"
+
+test-multinode: $(STAMP)
+	$(PY) -m pytest -q -m multinode
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -27,7 +27,7 @@ from cluster import serving
 from tests.conftest import tiny_assets
 from tests.reliability.conftest import _free_port
 
-pytestmark = [pytest.mark.serve, pytest.mark.slow]
+pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.multinode]
 
 HEAD_RESOURCE = "lorafleet_head"
 PRELOADED = ["adapter-00", "adapter-01", "adapter-02"]
@@ -200,14 +200,20 @@ def test_adapters_registered_once_are_served_from_both_nodes(two_nodes):
     models = httpx.get(two_nodes["url"] + "/v1/models", timeout=30).json()["data"]
     assert {m["id"] for m in models} == {"tiny-base", *PRELOADED, RUNTIME}
     for adapter in ("adapter-00", RUNTIME):  # one from the config, one loaded at runtime
-        # more requests at once than the affinity load bound keeps on one replica (4)
-        started = time.time()
-        answers = _burst(two_nodes, [adapter] * 12, max_tokens=24)
-        assert [a.status_code for a in answers] == [200] * 12, answers[0].text
-        # greedy and one prompt: the same text from both nodes
-        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
-        stats = _fresh_stats(two_nodes, after=started)
-        holders = {rid for rid, s in stats.items() if _holds(s, adapter)}
+        # More requests at once than the affinity load bound keeps on one replica spill to
+        # the other; but requests this short may end before the next one is routed, so a
+        # burst may stay on one replica: a few bursts (bounded), each longer than the last.
+        holders: set[str] = set()
+        for attempt in range(4):
+            started = time.time()
+            answers = _burst(two_nodes, [adapter] * 12, max_tokens=24 * (attempt + 1))
+            assert [a.status_code for a in answers] == [200] * 12, answers[0].text
+            # greedy and one prompt: the same text from both nodes
+            assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+            stats = _fresh_stats(two_nodes, after=started)
+            holders = {rid for rid, s in stats.items() if _holds(s, adapter)}
+            if holders == set(_replica_nodes()):
+                break
         assert holders == set(_replica_nodes()), (adapter, stats)
 
 
