@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from cluster.bench.http import LoadOptions, build_prompt, run_load
-from cluster.bench.stats import ms, num_cpus, percentile
+from cluster.bench.stats import ms, num_cpus, output_paths, percentile
 from cluster.bench.suite import DEFAULT_OUT, start_ray, stop_ray
 
 DEFAULT_COUNTS = (16, 256, 1024, 4096)
@@ -203,16 +203,7 @@ def counts_arg(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    json_path = args.json or (None if args.quick else DEFAULT_JSON)
-    plot_path = args.plot or (None if args.quick else DEFAULT_PLOT)
-    if plot_path is not None:
-        try:  # the bench extra: checked before the runs, not after them
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SystemExit(
-                "lorafleet bench many-adapters: the plot needs matplotlib: "
-                "pip install -e '.[bench]'"
-            ) from None
+    json_path, plot_path = output_paths(args, DEFAULT_JSON, DEFAULT_PLOT, "many-adapters")
     counts = args.adapters
     if args.quick and counts == DEFAULT_COUNTS:
         counts = QUICK_COUNTS

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from cluster import serving
 from cluster.bench.http import LoadOptions, run_load
-from cluster.bench.stats import ms, num_cpus
+from cluster.bench.stats import ms, num_cpus, output_paths
 from cluster.bench.suite import DEFAULT_OUT, demo_serve_config, plot_ttft_cdfs, start_ray, stop_ray
 
 SCENARIOS = ("shared-prefix", "multi-turn")
@@ -144,15 +144,7 @@ def _scenarios(names: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    json_path = args.json or (None if args.quick else DEFAULT_JSON)
-    plot_path = args.plot or (None if args.quick else DEFAULT_PLOT)
-    if plot_path is not None:
-        try:  # the bench extra: checked before the runs, not after them
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SystemExit(
-                "lorafleet bench prefix: the plot needs matplotlib: pip install -e '.[bench]'"
-            ) from None
+    json_path, plot_path = output_paths(args, DEFAULT_JSON, DEFAULT_PLOT, "prefix")
     sizes = QUICK if args.quick else Sizes()
     results = measure_all(sizes, args.port, args.num_cpus, args.setups, args.scenarios)
     meta = _meta(sizes, args.quick, args.setups, args.scenarios)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -60,3 +62,21 @@ def machine() -> dict[str, object]:
         "cuda": torch.cuda.is_available(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def output_paths(
+    args: argparse.Namespace, default_json: Path, default_plot: Path, command: str
+) -> tuple[Path | None, Path | None]:
+    """Where a bench writes its JSON and plot: --json / --plot, else the defaults (nothing
+    with --quick). A plot needs matplotlib (the bench extra): checked before the runs,
+    not after them."""
+    json_path = args.json or (None if args.quick else default_json)
+    plot_path = args.plot or (None if args.quick else default_plot)
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                f"lorafleet bench {command}: the plot needs matplotlib: pip install -e '.[bench]'"
+            ) from None
+    return json_path, plot_path
