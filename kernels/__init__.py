@@ -1,12 +1,19 @@
 """Multi-LoRA kernels: the only public names, one dispatch point.
 
-    seg = make_segment_info(seg_lens, seg_slots, slot_ranks, slot_scalings, device)
-    segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, slot_scalings, device)
-    inter = lora_shrink(x, a, seg, num_slices[, out])  # [T, num_slices*R] float32
-    lora_expand(y, inter, b, seg, slice_offsets)       # y += LoRA delta, in place
-    b = lora_b_buffer(num_slots, out, max_rank, device, dtype)  # B slots, fastest layout
+    seg = make_segment_info(seg_lens, seg_slots, slot_ranks, slot_scalings, slot_offsets, device)
+    segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, scalings, offsets, device)
+    inter = lora_shrink(x, a, seg, max_rank[, out])  # [T, num_slices*R] float32
+    lora_expand(y, inter, b, seg, slice_offsets)     # y += LoRA delta, in place
+    b = lora_b_buffer(out, rows, device, dtype)      # a B arena, the fastest layout
     o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                block_size, scale, sliding_window)  # [D, H, hd]
+
+Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
+projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
+owns rows [slot_offsets[s], slot_offsets[s] + slot_ranks[s]) of both (the same rows in
+every layer's arenas), so a rank-8 adapter holds 8 rows where a rank-64 one holds 64.
+The intermediate keeps a fixed [T, num_slices*R] layout, R = max_lora_rank: slice j of
+a token's adapter lands in columns [j*R, j*R + rank).
 
 Backends (kernels/backend.py, decided once): CUDA tensors go to Triton
 (`kernels.sgmv_triton`, imported lazily), CPU tensors to the torch path
@@ -14,9 +21,9 @@ Backends (kernels/backend.py, decided once): CUDA tensors go to Triton
 `force_backend` forces either; Triton on CPU needs TRITON_INTERPRET=1 (the tests). The
 attention op has the same two backends (`kernels.paged_attention_{torch,triton}`). Every
 op checks shapes, dtypes, devices and metadata sizes here, before any backend runs, and
-none reads a device value for that. `kernels.reference` and
-`kernels.paged_attention_reference` are the slow oracles they are tested against;
-`lorafleet bench kernels` times the LoRA ops.
+none reads a device value for that (so offsets past the arena are the caller's bug, not
+checked). `kernels.reference` and `kernels.paged_attention_reference` are the slow
+oracles they are tested against; `lorafleet bench kernels` times the LoRA ops.
 """
 
 from __future__ import annotations
@@ -45,53 +52,55 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def lora_b_buffer(
-    num_slots: int, out_features: int, max_rank: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:  # [S, out_features, R], zeros
-    """Zeroed B slots in the memory layout the device's backend reads fastest (every
-    backend accepts any layout). Triton's kernels are tuned for contiguous B. The torch
-    path gets them rank-major ([S, R, out] in memory, seen transposed): a slot's first
-    r rank columns are then r whole rows, so the expand's matmul streams rows instead
-    of r-of-R floats out of each, and a load writes rows too (measured on the 2-core
-    CPU, 8 slots of r=16 in R=64, 1408 columns: the bmm 47 -> 21 us; a decode step's
-    LoRA part ~20 % faster)."""
+    out_features: int, rows: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:  # [out_features, rows], zeros
+    """A zeroed B arena in the memory layout the device's backend reads fastest (every
+    backend accepts any layout). Triton's kernels are tuned for rows contiguous along
+    the rank axis. The torch path gets it rank-major ([rows, out] in memory, seen
+    transposed): an adapter's r rank rows are then r whole rows of memory, so the
+    expand's matmul streams rows instead of r-of-R floats out of each, and a load writes
+    rows too (measured with slots on the 2-core CPU, 8 slots of r=16 in R=64, 1408
+    columns: the bmm 47 -> 21 us; a decode step's LoRA part ~20 % faster)."""
     if backend_for(torch.empty(0, device=device)) == "triton":
-        return torch.zeros(num_slots, out_features, max_rank, device=device, dtype=dtype)
-    rank_major = torch.zeros(num_slots, max_rank, out_features, device=device, dtype=dtype)
-    return rank_major.transpose(1, 2)
+        return torch.zeros(out_features, rows, device=device, dtype=dtype)
+    return torch.zeros(rows, out_features, device=device, dtype=dtype).t()
 
 
 def lora_shrink(
     x: torch.Tensor,  # [T, in]
-    a: torch.Tensor,  # [S, num_slices*R, in]; rows past a slot's rank are never read
+    a: torch.Tensor,  # [num_slices, P, in]: the A arena
     seg: SegmentInfo,
-    num_slices: int = 1,
+    max_rank: int,  # R: the intermediate's columns per slice
     out: torch.Tensor | None = None,  # [T, num_slices*R] float32 zeros, filled in place
 ) -> torch.Tensor:  # [T, num_slices*R] float32 (`out` when given)
-    """Semantics, per segment g with slot s = seg_slots[g] != 0, r = slot_ranks[s]:
+    """Semantics, per segment g with slot s = seg_slots[g] != 0, r = slot_ranks[s] <= R,
+    o = slot_offsets[s]:
 
-        out[rows_g, j*R : j*R+r] = x[rows_g].float() @ a[s, j*R : j*R+r].float()ᵀ
+        out[rows_g, j*R : j*R+r] = x[rows_g].float() @ a[j, o : o+r].float()ᵀ
 
     for each slice j, zero everywhere else (slot 0, past the rank). fp32/fp16/bf16
-    inputs, fp32 accumulation and output. `out`, when given, must hold zeros (a region
-    of the step's zeroed workspace: no allocation or zero fill per op); it may be a view
-    with any row stride. See kernels.reference.lora_shrink_reference.
+    inputs, fp32 accumulation and output. Arena rows outside the batch's adapters are
+    never read into a result. `out`, when given, must hold zeros (a region of the step's
+    zeroed workspace: no allocation or zero fill per op); it may be a view with any row
+    stride. See kernels.reference.lora_shrink_reference.
     """
-    _check_shrink(x, a, seg, num_slices, out)
-    return implementation(x, "sgmv").lora_shrink(x, a, seg, num_slices, out)
+    _check_shrink(x, a, seg, max_rank, out)
+    return implementation(x, "sgmv").lora_shrink(x, a, seg, max_rank, out)
 
 
 def lora_expand(
     y: torch.Tensor,  # [T, out_total], updated in place
     inter: torch.Tensor,  # [T, num_slices*R] float32, from lora_shrink
-    b: torch.Tensor,  # [S, out_total, R]; columns past a slot's rank are never read;
-    # any strides (lora_b_buffer allocates the backend's fastest)
+    b: torch.Tensor,  # [out_total, P]: the B arena, any strides (lora_b_buffer allocates
+    # the backend's fastest)
     seg: SegmentInfo,
     slice_offsets: list[int],  # host ints, [num_slices+1], non-decreasing
 ) -> torch.Tensor:  # y
-    """Semantics, per segment g with slot s != 0, r = slot_ranks[s], per slice j with
-    columns cols_j = slice_offsets[j] : slice_offsets[j+1]:
+    """Semantics, per segment g with slot s != 0, r = slot_ranks[s], o = slot_offsets[s],
+    R = inter's columns / num_slices, per slice j with columns cols_j =
+    slice_offsets[j] : slice_offsets[j+1]:
 
-        y[rows_g, cols_j] += slot_scalings[s] * inter[rows_g, j*R : j*R+r] @ b[s, cols_j, :r]ᵀ
+        y[rows_g, cols_j] += slot_scalings[s] * inter[rows_g, j*R : j*R+r] @ b[cols_j, o : o+r]ᵀ
 
     accumulated in fp32 and rounded once into y.dtype; rows of slot-0 segments are
     left bit-identical. See kernels.reference.lora_expand_reference.
@@ -100,27 +109,30 @@ def lora_expand(
     return implementation(y, "sgmv").lora_expand(y, inter, b, seg, slice_offsets)
 
 
-_SEG_DTYPES = (torch.int32, torch.int32, torch.int32, torch.float32)
+_SEG_DTYPES = (torch.int32, torch.int32, torch.int32, torch.float32, torch.int32)
 
 
 @functools.lru_cache(maxsize=16)
-def _check_seg(seg: SegmentInfo, num_slots: int, device: torch.device) -> None:
+def _check_seg(seg: SegmentInfo, device: torch.device) -> None:
     # Memoized per SegmentInfo object (hashed by its tensors' identity): every
     # projection of a step checks the same one, and dtypes/shapes can't change.
-    tensors = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings)
+    tensors = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings, seg.slot_offsets)
     if tuple(t.dtype for t in tensors) != _SEG_DTYPES or any(t.device != device for t in tensors):
         raise ValueError(
-            "SegmentInfo: seg_indptr, seg_slots, slot_ranks must be int32 and slot_scalings "
-            f"float32, all on {device}; got {[(t.dtype, str(t.device)) for t in tensors]}"
+            "SegmentInfo: seg_indptr, seg_slots, slot_ranks, slot_offsets must be int32 and "
+            f"slot_scalings float32, all on {device}; got "
+            f"{[(t.dtype, str(t.device)) for t in tensors]}"
         )
     g = seg.seg_slots.shape[0] if seg.seg_slots.dim() == 1 else -1
     if seg.seg_indptr.shape != (g + 1,):
         shapes = f"{tuple(seg.seg_indptr.shape)}, seg_slots {tuple(seg.seg_slots.shape)}"
         raise ValueError(f"seg_indptr must be [G+1] for seg_slots [G]: seg_indptr {shapes}")
-    if seg.slot_ranks.shape != (num_slots,) or seg.slot_scalings.shape != (num_slots,):
+    per_slot = (seg.slot_ranks, seg.slot_scalings, seg.slot_offsets)
+    if seg.slot_ranks.dim() != 1 or any(t.shape != seg.slot_ranks.shape for t in per_slot):
         raise ValueError(
             f"slot_ranks {tuple(seg.slot_ranks.shape)} / slot_scalings "
-            f"{tuple(seg.slot_scalings.shape)}: expected [{num_slots}] (one per buffer slot)"
+            f"{tuple(seg.slot_scalings.shape)} / slot_offsets {tuple(seg.slot_offsets.shape)}: "
+            "expected one [S] shape (one entry per slot)"
         )
 
 
@@ -128,22 +140,21 @@ def _check_shrink(
     x: torch.Tensor,
     a: torch.Tensor,
     seg: SegmentInfo,
-    num_slices: int,
+    max_rank: int,
     out: torch.Tensor | None = None,
 ) -> None:
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(
-            f"lora_shrink: x {tuple(x.shape)} must be [T, in], a {tuple(a.shape)} [S, ns*R, in]"
+            f"lora_shrink: x {tuple(x.shape)} must be [T, in], a {tuple(a.shape)} "
+            "[num_slices, P, in]"
         )
-    if num_slices < 1 or a.shape[1] % num_slices:
-        raise ValueError(
-            f"lora_shrink: a's {a.shape[1]} rank rows don't split into {num_slices} slices"
-        )
+    if not isinstance(max_rank, int) or max_rank < 1 or a.shape[0] < 1:
+        raise ValueError(f"lora_shrink: max_rank {max_rank!r} and a's slices must be >= 1")
     if x.dtype not in _DTYPES or a.dtype != x.dtype:
         raise ValueError(f"lora_shrink: x {x.dtype} and a {a.dtype} must share one of {_DTYPES}")
     if a.device != x.device:
         raise ValueError(f"lora_shrink: x on {x.device}, a on {a.device}")
-    want = (x.shape[0], a.shape[1])
+    want = (x.shape[0], a.shape[0] * max_rank)
     if out is not None and (
         out.shape != want or out.dtype != torch.float32 or out.device != x.device
         or out.stride(-1) != 1
@@ -152,7 +163,7 @@ def _check_shrink(
             f"lora_shrink: out {tuple(out.shape)} {out.dtype} on {out.device} must be "
             f"{list(want)} float32 on {x.device}, unit stride along a row"
         )
-    _check_seg(seg, a.shape[0], x.device)
+    _check_seg(seg, x.device)
 
 
 def _check_expand(
@@ -162,19 +173,22 @@ def _check_expand(
     seg: SegmentInfo,
     slice_offsets: list[int],
 ) -> None:
-    if y.dim() != 2 or inter.dim() != 2 or b.dim() != 3:
+    if y.dim() != 2 or inter.dim() != 2 or b.dim() != 2:
         raise ValueError(
             f"lora_expand: y {tuple(y.shape)} [T, out], inter {tuple(inter.shape)} [T, ns*R], "
-            f"b {tuple(b.shape)} [S, out, R]"
+            f"b {tuple(b.shape)} [out, P]"
         )
     num_slices = len(slice_offsets) - 1
-    if inter.shape != (y.shape[0], num_slices * b.shape[2]) or b.shape[1] != y.shape[1]:
+    if (
+        num_slices < 1 or inter.shape[0] != y.shape[0] or inter.shape[1] % num_slices
+        or inter.shape[1] == 0 or b.shape[0] != y.shape[1]
+    ):  # fmt: skip
         raise ValueError(
-            f"lora_expand: inter {tuple(inter.shape)} must be [{y.shape[0]}, {num_slices}*R] and "
-            f"b {tuple(b.shape)} [S, {y.shape[1]}, R]"
+            f"lora_expand: inter {tuple(inter.shape)} must be [{y.shape[0]}, {num_slices}*R] "
+            f"and b {tuple(b.shape)} [{y.shape[1]}, P]"
         )
     offsets_ok = all(0 <= c0 <= c1 for c0, c1 in zip(slice_offsets, slice_offsets[1:]))
-    if num_slices < 1 or not offsets_ok or slice_offsets[-1] > y.shape[1]:
+    if not offsets_ok or slice_offsets[-1] > y.shape[1]:
         raise ValueError(
             f"lora_expand: slice_offsets {slice_offsets} must rise within [0, {y.shape[1]}]"
         )
@@ -184,7 +198,7 @@ def _check_expand(
         )
     if not (y.device == inter.device == b.device):
         raise ValueError(f"lora_expand: y on {y.device}, inter on {inter.device}, b on {b.device}")
-    _check_seg(seg, b.shape[0], y.device)
+    _check_seg(seg, y.device)
 
 
 def paged_decode_attention(

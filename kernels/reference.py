@@ -11,29 +11,29 @@ from kernels.segments import SegmentInfo
 
 
 def lora_shrink_reference(
-    x: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, num_slices: int = 1
+    x: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, max_rank: int
 ) -> torch.Tensor:
     """Semantics, per segment g with slot s = seg_slots[g] != 0, r = slot_ranks[s],
-    R = a.shape[1] // num_slices, for each slice j:
+    o = slot_offsets[s], R = max_rank, for each slice j:
 
-        out[rows_g, j*R : j*R + r] = x[rows_g] @ a[s, j*R : j*R + r, :]ᵀ   (float32)
+        out[rows_g, j*R : j*R + r] = x[rows_g] @ a[j, o : o + r, :]ᵀ   (float32)
 
-    x: [T, in]; a: [S, num_slices*R, in] (slices stacked along the rank axis,
-    each padded to R = max_lora_rank). Returns [T, num_slices*R] float32, zero
-    where no adapter applies and past each slot's rank.
+    x: [T, in]; a: [num_slices, P, in], the A arena (each adapter holds rows
+    [o, o + r) of every slice). Returns [T, num_slices*R] float32, zero where no
+    adapter applies and past each slot's rank.
     """
-    r_max = a.shape[1] // num_slices
-    out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    num_slices = a.shape[0]
+    out = torch.zeros(x.shape[0], num_slices * max_rank, dtype=torch.float32, device=x.device)
     indptr = seg.seg_indptr.tolist()
-    ranks = seg.slot_ranks.tolist()
+    ranks, offsets = seg.slot_ranks.tolist(), seg.slot_offsets.tolist()
     for g, slot in enumerate(seg.seg_slots.tolist()):
         lo, hi = indptr[g], indptr[g + 1]
         if slot == 0 or hi == lo:
             continue
-        r = ranks[slot]
+        r, o = ranks[slot], offsets[slot]
         for j in range(num_slices):
-            rows = slice(j * r_max, j * r_max + r)
-            out[lo:hi, rows] = x[lo:hi].float() @ a[slot, rows].float().T
+            cols = slice(j * max_rank, j * max_rank + r)
+            out[lo:hi, cols] = x[lo:hi].float() @ a[j, o : o + r].float().T
     return out
 
 
@@ -44,28 +44,29 @@ def lora_expand_reference(
     seg: SegmentInfo,
     slice_offsets: list[int],
 ) -> torch.Tensor:
-    """Semantics, per segment g with slot s != 0, r = slot_ranks[s], per slice j
-    covering output columns cols_j = [slice_offsets[j], slice_offsets[j+1]):
+    """Semantics, per segment g with slot s != 0, r = slot_ranks[s], o = slot_offsets[s],
+    R = inter's columns / num_slices, per slice j covering output columns
+    cols_j = [slice_offsets[j], slice_offsets[j+1]):
 
-        y[rows_g, cols_j] += scaling[s] * inter[rows_g, j*R : j*R + r] @ b[s, cols_j, :r]ᵀ
+        y[rows_g, cols_j] += scaling[s] * inter[rows_g, j*R : j*R + r] @ b[cols_j, o : o + r]ᵀ
 
     y: [T, out_total] updated in place and returned; inter: [T, num_slices*R]
-    float32 from lora_shrink; b: [S, out_total, R]. Accumulates in float32 and
-    rounds once into y's dtype.
+    float32 from lora_shrink; b: [out_total, P], the B arena. Accumulates in float32
+    and rounds once into y's dtype.
     """
-    r_max = b.shape[2]
+    r_max = inter.shape[1] // (len(slice_offsets) - 1)
     indptr = seg.seg_indptr.tolist()
-    ranks = seg.slot_ranks.tolist()
+    ranks, offsets = seg.slot_ranks.tolist(), seg.slot_offsets.tolist()
     scalings = seg.slot_scalings.tolist()
     for g, slot in enumerate(seg.seg_slots.tolist()):
         lo, hi = indptr[g], indptr[g + 1]
         if slot == 0 or hi == lo:
             continue
-        r = ranks[slot]
+        r, o = ranks[slot], offsets[slot]
         acc = y[lo:hi].float()
         for j in range(len(slice_offsets) - 1):
             c0, c1 = slice_offsets[j], slice_offsets[j + 1]
-            part = inter[lo:hi, j * r_max : j * r_max + r] @ b[slot, c0:c1, :r].float().T
+            part = inter[lo:hi, j * r_max : j * r_max + r] @ b[c0:c1, o : o + r].float().T
             acc[:, c0:c1] += scalings[slot] * part
         y[lo:hi] = acc.to(y.dtype)
     return y

@@ -1,17 +1,22 @@
 """Fast torch path of the multi-LoRA ops: the CPU backend (and CUDA when forced).
 
-Formulation: tokens are grouped by slot; used slots next to each other in the
-stacked buffers form a *run*, computed as one `torch.bmm` over a zero-copy view
-of the buffers (`a[lo:hi]`, `b[lo:hi, :, :r]` with r the run's largest rank),
-or, for a run of one slot, one 2-D matmul. No weight is gathered. When the run's
-slots hold different token counts, its rows are gathered once into the padded
-[(hi-lo), m] layout the bmm needs (a place past a slot's tokens repeats a real
-row) and every slice's matmul shares that operand; each result drops the padded
-places with one index_select. (Padding per matmul instead, zeros + index_copy_
-for every slice: decode step median 78 vs 71 ms, 32 tokens over 16 adapters of
-uneven popularity, the two alternated step by step.) Doing every slice of a run's
-shrink in one bmm (the operand repeated per slice) measured no faster: not done.
-B reads fastest rank-major (kernels.lora_b_buffer).
+Formulation: tokens are grouped by slot; used slots form *runs*, each computed as
+one `torch.bmm` (or, for a run of one slot, one 2-D matmul) per slice. A run's
+weights are k *places* of `rank` arena rows each:
+- a *view* run (every slot of the run has the run's rank, and their first rows lie on
+  one grid of that rank: the slot pool packs adapters of one rank class side by side)
+  reads a zero-copy view of the arenas, `a[j, row0 : row0 + k*r].view(k, r, in)`;
+  places on the grid that no used slot holds (other adapters, free rows) are computed
+  and dropped;
+- a *gather* run (mixed ranks, off-grid slots) copies its slots' rows into a
+  [k, r, in] operand once per slice, rows past a slot's own rank masked to zero.
+When the run's slots hold different token counts, its token rows are gathered once
+into the padded [k, m] layout the bmm needs (a place past a slot's tokens repeats a
+real row) and every slice's matmul shares that operand; each result drops the padded
+places with one index_select. (Padding per matmul instead, zeros + index_copy_ for
+every slice: decode step median 78 vs 71 ms, 32 tokens over 16 adapters of uneven
+popularity, the two alternated step by step.) B reads fastest rank-major
+(kernels.lora_b_buffer): an adapter's rank rows are then whole rows of memory.
 
 Picked by measurement (decode, 32 tokens with 32 rank-16 adapters, fp32,
 weights cold, 2-core CPU; `lorafleet bench kernels` and the report of the
@@ -21,15 +26,10 @@ bandwidth); gather + bmm (BGMV-style, copies every token's A/B) 1.5x / 0.5x;
 F.grouped_mm over the slot range 2.2x / 1.25x (a per-group cost in its CPU
 fallback); einsum is bmm underneath.
 
-Decode-sized slots merge into one run while the extra bytes read (unused
-slots between, whose rows are zero-padded and dropped; padding past a
-lower-rank slot's rank, which the contract keeps zero) cost less than the
-ops saved (`_MERGE_BYTES`). Measured in the engine's decode step (hidden 512,
-16 adapters of ranks 8-64 in R=64 slots, 32 tokens): one run per rank took
-~130 ms of LoRA ops per step, merged runs far less. A slot with many tokens
-(prefill) forms a run alone. Plans are
-memoized on the metadata's values, so every layer of a step reuses the plan
-its first layer built.
+Decode-sized slots merge into one run while the extra bytes read (places no used slot
+holds, rows copied by a gather) cost less than the ops saved (`_MERGE_BYTES`). A slot
+with many tokens (prefill) forms a run alone. Plans are memoized on the metadata's
+values, so every layer of a step reuses the plan its first layer built.
 
 Reads the metadata on the host: free on CPU, a device sync on CUDA (where
 this path only runs when LORAFLEET_KERNELS=torch forces it). fp16/bf16
@@ -49,32 +49,37 @@ from kernels.segments import SegmentInfo
 # Slots with more tokens than this get a run each (their matmul amortizes the
 # call); fewer are padded to the run's longest, so padding stays compute-cheap.
 _SMALL_TOKENS = 16
-# Reading this many extra bytes (zero padding of lower-rank slots, unused slots
-# between) costs about what one more run's ~10 fixed-cost ops do at the ~10-20 GB/s
-# measured here, so runs merge below it.
+# Reading this many extra bytes (places no used slot holds, rows a gather copies) costs
+# about what one more run's ~10 fixed-cost ops do at the ~10-20 GB/s measured here, so
+# runs merge below it.
 _MERGE_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
 class _Run:
-    """Used slots in [lo, hi), all of one rank: one matmul over a view of the buffers."""
+    """Used slots read as k places of `rank` arena rows: one matmul per slice."""
 
-    lo: int  # first slot
-    hi: int  # one past the last slot
-    rank: int  # r: the rank of every used slot in the run
-    m: int  # tokens per slot after zero padding (bmm runs)
-    rows: torch.Tensor  # [n] int64: token rows in (slot, token) order
+    k: int  # places
+    rank: int  # r: arena rows per place (the largest rank among the run's slots)
+    row0: int  # view runs: the first arena row of place 0
+    stride: int  # view runs: arena rows from one place to the next (= rank); 0: gather
+    # gather runs: [k*r] int64 arena rows of every place, and [k*r, 1] bool: the row lies
+    # within its slot's rank (rows past it belong to other adapters: masked to zero)
+    weight_rows: torch.Tensor | None
+    weight_keep: torch.Tensor | None
+    m: int  # tokens per place after zero padding (bmm runs)
+    rows: torch.Tensor  # [n] int64: token rows in (place, token) order
     row_range: tuple[int, int] | None  # rows are exactly range(*row_range): use views
-    pos: torch.Tensor | None  # [n] int64: each row's place in the padded [(hi-lo)*m]; None: dense
-    # [(hi-lo)*m] int64 when padded: the row each padded place reads (a place past its
+    pos: torch.Tensor | None  # [n] int64: each row's place in the padded [k*m]; None: dense
+    # [k*m] int64 when padded: the row each padded place reads (a place past its
     # slot's tokens repeats a real row; what it computes is dropped by pos)
     padded_rows: torch.Tensor | None
     alpha: float  # scaling shared by every used slot (1.0 when they differ)
-    row_scale: torch.Tensor | None  # [n or (hi-lo)*m, 1] fp32 per operand row when slots differ
+    row_scale: torch.Tensor | None  # [n or k*m, 1] fp32 per operand row when slots differ
 
     @property
     def single(self) -> bool:
-        return self.hi - self.lo == 1
+        return self.k == 1
 
 
 def _runs(
@@ -82,7 +87,8 @@ def _runs(
     slots: tuple[int, ...],
     ranks: tuple[int, ...],
     scalings: tuple[float, ...],
-    r_max: int,
+    offsets: tuple[int, ...],
+    arena_rows: int,
     bytes_per_rank: int,
     device: torch.device,
 ) -> tuple[_Run, ...]:
@@ -90,38 +96,63 @@ def _runs(
     rows_of: dict[int, list[int]] = {}
     for g, s in enumerate(slots):
         if s != 0 and indptr[g + 1] > indptr[g]:
-            rows_of.setdefault(s, []).extend(range(indptr[g], indptr[g + 1]))
+            if not 0 <= s < len(ranks):
+                raise ValueError(f"segment slot {s} outside the {len(ranks)} slots")
+            if ranks[s] > 0:  # rank 0: the adapter does not target this projection
+                rows_of.setdefault(s, []).extend(range(indptr[g], indptr[g + 1]))
     for s in rows_of:
-        if not 0 <= s < len(ranks):
-            raise ValueError(f"segment slot {s} outside the {len(ranks)} slots")
-        if ranks[s] > r_max:
-            raise ValueError(f"slot {s} has rank {ranks[s]} > the buffers' max rank {r_max}")
+        if offsets[s] < 0 or offsets[s] + ranks[s] > arena_rows:
+            raise ValueError(
+                f"slot {s}: rows [{offsets[s]}, {offsets[s] + ranks[s]}) outside the "
+                f"arena's {arena_rows} rows"
+            )
     groups: list[list[int]] = []
-    # Prefill-sized slots each get a run. Decode-sized ones are merged in slot order while
-    # the bytes a merge adds (padding up to the run's largest rank, unused slots between)
-    # cost less than the ops it saves: on CPU a run's fixed cost is ~10 ops of ~10 us.
-    # A rank-0 slot (an adapter that does not target this projection) may ride along
-    # inside a run: its weights are all padding, i.e. zero, and keeping its rows in the
-    # run keeps the run's rows one contiguous range (views instead of gather/scatter).
-    small = sorted(s for s in rows_of if len(rows_of[s]) <= _SMALL_TOKENS)
+    # Prefill-sized slots each get a run. Decode-sized ones are merged in arena order while
+    # the bytes a merge adds cost less than the ops it saves: on CPU a run's fixed cost is
+    # ~10 ops of ~10 us.
+    small = sorted(
+        (s for s in rows_of if len(rows_of[s]) <= _SMALL_TOKENS), key=offsets.__getitem__
+    )
     for s in small:
-        if groups and _merge_cost(groups[-1], s, ranks, bytes_per_rank) <= _MERGE_BYTES:
+        if groups and _merge_cost(groups[-1], s, ranks, offsets, bytes_per_rank) <= _MERGE_BYTES:
             groups[-1].append(s)
         else:
             groups.append([s])
-    groups = [g for g in groups if max(ranks[s] for s in g) > 0]
-    groups += [[s] for s in sorted(rows_of) if ranks[s] > 0 and len(rows_of[s]) > _SMALL_TOKENS]
-    return tuple(_make_run(g, rows_of, ranks, scalings, device) for g in groups)
+    groups += [[s] for s in sorted(rows_of) if len(rows_of[s]) > _SMALL_TOKENS]
+    return tuple(
+        _make_run(g, rows_of, ranks, scalings, offsets, arena_rows, device) for g in groups
+    )
 
 
-def _run_bytes(group: list[int], ranks: tuple[int, ...], bytes_per_rank: int) -> int:
-    return (group[-1] + 1 - group[0]) * max(ranks[s] for s in group) * bytes_per_rank
+def _grid(group: list[int], ranks: tuple[int, ...], offsets: tuple[int, ...]) -> bool:
+    """Whether the slots (in arena order) are places of one view: one rank r, first rows
+    r apart by whole places."""
+    r, o0 = ranks[group[0]], offsets[group[0]]
+    prev = o0 - r
+    for s in group:
+        o = offsets[s]
+        if ranks[s] != r or (o - o0) % r or o <= prev:
+            return False
+        prev = o
+    return True
 
 
-def _merge_cost(group: list[int], s: int, ranks: tuple[int, ...], bytes_per_rank: int) -> int:
+def _run_bytes(
+    group: list[int], ranks: tuple[int, ...], offsets: tuple[int, ...], bytes_per_rank: int
+) -> int:
+    """Bytes a run reads: a view's whole grid span; a gather's rows twice (copy, then read)."""
+    if _grid(group, ranks, offsets):
+        span = offsets[group[-1]] + ranks[group[-1]] - offsets[group[0]]
+        return span * bytes_per_rank
+    return 2 * len(group) * max(ranks[s] for s in group) * bytes_per_rank
+
+
+def _merge_cost(
+    group: list[int], s: int, ranks: tuple[int, ...], offsets: tuple[int, ...], bpr: int
+) -> int:
     """Extra bytes read if slot s joins the run `group` instead of starting its own."""
-    alone = _run_bytes(group, ranks, bytes_per_rank) + _run_bytes([s], ranks, bytes_per_rank)
-    return _run_bytes([*group, s], ranks, bytes_per_rank) - alone
+    alone = _run_bytes(group, ranks, offsets, bpr) + _run_bytes([s], ranks, offsets, bpr)
+    return _run_bytes([*group, s], ranks, offsets, bpr) - alone
 
 
 def _make_run(
@@ -129,33 +160,49 @@ def _make_run(
     rows_of: dict[int, list[int]],
     ranks: tuple[int, ...],
     scalings: tuple[float, ...],
+    offsets: tuple[int, ...],
+    arena_rows: int,
     device: torch.device,
 ) -> _Run:
-    lo, hi = group[0], group[-1] + 1
+    r = max(ranks[s] for s in group)
+    if _grid(group, ranks, offsets):
+        row0, stride = offsets[group[0]], r
+        place = {s: (offsets[s] - row0) // r for s in group}
+        weight_rows = weight_keep = None
+    else:
+        row0, stride = 0, 0
+        place = {s: i for i, s in enumerate(group)}
+        weight_rows = [min(offsets[s] + c, arena_rows - 1) for s in group for c in range(r)]
+        weight_keep = [c < ranks[s] for s in group for c in range(r)]
+    k = place[group[-1]] + 1
+    at = {p: s for s, p in place.items()}  # place -> slot (places between: none)
     m = max(len(rows_of[s]) for s in group)
     rows = [t for s in group for t in rows_of[s]]
-    dense = len(rows) == (hi - lo) * m
-    pos = None if dense else [(s - lo) * m + i for s in group for i in range(len(rows_of[s]))]
+    dense = len(rows) == k * m
+    pos = None if dense else [place[s] * m + i for s in group for i in range(len(rows_of[s]))]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     shared = len({scalings[s] for s in group}) == 1
     if pos is None:
         padded_rows = None
         row_scale = [scalings[s] for s in group for _ in rows_of[s]]
-    else:  # every place of every slot in [lo, hi), m per slot
+    else:  # every place, m rows each
         padded_rows = [
-            rows_of[s][i] if i < len(rows_of.get(s, ())) else rows[0]
-            for s in range(lo, hi)
+            rows_of[at[p]][i] if p in at and i < len(rows_of[at[p]]) else rows[0]
+            for p in range(k)
             for i in range(m)
         ]
-        row_scale = [scalings[s] for s in range(lo, hi) for _ in range(m)]
+        row_scale = [scalings[at[p]] if p in at else 0.0 for p in range(k) for _ in range(m)]
 
     def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     return _Run(
-        lo=lo,
-        hi=hi,
-        rank=max(ranks[s] for s in group),  # slots of lower rank read their zero padding
+        k=k,
+        rank=r,
+        row0=row0,
+        stride=stride,
+        weight_rows=None if weight_rows is None else tensor(weight_rows),
+        weight_keep=None if weight_keep is None else tensor(weight_keep, torch.bool)[:, None],
         m=m,
         rows=tensor(rows),
         row_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
@@ -168,20 +215,20 @@ def _make_run(
 
 @functools.lru_cache(maxsize=64)
 def _cached_runs(
-    key: tuple[bytes, bytes, bytes, bytes], r_max: int, bytes_per_rank: int, device: torch.device
+    key: tuple[bytes, ...], arena_rows: int, bytes_per_rank: int, device: torch.device
 ) -> tuple[_Run, ...]:
-    indptr, slots, ranks = (tuple(memoryview(k).cast("i")) for k in key[:3])
+    indptr, slots, ranks, offsets = (tuple(memoryview(key[i]).cast("i")) for i in (0, 1, 2, 4))
     scalings = tuple(memoryview(key[3]).cast("f"))
-    return _runs(indptr, slots, ranks, scalings, r_max, bytes_per_rank, device)
+    return _runs(indptr, slots, ranks, scalings, offsets, arena_rows, bytes_per_rank, device)
 
 
-def _plan(seg: SegmentInfo, r_max: int, bytes_per_rank: int, device: torch.device):
+def _plan(seg: SegmentInfo, arena_rows: int, bytes_per_rank: int, device: torch.device):
     # Memoized on the metadata's values, not the object, so buffers the engine
     # refills in place never serve a stale plan; every layer of a step hits the
     # entry its first layer made. (Raw bytes: the cheapest exact key.)
-    meta = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings)
+    meta = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings, seg.slot_offsets)
     key = tuple(t.cpu().numpy().tobytes() for t in meta)
-    return _cached_runs(key, r_max, bytes_per_rank, device)
+    return _cached_runs(key, arena_rows, bytes_per_rank, device)
 
 
 def _cut(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
@@ -195,8 +242,8 @@ def _cut(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
 
 
 def _operand(src: torch.Tensor, run: _Run) -> torch.Tensor:
-    """The run's rows of src as float32, in the matmul's layout: [n, k] when dense (a
-    view when the rows are a range), [(hi-lo)*m, k] padded otherwise. Gathered once per
+    """The run's token rows of src as float32, in the matmul's layout: [n, k] when dense
+    (a view when the rows are a range), [k*m, k] padded otherwise. Gathered once per
     run, so every slice's matmul shares it."""
     if run.padded_rows is not None:
         return src.index_select(0, run.padded_rows).float()
@@ -205,79 +252,85 @@ def _operand(src: torch.Tensor, run: _Run) -> torch.Tensor:
     return src.index_select(0, run.rows).float()
 
 
-def _slots(buf: torch.Tensor, run: _Run) -> torch.Tensor:
-    """The run's slots of a stacked buffer, a view: buf[lo] for one slot, else buf[lo:hi]."""
-    return buf[run.lo] if run.single else buf[run.lo : run.hi]
+def _places(arena: torch.Tensor, run: _Run) -> torch.Tensor:
+    """The run's weights out of an arena laid out [P, cols] (rank rows first): [r, cols]
+    for one place, [k, r, cols] for several; a view unless the run gathers."""
+    if run.weight_rows is not None:
+        w = arena.index_select(0, run.weight_rows)  # [k*r, cols]
+        w = torch.where(run.weight_keep, w, 0)  # rows past a slot's rank: not its weights
+        return w if run.single else w.view(run.k, run.rank, w.shape[1])
+    span = _cut(arena, 0, run.row0, run.row0 + run.k * run.stride)
+    if run.single:
+        return span
+    return _cut(span.view(run.k, run.stride, span.shape[1]), 1, 0, run.rank)
 
 
-def _matmul(p: torch.Tensor, w: torch.Tensor, run: _Run) -> torch.Tensor:
-    """p @ wᵀ per slot of the run: p from _operand, w [N, k] (one slot) or
-    [(hi-lo), N, k] -> [n, N] fp32, the padded places dropped. One slot is a plain 2-D
+def _matmul(p: torch.Tensor, w_t: torch.Tensor, run: _Run) -> torch.Tensor:
+    """p @ w_t per place of the run: p from _operand, w_t [r, N] (one place) or
+    [k, r, N] -> [n, N] fp32, the padded places dropped. One place is a plain 2-D
     matmul (a batch-of-one bmm costs more per call); several are one bmm."""
     if run.single:
-        return torch.nn.functional.linear(p, w.float())
-    res = torch.bmm(p.reshape(run.hi - run.lo, run.m, p.shape[1]), w.float().transpose(1, 2))
-    flat = res.view(-1, res.shape[-1])  # [(hi-lo)*m, N]
+        return p @ w_t.float()
+    res = torch.bmm(p.reshape(run.k, run.m, p.shape[1]), w_t.float())
+    flat = res.view(-1, res.shape[-1])  # [k*m, N]
     return flat if run.pos is None else flat.index_select(0, run.pos)
 
 
 def lora_shrink(
     x: torch.Tensor,  # [T, in]
-    a: torch.Tensor,  # [S, num_slices*R, in]
+    a: torch.Tensor,  # [num_slices, P, in]
     seg: SegmentInfo,
-    num_slices: int = 1,
+    max_rank: int,
     out: torch.Tensor | None = None,  # [T, num_slices*R] float32 zeros, written in place
 ) -> torch.Tensor:  # [T, num_slices*R] float32
-    """out[rows_g, j*R : j*R+r] = x[rows_g] @ a[s, j*R : j*R+r]ᵀ, zero elsewhere
-    (s = seg_slots[g] != 0, r = slot_ranks[s]); see kernels.reference."""
+    """out[rows_g, j*R : j*R+r] = x[rows_g] @ a[j, o : o+r]ᵀ, zero elsewhere
+    (s = seg_slots[g] != 0, r = slot_ranks[s], o = slot_offsets[s]); see kernels.reference."""
+    num_slices, arena_rows = a.shape[0], a.shape[1]
     if out is None:
-        out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(x.shape[0], num_slices * max_rank, dtype=torch.float32, device=x.device)
     if not seg.has_lora or x.shape[0] == 0:
         return out
     if seg.graph_safe:
-        return _shrink_per_token(x, a, seg, num_slices, out)
-    r_max = a.shape[1] // num_slices
-    for run in _plan(seg, r_max, num_slices * a.shape[2] * a.element_size(), x.device):
-        xs = _operand(x, run)  # [n or (hi-lo)*m, in]
-        w_all = _slots(a, run)  # [(hi-lo,) num_slices*R, in]
-        # a rank filling every slice is one matmul over all of a's rows
-        if run.rank == r_max:
-            col_ranges = [(0, a.shape[1])]
-        else:
-            col_ranges = [(j * r_max, j * r_max + run.rank) for j in range(num_slices)]
-        for c0, c1 in col_ranges:
-            res = _matmul(xs, _cut(w_all, -2, c0, c1), run)  # [n, c1-c0]
+        return _shrink_per_token(x, a, seg, max_rank, out)
+    for run in _plan(seg, arena_rows, num_slices * a.shape[2] * a.element_size(), x.device):
+        xs = _operand(x, run)  # [n or k*m, in]
+        for j in range(num_slices):
+            c0 = j * max_rank
+            w = _places(a[j], run)  # [(k,) r, in]
+            res = _matmul(xs, w.transpose(-1, -2), run)  # [n, r]
             if run.row_range is not None:
-                _cut(_cut(out, 0, *run.row_range), 1, c0, c1).copy_(res)
+                _cut(_cut(out, 0, *run.row_range), 1, c0, c0 + run.rank).copy_(res)
             else:
-                _cut(out, 1, c0, c1).index_copy_(0, run.rows, res)
+                _cut(out, 1, c0, c0 + run.rank).index_copy_(0, run.rows, res)
     return out
 
 
 def lora_expand(
     y: torch.Tensor,  # [T, out_total], updated in place
     inter: torch.Tensor,  # [T, num_slices*R] float32
-    b: torch.Tensor,  # [S, out_total, R]
+    b: torch.Tensor,  # [out_total, P]
     seg: SegmentInfo,
     slice_offsets: list[int],  # host, [num_slices+1]
 ) -> torch.Tensor:  # y
-    """y[rows_g, cols_j] += scaling[s] * inter[rows_g, j*R : j*R+r] @ b[s, cols_j, :r]ᵀ,
+    """y[rows_g, cols_j] += scaling[s] * inter[rows_g, j*R : j*R+r] @ b[cols_j, o : o+r]ᵀ,
     fp32 accumulation rounded once into y.dtype; see kernels.reference."""
     if not seg.has_lora or y.shape[0] == 0:
         return y
+    num_slices = len(slice_offsets) - 1
+    r_max = inter.shape[1] // num_slices
     if seg.graph_safe:
-        return _expand_per_token(y, inter, b, seg, slice_offsets)
-    r_max = b.shape[2]
-    used_cols = slice_offsets[-1] - slice_offsets[0]
-    for run in _plan(seg, r_max, used_cols * b.element_size(), y.device):
-        t = _operand(inter, run)  # [n or (hi-lo)*m, num_slices*R]
+        return _expand_per_token(y, inter, b, seg, slice_offsets, r_max)
+    c_lo, c_hi = slice_offsets[0], slice_offsets[-1]
+    rank_rows = _cut(b, 0, c_lo, c_hi).t()  # [P, used cols]: rank rows first
+    for run in _plan(seg, b.shape[1], (c_hi - c_lo) * b.element_size(), y.device):
+        t = _operand(inter, run)  # [n or k*m, num_slices*R]
         if run.row_scale is not None:
             t = t * run.row_scale  # slots differ in scaling: scale the small side
-        w_all = _cut(_slots(b, run), -1, 0, run.rank)  # [(hi-lo,) out_total, r]
-        for j in range(len(slice_offsets) - 1):
+        w_all = _places(rank_rows, run)  # [(k,) r, used cols]
+        for j in range(num_slices):
             c0, c1 = slice_offsets[j], slice_offsets[j + 1]
             t_j = _cut(t, 1, j * r_max, j * r_max + run.rank)  # [., r]
-            res = _matmul(t_j, _cut(w_all, -2, c0, c1), run)  # [n, c1-c0]
+            res = _matmul(t_j, _cut(w_all, -1, c0 - c_lo, c1 - c_lo), run)  # [n, c1-c0]
             _accumulate(_cut(y, 1, c0, c1), res, run)
     return y
 
@@ -295,25 +348,32 @@ def _accumulate(y_cols: torch.Tensor, res: torch.Tensor, run: _Run) -> None:
 
 # -- graph-safe: one token per segment, metadata read only on the device ---------------------
 # A fixed sequence of ops whatever the slots (what a CUDA graph can replay, and what the
-# CPU tests of the static decode path trace): each token's slot weights are gathered
-# (BGMV), columns past the slot's rank masked. Reads every token's A and B, so it is
+# CPU tests of the static decode path trace): each token's adapter rows are gathered
+# (BGMV), rows past the slot's rank masked. Reads every token's A and B, so it is
 # the slower CPU formulation; eager decode steps keep the runs above.
 
 
-def _rank_mask(seg: SegmentInfo, r_max: int, num_slices: int) -> torch.Tensor:
-    """[T, num_slices*R] bool: column j*R + c is inside the token's slot's rank."""
+def _token_rows(seg: SegmentInfo, r_max: int, arena_rows: int) -> tuple[torch.Tensor, ...]:
+    """[T*R] int64 arena rows of each token's adapter (row c of token t at t*R + c,
+    clamped into the arena) and [T, R] bool: c is inside the token's slot's rank."""
     ranks = seg.slot_ranks.index_select(0, seg.seg_slots)  # [T]; slot 0 has rank 0
+    first = seg.slot_offsets.index_select(0, seg.seg_slots).long()  # [T]
     cols = torch.arange(r_max, device=ranks.device)
-    return (cols[None, :] < ranks[:, None]).repeat(1, num_slices)
+    keep = cols[None, :] < ranks[:, None]
+    rows = (first[:, None] + cols[None, :]).clamp_(max=arena_rows - 1)
+    return rows.view(-1), keep
 
 
 def _shrink_per_token(
-    x: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, num_slices: int, out: torch.Tensor
+    x: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, r_max: int, out: torch.Tensor
 ) -> torch.Tensor:
-    w = a.index_select(0, seg.seg_slots)  # [T, num_slices*R, in]
-    res = torch.bmm(w.float(), x.float().unsqueeze(2)).squeeze(2)  # [T, num_slices*R]
-    mask = _rank_mask(seg, a.shape[1] // num_slices, num_slices)
-    return out.copy_(torch.where(mask, res, 0.0))  # rows past a rank may hold anything
+    num_slices, t = a.shape[0], x.shape[0]
+    rows, keep = _token_rows(seg, r_max, a.shape[1])
+    w = a.index_select(1, rows).view(num_slices, t, r_max, a.shape[2])  # [ns, T, R, in]
+    res = torch.matmul(w.float(), x.float()[None, :, :, None]).squeeze(-1)  # [ns, T, R]
+    res = res.permute(1, 0, 2).reshape(t, num_slices * r_max)
+    mask = keep.repeat(1, num_slices)
+    return out.copy_(torch.where(mask, res, 0.0))  # rows past a rank belong to others
 
 
 def _expand_per_token(
@@ -322,15 +382,15 @@ def _expand_per_token(
     b: torch.Tensor,
     seg: SegmentInfo,
     slice_offsets: list[int],
+    r_max: int,
 ) -> torch.Tensor:
-    r_max, num_slices = b.shape[2], len(slice_offsets) - 1
-    keep = _rank_mask(seg, r_max, 1)  # [T, R]
+    rows, keep = _token_rows(seg, r_max, b.shape[1])
     scale = seg.slot_scalings.index_select(0, seg.seg_slots)[:, None]  # [T, 1]
-    w = b.index_select(0, seg.seg_slots)  # [T, out_total, R]
-    w = torch.where(keep[:, None, :], w.float(), 0.0)  # B columns past a rank are never read
+    w = b.t().index_select(0, rows).view(y.shape[0], r_max, b.shape[0])  # [T, R, out_total]
+    w = torch.where(keep[:, :, None], w.float(), 0.0)  # rows past a rank: other adapters'
     acc = y.float()
-    for j in range(num_slices):
+    for j in range(len(slice_offsets) - 1):
         c0, c1 = slice_offsets[j], slice_offsets[j + 1]
         t = torch.where(keep, inter[:, j * r_max : (j + 1) * r_max], 0.0) * scale  # [T, R]
-        acc[:, c0:c1] += torch.bmm(w[:, c0:c1], t.unsqueeze(2)).squeeze(2)
+        acc[:, c0:c1] += torch.bmm(t.unsqueeze(1), w[:, :, c0:c1]).squeeze(1)
     return y.copy_(acc)

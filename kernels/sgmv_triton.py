@@ -20,6 +20,11 @@ replays, weights rotated beyond L2; .ci/gpu and the bench): at hidden 4096 the
 BGMV pair runs in 8.1 us against the tile pair's 14 us (shrink 5.3 vs 7.4 with
 its zero fill, expand 2.8 vs 6.7); at hidden 512, 6.3 vs 8.2 us.
 
+Adapters sit in arenas at their own rank (kernels/__init__.py): a program loads its
+slot's first arena row (slot_offsets) and reads rank rows from there. The H100 figures
+above were measured with slot-stacked buffers, before the arenas; a program reads the
+same bytes in the same pattern (r contiguous elements per B row), not yet re-measured.
+
 Tiles are widened to fp32 before tl.dot: one code path for every dtype, exact
 products for fp16/bf16 under tf32, and the interpreter's bf16 dot (wrong in
 triton 3.9) is never used.
@@ -42,15 +47,16 @@ _DECODE_MAX_SEG = 16
 @triton.jit
 def _shrink_kernel(
     x_ptr,  # [T, K]
-    a_ptr,  # [S, num_slices*R, K]
+    a_ptr,  # [num_slices, P, K]: the A arena
     out_ptr,  # [T, num_slices*R] fp32, zeroed when SPLIT_K > 1
     indptr_ptr,  # [G+1] int32
     seg_slots_ptr,  # [G] int32
     ranks_ptr,  # [S] int32
+    offsets_ptr,  # [S] int32: each slot's first arena row
     K,
     R,
     stride_xt,
-    stride_as,
+    stride_aj,
     stride_ar,
     stride_ot,
     BLOCK_M: tl.constexpr,
@@ -82,7 +88,8 @@ def _shrink_kernel(
     mask_m = offs_m < end
     mask_n = offs_n < rank
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + (j * R + offs_n)[None, :] * stride_ar
+    row0 = tl.load(offsets_ptr + slot).to(tl.int64)
+    a_rows = a_ptr + j.to(tl.int64) * stride_aj + (row0 + offs_n)[None, :] * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -102,17 +109,17 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     inter_ptr,  # [T, num_slices*R] fp32
-    b_ptr,  # [S, N, R]
+    b_ptr,  # [N, P]: the B arena
     y_ptr,  # [T, N], updated in place
     indptr_ptr,  # [G+1] int32
     seg_slots_ptr,  # [G] int32
     ranks_ptr,  # [S] int32
     scalings_ptr,  # [S] fp32
+    offsets_ptr,  # [S] int32: each slot's first arena row
     slice_offsets_ptr,  # [num_slices+1] int32
     R,
     N_BLOCKS,  # column blocks per slice (of the widest slice)
     stride_it,
-    stride_bs,
     stride_bn,
     stride_br,  # 1 for contiguous B; any other (the torch path's rank-major layout) works
     stride_yt,
@@ -143,7 +150,8 @@ def _expand_kernel(
     mask_m = offs_m < end
     mask_n = offs_n < c1
     t_rows = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_it + j * R
-    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[None, :] * stride_bn
+    row0 = tl.load(offsets_ptr + slot).to(tl.int64)
+    b_cols = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + row0 * stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, rank, BLOCK_K):  # bounded by this slot's rank, not R
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -166,15 +174,16 @@ def _expand_kernel(
 @triton.jit
 def _shrink_bgmv_kernel(
     x_ptr,  # [T, K]
-    a_ptr,  # [S, num_slices*R, K]
+    a_ptr,  # [num_slices, P, K]: the A arena
     out_ptr,  # [T, num_slices*R] fp32, zeroed when SPLIT_K > 1
     indptr_ptr,  # [G+1] int32
     seg_slots_ptr,  # [G] int32
     ranks_ptr,  # [S] int32
+    offsets_ptr,  # [S] int32: each slot's first arena row
     K,
     R,
     stride_xt,
-    stride_as,
+    stride_aj,
     stride_ar,
     stride_ot,
     BLOCK_R: tl.constexpr,  # >= R
@@ -192,7 +201,8 @@ def _shrink_bgmv_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     x_row = x_ptr + row.to(tl.int64) * stride_xt
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + (j * R + offs_r)[:, None] * stride_ar
+    row0 = tl.load(offsets_ptr + slot).to(tl.int64)
+    a_rows = a_ptr + j.to(tl.int64) * stride_aj + (row0 + offs_r)[:, None] * stride_ar
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -210,17 +220,17 @@ def _shrink_bgmv_kernel(
 @triton.jit
 def _expand_bgmv_kernel(
     inter_ptr,  # [T, num_slices*R] fp32
-    b_ptr,  # [S, N, R]
+    b_ptr,  # [N, P]: the B arena
     y_ptr,  # [T, N], updated in place
     indptr_ptr,  # [G+1] int32
     seg_slots_ptr,  # [G] int32
     ranks_ptr,  # [S] int32
     scalings_ptr,  # [S] fp32
+    offsets_ptr,  # [S] int32: each slot's first arena row
     slice_offsets_ptr,  # [num_slices+1] int32
     R,
     N_BLOCKS,  # column blocks per slice (of the widest slice)
     stride_it,
-    stride_bs,
     stride_bn,
     stride_br,  # 1 for contiguous B; any other (the torch path's rank-major layout) works
     stride_yt,
@@ -243,7 +253,8 @@ def _expand_bgmv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < c1
     t = tl.load(inter_ptr + row.to(tl.int64) * stride_it + j * R + offs_r, mask=mask_r, other=0.0)
-    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
+    row0 = tl.load(offsets_ptr + slot).to(tl.int64)
+    b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + row0 * stride_br
     w = tl.load(
         b_rows + offs_r[None, :] * stride_br, mask=mask_n[:, None] & mask_r[None, :], other=0.0
     )
@@ -264,7 +275,7 @@ def _check_launch(seg: SegmentInfo, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
             raise ValueError(f"triton LoRA ops need unit stride on the last dim, got {t.stride()}")
-    meta = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings)
+    meta = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings, seg.slot_offsets)
     if not all(t.is_contiguous() for t in meta):
         raise ValueError("triton LoRA ops need contiguous SegmentInfo tensors")
 
@@ -324,21 +335,19 @@ def expand_bgmv_config(r_max: int) -> dict:
 
 def lora_shrink(
     x: torch.Tensor,  # [T, K]
-    a: torch.Tensor,  # [S, num_slices*R, K], contiguous
+    a: torch.Tensor,  # [num_slices, P, K], rows of unit stride
     seg: SegmentInfo,
-    num_slices: int = 1,
+    max_rank: int,
     out: torch.Tensor | None = None,  # [T, num_slices*R] float32 zeros, written in place
 ) -> torch.Tensor:  # [T, num_slices*R] float32
-    """out[rows_g, j*R : j*R+r] = x[rows_g] @ a[s, j*R : j*R+r]ᵀ per segment g with
-    slot s = seg_slots[g] != 0 and r = slot_ranks[s]; zero elsewhere (float32).
-    Arguments are checked by kernels.lora_shrink; see kernels.reference."""
+    """out[rows_g, j*R : j*R+r] = x[rows_g] @ a[j, o : o+r]ᵀ per segment g with
+    slot s = seg_slots[g] != 0, r = slot_ranks[s], o = slot_offsets[s]; zero elsewhere
+    (float32). Arguments are checked by kernels.lora_shrink; see kernels.reference."""
     _check_launch(seg, x, a)
-    if not a.is_contiguous():
-        raise ValueError("lora_shrink: a must be contiguous")
     T, K = x.shape
-    r_max = a.shape[1] // num_slices
+    num_slices, r_max = a.shape[0], max_rank
     if out is None:
-        out = torch.zeros(T, a.shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(T, num_slices * r_max, dtype=torch.float32, device=x.device)
     if not seg.has_lora or T == 0 or seg.num_segments == 0:
         return out
     # one launch contract, two families: grid dims are (segment, row block, slice x rest)
@@ -353,7 +362,7 @@ def lora_shrink(
             num_slices * triton.cdiv(r_max, cfg["BLOCK_N"]) * cfg["SPLIT_K"],
         )
     kernel[grid](
-        x, a, out, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, K, r_max,
+        x, a, out, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_offsets, K, r_max,
         x.stride(0), a.stride(0), a.stride(1), out.stride(0), **cfg,
     )  # fmt: skip
     return out
@@ -362,20 +371,21 @@ def lora_shrink(
 def lora_expand(
     y: torch.Tensor,  # [T, N], updated in place
     inter: torch.Tensor,  # [T, num_slices*R] float32
-    b: torch.Tensor,  # [S, N, R], any strides (contiguous is the tuned layout)
+    b: torch.Tensor,  # [N, P], any strides (rank rows contiguous is the tuned layout)
     seg: SegmentInfo,
     slice_offsets: list[int],  # host, [num_slices+1]
 ) -> torch.Tensor:  # y
-    """y[rows_g, c0:c1] += scaling[s] * inter[rows_g, j*R : j*R+r] @ b[s, c0:c1, :r]ᵀ per
+    """y[rows_g, c0:c1] += scaling[s] * inter[rows_g, j*R : j*R+r] @ b[c0:c1, o : o+r]ᵀ per
     segment g with slot s != 0 and slice j = [c0, c1) = slice_offsets[j : j+2]; fp32
     accumulation rounded once into y.dtype. Arguments are checked by kernels.lora_expand."""
     _check_launch(seg, y, inter)
     num_slices = len(slice_offsets) - 1
+    r_max = inter.shape[1] // num_slices
     width = max((c1 - c0 for c0, c1 in zip(slice_offsets, slice_offsets[1:])), default=0)
     if not seg.has_lora or y.shape[0] == 0 or seg.num_segments == 0 or width == 0:
         return y
     if _bgmv(seg):  # one program per token
-        kernel, cfg = _expand_bgmv_kernel, expand_bgmv_config(b.shape[2])
+        kernel, cfg = _expand_bgmv_kernel, expand_bgmv_config(r_max)
         rows = seg.max_seg_len
     else:
         kernel, cfg = _expand_kernel, expand_config(seg.max_seg_len, y.dtype)
@@ -383,7 +393,7 @@ def lora_expand(
     n_blocks = triton.cdiv(width, cfg["BLOCK_N"])
     kernel[(seg.num_segments, rows, num_slices * n_blocks)](
         inter, b, y, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings,
-        _offsets_tensor(tuple(slice_offsets), y.device), b.shape[2], n_blocks,
-        inter.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0), **cfg,
+        seg.slot_offsets, _offsets_tensor(tuple(slice_offsets), y.device), r_max, n_blocks,
+        inter.stride(0), b.stride(0), b.stride(1), y.stride(0), **cfg,
     )  # fmt: skip
     return y

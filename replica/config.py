@@ -15,27 +15,32 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Hugging Face model directory (config.json + safetensors).")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
     dtype: str = Field("auto", description="'auto' (bf16 on CUDA, fp32 on CPU) or a dtype name.")
-    max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank a slot can hold.")
+    max_lora_rank: int = Field(
+        64, ge=1, description="Largest adapter rank a replica accepts (sizes no adapter's memory)."
+    )
     adapter_memory_bytes: int | None = Field(
         None,
         ge=1,
-        description="Device memory for resident adapters: the adapter slot count follows "
-        "from it (each slot holds one adapter of up to max_lora_rank; slot 0 is the base "
-        "model). Default: on CUDA a quarter of the memory left after the base weights and "
-        "the KV cache, on CPU 1 GiB; either way at most 256 slots.",
+        description="Device memory for resident adapters, each held at its own rank (the "
+        "next power of two of rows, at least 8): a rank-8 adapter takes an eighth of a "
+        "rank-64 one. Kept as num_slots. Default: on CUDA a quarter of the memory left "
+        "after the base weights and the KV cache, on CPU 1 GiB; either way at most 255 "
+        "adapters of max_lora_rank.",
     )
     num_slots: int | None = Field(
         None,
         ge=2,
-        description="A fixed count of device adapter slots including slot 0 (the pinned base "
-        "model), instead of sizing them from adapter_memory_bytes (set one, not both).",
+        description="Adapter memory as a count instead of bytes: room for num_slots - 1 "
+        "adapters of max_lora_rank (and more of lower ranks) beside slot 0, the pinned base "
+        "model (set this or adapter_memory_bytes, not both).",
     )
     max_loras_per_batch: int | None = Field(
         None,
         ge=1,
-        description="Distinct adapters allowed in one running batch. Default: every adapter "
-        "slot (num_slots - 1), at most max_num_seqs. With adapters churning, one or two "
-        "slots fewer leave room for the next load (README, Measured).",
+        description="Distinct adapters allowed in one running batch. Default: num_slots - 1 "
+        "(so the batch never holds every block a max-rank adapter could use), at most "
+        "max_num_seqs. With adapters churning, one or two fewer leave room for the next "
+        "load (README, Measured).",
     )
     kv_cache_bytes: int = Field(
         256 * 2**20, ge=1, description="Memory budget of the paged KV cache, in bytes."

@@ -113,7 +113,7 @@ def _decode_step(
             torch.cuda.synchronize()
             start.record()
             t0 = time.perf_counter()
-            eng.executor.execute(plan, lora.ranks, lora.scalings)
+            eng.executor.execute(plan, lora.table)
             issued = time.perf_counter() - t0
             end.record()
             end.synchronize()
@@ -123,7 +123,7 @@ def _decode_step(
         walls = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            logits = eng.executor.execute(plan, lora.ranks, lora.scalings)
+            logits = eng.executor.execute(plan, lora.table)
             logits.argmax(-1).tolist()  # sync point, as in a step
             walls.append(time.perf_counter() - t0)
         return {

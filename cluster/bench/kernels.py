@@ -149,8 +149,8 @@ def _decode(hidden: int, n: int, layout: str, rnd: random.Random) -> Shape:
 @dataclass
 class _Weights:
     w: torch.Tensor  # [hidden, hidden] base weight
-    a: torch.Tensor  # [S, R, hidden]
-    b: torch.Tensor  # [S, hidden, R]
+    a: torch.Tensor  # [1, P, hidden]: the A arena
+    b: torch.Tensor  # [hidden, P]: the B arena
     own: dict[
         int, tuple[torch.Tensor, torch.Tensor]
     ]  # slot -> unpadded (A_i [r, in], B_i [out, r])
@@ -159,27 +159,36 @@ class _Weights:
 def _weight_copies(
     hidden: int, rank: int, max_rank: int, dtype: torch.dtype, device: torch.device, footprint: int
 ) -> list[_Weights]:
-    """Enough copies of every weight to span `footprint` bytes (at least one)."""
+    """Enough copies of every weight to span `footprint` bytes (at least one). The
+    adapters sit side by side in arenas at their rank, as the engine packs them
+    (slot s at rows (s-1)*rank: _offsets); max_rank sizes only the intermediate."""
     num_slots = 1 + 2 * _MAX_DECODE
+    rows = (num_slots - 1) * rank
     gen = torch.Generator(device="cpu").manual_seed(0)
     w = (torch.randn(hidden, hidden, generator=gen) / hidden**0.5).to(device, dtype)
-    a = torch.zeros(num_slots, max_rank, hidden, dtype=dtype, device=device)
-    b = torch.zeros(num_slots, hidden, max_rank, dtype=dtype, device=device)
-    a[1:, :rank] = (torch.randn(num_slots - 1, rank, hidden, generator=gen) / hidden**0.5).to(dtype)
-    b[1:, :, :rank] = (torch.randn(num_slots - 1, hidden, rank, generator=gen) / rank**0.5).to(
-        dtype
-    )
+    a = (torch.randn(1, rows, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+    b = kernels.lora_b_buffer(hidden, rows, device, dtype)
+    b.copy_((torch.randn(hidden, rows, generator=gen) / rank**0.5).to(dtype))
     set_bytes = (w.numel() + a.numel() + b.numel()) * w.element_size()
     copies = max(1, min(256, -(-footprint // set_bytes)))
     out = []
     for i in range(copies):
-        wi, ai, bi = (w, a, b) if i == 0 else (w.clone(), a.clone(), b.clone())
+        if i == 0:
+            wi, ai, bi = w, a, b
+        else:
+            wi, ai, bi = w.clone(), a.clone(), kernels.lora_b_buffer(hidden, rows, device, dtype)
+            bi.copy_(b)
         own = {
-            s: (ai[s, :rank].contiguous(), bi[s, :, :rank].contiguous())
-            for s in range(1, num_slots)
-        }
+            s: (ai[0, o : o + rank].contiguous(), bi[:, o : o + rank].contiguous())
+            for s, o in enumerate(_offsets(num_slots, rank)) if s
+        }  # fmt: skip
         out.append(_Weights(wi, ai, bi, own))
     return out
+
+
+def _offsets(num_slots: int, rank: int) -> list[int]:
+    """First arena row of each slot: slot 0 (the base) none, slot s at (s-1)*rank."""
+    return [0] + [(s - 1) * rank for s in range(1, num_slots)]
 
 
 class _Clock:
@@ -219,10 +228,11 @@ def run_shape(
     clock: _Clock,
 ) -> Result:
     h, rank, max_rank = shape.hidden, args.rank, args.max_rank
-    num_slots = copies[0].a.shape[0]
+    num_slots = 1 + copies[0].a.shape[1] // rank
     scalings = [0.0] + [0.5 + 0.01 * s for s in range(1, num_slots)]
+    ranks, offsets = [0] + [rank] * (num_slots - 1), _offsets(num_slots, rank)
     seg = kernels.make_segment_info(
-        list(shape.seg_lens), list(shape.slots), [0] + [rank] * (num_slots - 1), scalings, device
+        list(shape.seg_lens), list(shape.slots), ranks, scalings, offsets, device
     )
     bounds = [0]
     for n in shape.seg_lens:
@@ -233,7 +243,7 @@ def run_shape(
     y = torch.zeros(tokens, h, dtype=dtype, device=device)
 
     def lora(ws: _Weights) -> None:
-        inter = kernels.lora_shrink(x, ws.a, seg, 1)
+        inter = kernels.lora_shrink(x, ws.a, seg, max_rank)
         kernels.lora_expand(y, inter, ws.b, seg, [0, h])
 
     def loop(ws: _Weights) -> None:

@@ -20,6 +20,9 @@ class EvictionPolicy(Protocol):
     def select_victim(self, candidates: Iterable[str]) -> str | None:
         """The candidate to evict, or None if there is none."""
 
+    def eviction_order(self, candidates: Iterable[str]) -> list[str]:
+        """Every candidate, the one to evict first first (choosing among regions)."""
+
 
 class LRUPolicy:
     """Evict the candidate used longest ago."""
@@ -40,6 +43,10 @@ class LRUPolicy:
     def select_victim(self, candidates: Iterable[str]) -> str | None:
         allowed = set(candidates)
         return next((n for n in self._order if n in allowed), None)
+
+    def eviction_order(self, candidates: Iterable[str]) -> list[str]:
+        allowed = set(candidates)
+        return [n for n in self._order if n in allowed]
 
 
 class FIFOPolicy(LRUPolicy):

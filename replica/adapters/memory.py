@@ -1,9 +1,13 @@
-"""How many device adapter slots a replica holds: sized from a memory budget, not fixed.
+"""How much device memory a replica gives adapter weights: sized from a budget, not fixed.
 
-A slot holds one adapter's A and B for every layer and projection, padded to
-max_lora_rank (LoRASlotBuffers). The budget is engine.adapter_memory_bytes, by default
-a share of the device memory the base weights and the KV cache leave (CUDA) or a set
-size (CPU). The per-batch adapter limit follows from the slot count: every adapter slot.
+Adapters live in arenas of rank rows (LoRASlotBuffers), each at its own rank: a rank
+row costs the same in every layer and projection (slot_bytes(spec, 1, ...)), and an
+adapter of rank r holds block_rows(r) of them, the next power of two. The budget is
+engine.adapter_memory_bytes, by default a share of the device memory the base weights
+and the KV cache leave (CUDA) or a set size (CPU); it is kept as num_slots, the arenas
+holding num_slots - 1 adapters of max_lora_rank (and 8x as many of rank 8 when
+max_lora_rank is 64). The per-batch adapter limit follows: num_slots - 1 (so whatever
+the batch holds, one max-rank block stays free of it), at most max_num_seqs.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 
 from replica.config import EngineConfig
 from replica.model.lora import MODULE_GROUPS
+from replica.model.lora_slots import block_rows
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
 
@@ -23,8 +28,9 @@ MAX_DEFAULT_SLOTS = 256
 
 
 def slot_bytes(spec: ModelSpec, max_rank: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Device bytes of one slot on one rank: [num_slices*R, in] A and [out, R] B per
-    projection group and layer, exactly what LoRASlotBuffers allocates per slot."""
+    """Device bytes of `max_rank` arena rows on one rank: [num_slices, R, in] of A and
+    [out, R] of B per projection group and layer, what LoRASlotBuffers allocates per
+    max_rank rows (with max_rank 1: the bytes of one rank row)."""
     shapes = spec.module_shapes() if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes()
     per_layer = 0
     for names in MODULE_GROUPS.values():
@@ -50,22 +56,21 @@ def size_adapter_slots(
     config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype
 ) -> EngineConfig:
     """`config` with num_slots and max_loras_per_batch set (what every rank then builds).
-    Raises ValueError when the budget cannot hold slot 0 and one adapter slot."""
-    per_slot = slot_bytes(spec, config.max_lora_rank, dtype, config.tp_size)
+    Raises ValueError when the budget cannot hold one adapter of max_lora_rank."""
+    per_block = slot_bytes(spec, block_rows(config.max_lora_rank), dtype, config.tp_size)
     num_slots = config.num_slots
     if num_slots is None:
         budget = config.adapter_memory_bytes
         if budget is None:
             budget = default_budget(config, spec, device, dtype)
-            num_slots = min(budget // per_slot, MAX_DEFAULT_SLOTS)
+            num_slots = 1 + min(budget // per_block, MAX_DEFAULT_SLOTS - 1)
         else:
-            num_slots = budget // per_slot
+            num_slots = 1 + budget // per_block
         if num_slots < 2:
             raise ValueError(
-                f"adapter memory {budget} bytes holds {num_slots} adapter slot(s) of "
-                f"{per_slot} bytes (rank {config.max_lora_rank}, {dtype}): at least 2 are "
-                "needed (slot 0 is the base model). Raise engine.adapter_memory_bytes or "
-                "lower engine.max_lora_rank."
+                f"adapter memory {budget} bytes is less than one adapter of max_lora_rank "
+                f"{config.max_lora_rank} ({per_block} bytes in {dtype}). Raise "
+                "engine.adapter_memory_bytes or lower engine.max_lora_rank."
             )
     max_loras = config.max_loras_per_batch
     if max_loras is None:

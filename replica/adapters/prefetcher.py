@@ -77,7 +77,7 @@ class Prefetcher:
                 self.pool.cancel(job.slot)
                 failures.append(LoadFailure(name, e))
                 continue
-            self.buffers.activate(job.slot, job.meta["adapter"])
+            self.buffers.activate(job.slot, self.pool.slots[job.slot].row0, job.meta["adapter"])
             self.pool.mark_ready(job.slot)
             latency = time.perf_counter() - job.started
             self.loads_done += 1
@@ -112,8 +112,13 @@ class Prefetcher:
                 break
             if self.pool.state(name) is not None:
                 continue
-            # an adapter wanted by an older request stays; one nobody waits for goes first
-            free = [i for i in ending if self.pool.slots[i].adapter not in names[:k]]
+            # an adapter wanted by an older request stays; one nobody waits for goes first;
+            # the slot's block must hold the new adapter's rank
+            rank = self.host_cache.rank_of(name)
+            free = [
+                i for i in ending
+                if self.pool.slots[i].adapter not in names[:k] and self.pool.fits(i, rank)
+            ]  # fmt: skip
             if not free:
                 break
             idx = min(free, key=lambda i: self.pool.slots[i].adapter in names)
@@ -143,10 +148,13 @@ class Prefetcher:
     def _submit(self, name: str, slot: int, progress: StepProgress | None = None) -> None:
         self.buffers.clear(slot)
         meta: dict = {}
+        row0 = self.pool.slots[slot].row0
 
         def job() -> None:
             weights = self.host_cache.get(name)
-            self.buffers.write(slot, weights, progress)
+            if not self.pool.fits(slot, weights.rank):  # staged anew with another rank
+                raise ValueError(f"{name}: rank {weights.rank} does not fit its reserved rows")
+            self.buffers.write(row0, weights, progress)
             meta["adapter"] = weights
 
         started = time.perf_counter()

@@ -27,7 +27,7 @@ from replica.config import EngineConfig
 from replica.device import InlineLoader, SideStreamLoader, StepProgress
 from replica.errors import RequestError
 from replica.model.adapter_weights import LoRAAdapterWeights, SelectLoRA
-from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.lora_slots import LoRASlotBuffers, SlotTable
 
 BASE_KEY = "__base__"  # the base model's pool name when its slot is not pinned (ablation)
 
@@ -41,8 +41,7 @@ class HandOver:
     """Slots handed over during one step: that step's view of the slots, taken before the
     hand-over cleared them, and the forward's progress the new copies wait on."""
 
-    ranks: dict[str, list[int]]
-    scalings: list[float]
+    table: SlotTable
     progress: StepProgress
 
 
@@ -138,12 +137,7 @@ class AdapterResidency:
         ending = [i for i, n in ending_refs.items() if slots[i].refs == n and not slots[i].pinned]
         if not ending:
             return None
-        lora = self.buffers
-        view = HandOver(
-            {g: list(r) for g, r in lora.ranks.items()},
-            list(lora.scalings),
-            StepProgress(self.device),
-        )
+        view = HandOver(self.buffers.view(), StepProgress(self.device))
         return view if self.prefetcher.hand_over(wanted, ending, view.progress) else None
 
     def wait_idle(self, timeout_s: float) -> bool:

@@ -3,7 +3,7 @@ rank 0 chose.
 
 Rank 0's slot pool decides everything (which adapter goes into which slot, what is
 evicted, the pinned base slot), exactly as with one rank. ShardedSlotWriter then has
-every other rank copy its shard of the same adapter into the same slot and reports the
+every other rank copy its shard of the same adapter into the same arena rows and reports the
 load done only once all ranks are, so no step ever reads a slot some rank is still
 writing. Each rank fetches its shard itself, through the locator rank 0 sends along (a
 PEFT directory, or an object-store reference whose arrays are sliced before copying).
@@ -24,8 +24,8 @@ from replica.model.tp_shard import TPShard
 class RankLoads(Protocol):
     """Loads on ranks 1..N-1 (the executor's TPGroup): start them, then wait for all."""
 
-    def load_on_ranks(self, slot: int, name: str, locator: AdapterLocator) -> list[Any]:
-        """Ranks 1..N-1 start copying their shards of `name` into `slot`."""
+    def load_on_ranks(self, row0: int, name: str, locator: AdapterLocator) -> list[Any]:
+        """Ranks 1..N-1 start copying their shards of `name` into arena rows from `row0`."""
 
     def wait_loads(self, pending: list[Any]) -> None:
         """Block until every started load is done; raise if a rank failed."""
@@ -54,19 +54,19 @@ class ShardedSlotWriter:
         self.local, self.group, self.locate = local, group, locate
 
     def write(
-        self, slot: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
+        self, row0: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
     ) -> None:
         """Runs on rank 0's loader thread; returns once every rank holds the adapter.
         No hand-over under TP (the engine never passes `progress`): the other ranks' copies
         could not be ordered behind rank 0's layers."""
         if progress is not None:
             raise ValueError("slot hand-over is not supported with tensor parallelism")
-        pending = self.group.load_on_ranks(slot, adapter.name, self.locate(adapter.name))
-        self.local.write(slot, adapter)
+        pending = self.group.load_on_ranks(row0, adapter.name, self.locate(adapter.name))
+        self.local.write(row0, adapter)
         self.group.wait_loads(pending)
 
-    def activate(self, slot: int, adapter: LoRAAdapterWeights) -> None:
-        self.local.activate(slot, adapter)  # host state: only rank 0 plans batches
+    def activate(self, slot: int, row0: int, adapter: LoRAAdapterWeights) -> None:
+        self.local.activate(slot, row0, adapter)  # host state: only rank 0 plans batches
 
     def clear(self, slot: int) -> None:
         self.local.clear(slot)

@@ -33,6 +33,7 @@ from replica.errors import RequestError
 from replica.executor.batch import BatchPlan
 from replica.executor.create import create_executor
 from replica.model.adapter_weights import LoRAAdapterWeights
+from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.sampler import Sampler
 from replica.model.spec import load_model_spec
 from replica.wire import SamplingParams, TokenLogprobs
@@ -59,11 +60,12 @@ class LLMEngine:
         self.spec = load_model_spec(config.model)
         # the slot count and per-batch limit, sized from memory unless set
         self.config = c = size_adapter_slots(config, self.spec, self.device, self.dtype)
+        rank, row = c.max_lora_rank, slot_bytes(self.spec, 1, self.dtype, c.tp_size)
         log.info(
-            "%d adapter slots (slot 0: the base) of %d bytes at rank %d; up to %d adapters "
-            "per batch",
-            c.num_slots, slot_bytes(self.spec, c.max_lora_rank, self.dtype, c.tp_size),
-            c.max_lora_rank, c.max_loras_per_batch,
+            "adapter arenas: %d rank rows of %d bytes (%d adapters at rank %d, %d at rank 8); "
+            "up to %d adapters per batch",
+            arena_rows(c.num_slots, rank), row, c.num_slots - 1, rank,
+            arena_rows(c.num_slots, rank) // block_rows(8), c.max_loras_per_batch,
         )  # fmt: skip
         self.executor = create_executor(c, self.spec, self.device, self.dtype)
         num_blocks, self.max_model_len = self.executor.num_blocks, self.executor.max_model_len
@@ -242,11 +244,10 @@ class LLMEngine:
         if self.executor.supports_hand_over and self.scheduler.waiting:
             handover = self.adapters.hand_over(self._ending_refs(sampled), self._waiting_keys())
         if handover is None:
-            lora = self.executor.lora
-            return self.executor.execute(plan, lora.ranks, lora.scalings)
+            return self.executor.execute(plan, self.executor.lora.table)
         try:
             return self.executor.execute(
-                plan, handover.ranks, handover.scalings, layer_done=handover.progress.layer_done
+                plan, handover.table, layer_done=handover.progress.layer_done
             )
         finally:
             handover.progress.finish()
@@ -380,8 +381,7 @@ class LLMEngine:
         seq.blocks = allocator.allocate(blocks_needed(len(prompt_ids), self.config.block_size))
         try:
             plan, _ = plan_batch([(seq, len(prompt_ids))], self.config.block_size)
-            lora = self.executor.lora
-            return self.executor.execute(plan, lora.ranks, lora.scalings, all_rows=True)
+            return self.executor.execute(plan, self.executor.lora.table, all_rows=True)
         finally:
             allocator.free(seq.blocks)
 

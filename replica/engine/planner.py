@@ -12,13 +12,13 @@ import torch
 from replica.engine.sequence import Sequence
 from replica.executor.batch import BatchPlan, build_batch
 from replica.model.llama import ForwardBatch
+from replica.model.lora_slots import SlotTable
 
 
 def prepare_batch(
     work: list[tuple[Sequence, int]],
     block_size: int,
-    slot_ranks: dict[str, list[int]],
-    slot_scalings: list[float],
+    slots: SlotTable,
     device: torch.device,
 ) -> tuple[ForwardBatch, torch.Tensor, list[Sequence]]:
     """work: (sequence, new tokens) with decodes (1 token) first.
@@ -27,7 +27,7 @@ def prepare_batch(
     sequences those rows belong to (those whose chunk reaches their last token).
     """
     plan, sampled = plan_batch(work, block_size)
-    batch, logit_rows = build_batch(plan, block_size, slot_ranks, slot_scalings, device)
+    batch, logit_rows = build_batch(plan, block_size, slots, device)
     return batch, logit_rows, sampled
 
 

@@ -52,7 +52,11 @@ class Telemetry:
             "num_waiting": len(sched.waiting),
             "num_running": len(sched.running),
             "free_slots": pool.num_free,
-            "num_slots": len(pool.slots),  # slot 0 (the base) included; sized from memory
+            # sized from memory: num_slots - 1 adapters of max_lora_rank fit (more of lower
+            # ranks), adapter_rows_used of adapter_rows rank rows are held
+            "num_slots": pool.arena.num_rows // pool.arena.top + 1,
+            "adapter_rows": pool.arena.num_rows,
+            "adapter_rows_used": pool.rows_used,
             "adapter_loads": self.adapters.prefetcher.loads_started,
             # leak checks (tests/reliability): all blocks free and no slot referenced when idle
             "kv_blocks_free": sched.allocator.num_free,

@@ -15,12 +15,12 @@ import torch
 
 from replica.executor.batch import BatchPlan
 from replica.model.llama import LlamaForCausalLM
-from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.lora_slots import LoRASlotBuffers, SlotTable
 
 
 class Executor(ABC):
     model: LlamaForCausalLM  # rank 0's model (its shard under tensor parallelism)
-    lora: LoRASlotBuffers  # rank 0's slot buffers: their host ranks/scalings hold for every rank
+    lora: LoRASlotBuffers  # rank 0's slot buffers: their host slot table holds for every rank
     num_blocks: int  # KV cache blocks the engine allocates (the same on every rank)
     max_model_len: int  # longest prompt + output: the config's, the model's and the cache's
     supports_hand_over: bool  # slot writes can be ordered behind a running step's layers
@@ -29,13 +29,13 @@ class Executor(ABC):
     def execute(
         self,
         plan: BatchPlan,
-        slot_ranks: dict[str, list[int]],
-        slot_scalings: list[float],
+        slots: SlotTable,
         all_rows: bool = False,
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """float32 logits of the plan's sampled rows (of every row if all_rows), gathered
-        over the vocabulary. `layer_done(i)` after layer i (only if supports_hand_over)."""
+        over the vocabulary, run with the slot table `slots`. `layer_done(i)` after layer i
+        (only if supports_hand_over)."""
 
     @abstractmethod
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -14,6 +14,7 @@ from kernels import make_segment_infos
 from replica.device import to_device, to_device_packed
 from replica.model.attention import AttentionMetadata
 from replica.model.llama import ForwardBatch
+from replica.model.lora_slots import SlotTable
 
 
 @dataclass
@@ -38,14 +39,13 @@ class BatchPlan:
 def build_batch(
     plan: BatchPlan,
     block_size: int,
-    slot_ranks: dict[str, list[int]],
-    slot_scalings: list[float],
+    slots: SlotTable,
     device: torch.device,
-    slot_tensors: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
+    slot_tensors: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[ForwardBatch, torch.Tensor]:
     """The plan's ForwardBatch and its sampled rows (device): host tensors, one copy.
-    `slot_tensors`: the slot ranks and scalings already on the device (SlotTensors),
-    else the host values are copied too."""
+    `slot_tensors`: the slot table already on the device (SlotTensors.tensors()), else
+    the host values are copied too."""
     pre_ctx, pre_lens = plan.prefill_context_lens, plan.prefill_lens
     pre_seq_slots = [  # one op per prefill
         _token_slots([blocks], block_size)[0, :ctx]
@@ -82,7 +82,7 @@ def build_batch(
     lengths = [b - a for a, b in zip(indptr, indptr[1:])]
     # one SegmentInfo per projection group: the same segments, that group's slot ranks
     lora = make_segment_infos(
-        lengths, plan.seg_slots, slot_ranks, slot_scalings, device,
+        lengths, plan.seg_slots, slots.ranks, slots.scalings, slots.offsets, device,
         lambda t: to_device(t, device), (dev["seg_indptr"], dev["seg_slots"]), slot_tensors,
     )  # fmt: skip
     batch = ForwardBatch(dev["input_ids"], dev["positions"], attn, lora)

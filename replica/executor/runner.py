@@ -18,7 +18,7 @@ from replica.executor.batch import BatchPlan, build_batch
 from replica.executor.static_decode import StaticDecode
 from replica.model.kv_cache import KVCache
 from replica.model.llama import LlamaForCausalLM
-from replica.model.lora_slots import LoRASlotBuffers, SlotTensors
+from replica.model.lora_slots import LoRASlotBuffers, SlotTable, SlotTensors
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import TPRank
 
@@ -53,7 +53,7 @@ class ModelRunner(Executor):
         # steps write and read only there
         self.scratch_block = self.num_blocks
         self.kv = KVCache(local, self.num_blocks + 1, c.block_size, device, dtype)
-        self.slot_tensors = SlotTensors(c.num_slots, device)
+        self.slot_tensors = SlotTensors(self.lora.num_slots, device)
         self.static_decode: StaticDecode | None = None
         if c.cuda_graphs and device.type == "cuda" and tp is None:
             self.static_decode = self.make_static_decode(c.max_num_seqs)
@@ -70,18 +70,16 @@ class ModelRunner(Executor):
     def execute(
         self,
         plan: BatchPlan,
-        slot_ranks: dict[str, list[int]],
-        slot_scalings: list[float],
+        slots: SlotTable,
         all_rows: bool = False,
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        self.slot_tensors.update(slot_ranks, slot_scalings)
+        self.slot_tensors.update(slots)
         static = self.static_decode
         if static is not None and not all_rows and layer_done is None and static.fits(plan):
-            return static.run(plan, slot_ranks)
-        slots = (self.slot_tensors.ranks, self.slot_tensors.scalings)
+            return static.run(plan, slots.ranks)
         batch, logit_rows = build_batch(
-            plan, self.block_size, slot_ranks, slot_scalings, self.device, slots
+            plan, self.block_size, slots, self.device, self.slot_tensors.tensors()
         )
         rows = None if all_rows else logit_rows
         return self.model.forward(batch, self.kv, rows, layer_done)

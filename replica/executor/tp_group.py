@@ -41,6 +41,7 @@ from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan
 from replica.executor.runner import ModelRunner
 from replica.executor.tp_worker import StepMessage, TPWorker
+from replica.model.lora_slots import SlotTable
 from replica.model.spec import load_model_spec
 from replica.model.tp_comm import TPComm
 from replica.model.tp_layers import TPRank
@@ -130,26 +131,26 @@ class TPGroup:
         self,
         runner: ModelRunner,
         plan: BatchPlan,
-        slot_ranks: dict[str, list[int]],
-        slot_scalings: list[float],
+        slots: SlotTable,
         all_rows: bool = False,
         copies: tuple[list[int], list[int]] = ([], []),
     ) -> torch.Tensor:
         """Send the step (and the block copies rank 0 made since the last one) to every
         rank, run rank 0's part; the logits of every rank's vocab shard come back gathered."""
         self.check()
-        msg = StepMessage(plan, slot_ranks, slot_scalings, all_rows, copies)
+        msg = StepMessage(plan, slots, all_rows, copies)
         try:
             self.rank.comm.broadcast_object(msg)
-            return runner.execute(plan, slot_ranks, slot_scalings, all_rows)
+            return runner.execute(plan, slots, all_rows)
         except Exception as e:
             raise self._failed(e) from e
 
     # -- adapters ------------------------------------------------------------------------------
 
-    def load_on_ranks(self, slot: int, name: str, locator: AdapterLocator) -> list[ray.ObjectRef]:
-        """Ranks 1..N-1 start loading their shards of `name` into `slot` (rank 0's choice)."""
-        return [w.load.remote(slot, name, locator, LOAD_TIMEOUT_S) for w in self.workers]
+    def load_on_ranks(self, row0: int, name: str, locator: AdapterLocator) -> list[ray.ObjectRef]:
+        """Ranks 1..N-1 start loading their shards of `name` into arena rows from `row0`
+        (rank 0's choice)."""
+        return [w.load.remote(row0, name, locator, LOAD_TIMEOUT_S) for w in self.workers]
 
     def wait_loads(self, pending: list[ray.ObjectRef]) -> None:
         try:
@@ -255,15 +256,14 @@ class TPExecutor(Executor):
     def execute(
         self,
         plan: BatchPlan,
-        slot_ranks: dict[str, list[int]],
-        slot_scalings: list[float],
+        slots: SlotTable,
         all_rows: bool = False,
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         if layer_done is not None:
             raise ValueError("slot hand-over is not supported with tensor parallelism")
         copies, self._copies = self._copies, ([], [])
-        return self.group.execute(self.runner, plan, slot_ranks, slot_scalings, all_rows, copies)
+        return self.group.execute(self.runner, plan, slots, all_rows, copies)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Rank 0 copies now; the other ranks with the next step's message, before its

@@ -25,6 +25,7 @@ from replica.config import EngineConfig
 from replica.device import SideStreamLoader, resolve_device, resolve_dtype
 from replica.executor.batch import BatchPlan
 from replica.executor.runner import ModelRunner
+from replica.model.lora_slots import SlotTable
 from replica.model.spec import load_model_spec
 from replica.model.tp_comm import TPComm
 from replica.model.tp_layers import TPRank
@@ -37,8 +38,7 @@ class StepMessage:
     the KV block copies rank 0 made since the last step (forks), done before the forward."""
 
     plan: BatchPlan
-    slot_ranks: dict[str, list[int]]
-    slot_scalings: list[float]
+    slots: SlotTable
     all_rows: bool
     copies: tuple[list[int], list[int]] = ([], [])  # (src blocks, dst blocks)
 
@@ -85,23 +85,27 @@ class TPWorker:
         steps = 0
         while (msg := self.tp.comm.broadcast_object()) is not None:
             self.runner.copy_blocks(*msg.copies)
-            self.runner.execute(msg.plan, msg.slot_ranks, msg.slot_scalings, msg.all_rows)
+            self.runner.execute(msg.plan, msg.slots, msg.all_rows)
             steps += 1
         self.tp.comm.close()
         self.loader.shutdown()
         return steps
 
-    def load(self, slot: int, name: str, locator: AdapterLocator, timeout_s: float) -> None:
-        """Copy this rank's shard of adapter `name` into `slot`; returns once it is there."""
+    def load(self, row0: int, name: str, locator: AdapterLocator, timeout_s: float) -> None:
+        """Copy this rank's shard of adapter `name` into arena rows from `row0`; returns
+        once it is there."""
         if self.locators.update(name, locator):
             self.host_cache.drop(name)
         weights = self.host_cache.get(name)
-        self.loader.submit(lambda: self.runner.lora.write(slot, weights)).wait(timeout_s)
+        self.loader.submit(lambda: self.runner.lora.write(row0, weights)).wait(timeout_s)
 
-    def slot_weights(self, layer: int, group: str, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(A, B) of one slot of one projection group on this rank, as host arrays."""
-        buf = self.runner.lora.layers[layer][group]
-        return buf.a[slot].float().cpu().numpy(), buf.b[slot].float().cpu().numpy()
+    def slot_weights(
+        self, layer: int, group: str, row0: int, rank: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(A [num_slices, rank, in], B [out, rank]) of the adapter at arena rows
+        [row0, row0 + rank) of one projection group on this rank, as host arrays."""
+        buf, rows = self.runner.lora.layers[layer][group], slice(row0, row0 + rank)
+        return buf.a[:, rows].float().cpu().numpy(), buf.b[:, rows].float().cpu().numpy()
 
     def staged_bytes(self) -> dict[str, int]:
         """Bytes of each adapter shard staged in this rank's host memory."""

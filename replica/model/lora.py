@@ -25,21 +25,24 @@ MODULE_GROUPS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class LoRABuffers:
-    """Slot-stacked adapter weights of one (fused) projection in one layer."""
+    """The adapter weight arenas of one (fused) projection in one layer."""
 
-    a: torch.Tensor  # [S, num_slices*R, in]: slice j's A in rows [j*R, j*R + rank)
-    b: torch.Tensor  # [S, out_total, R]: slice j's B in rows [offsets[j], offsets[j+1])
+    a: torch.Tensor  # [num_slices, P, in]: an adapter's slice-j A in rows [o, o + rank) of a[j]
+    b: torch.Tensor  # [out_total, P]: its B in columns [o, o + rank); slice j's outputs
+    # in rows [offsets[j], offsets[j+1])
     slice_offsets: list[int]  # [num_slices+1] host ints: output column range per slice
     slice_names: tuple[str, ...]  # module names of the slices, e.g. ("q_proj", "k_proj", "v_proj")
+    max_rank: int  # R: the intermediate's columns per slice
     workspace_col: int = 0  # first column of this projection's intermediate in a LoRAWorkspace
-
-    @property
-    def max_rank(self) -> int:
-        return self.b.shape[2]
 
     @property
     def num_slices(self) -> int:
         return len(self.slice_names)
+
+    @property
+    def width(self) -> int:
+        """Columns of this projection's intermediate: num_slices * R."""
+        return self.num_slices * self.max_rank
 
 
 class LoRAWorkspace:
@@ -52,7 +55,7 @@ class LoRAWorkspace:
         self.flat = torch.zeros(num_tokens * num_cols, dtype=torch.float32, device=device)
 
     def region(self, lora: LoRABuffers) -> torch.Tensor:  # [T, num_slices*R], zeros
-        t, width = self.num_tokens, lora.a.shape[1]
+        t, width = self.num_tokens, lora.width
         return self.flat[lora.workspace_col * t : (lora.workspace_col + width) * t].view(t, width)
 
 
@@ -73,6 +76,6 @@ class LoRALinear:
         y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and seg.has_lora:
             out = None if workspace is None else workspace.region(self.lora)
-            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.num_slices, out=out)
+            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.max_rank, out=out)
             kernels.lora_expand(y, inter, self.lora.b, seg, self.lora.slice_offsets)
         return y

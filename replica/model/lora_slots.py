@@ -1,11 +1,17 @@
-"""Device memory for adapter slots: stacked A/B buffers of every layer, rank and scaling per slot.
+"""Device memory for adapters: per projection, arenas of rank rows; per slot, a rank,
+a scaling and the arena offset of its rows.
 
-This class only owns memory and copies weights in; which adapter lives in
-which slot is the slot pool's decision. Slot 0 is the base model: it always
-holds zeros and rank 0, so a segment on slot 0 adds nothing.
+An adapter of rank r holds r rows (in a block of block_rows(r): the next power of two)
+at the same offset of every layer's and projection's arenas, so the budget holds
+adapters at their own rank: a rank-8 adapter takes an eighth of a rank-64 one. This
+class only owns memory and copies weights in; which adapter lives in which slot and
+which rows is the slot pool's decision (replica/adapters). Slot 0 is the base model:
+rank 0, no rows, so a segment on slot 0 adds nothing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,6 +21,37 @@ from replica.device import StagedBuffer, StepProgress
 from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora import MODULE_GROUPS, LoRABuffers
 from replica.model.spec import ModelSpec
+
+MIN_BLOCK_ROWS = 8  # ranks 1..8 take 8 rows: smaller blocks would only grow the slot tables
+
+
+def block_rows(rank: int) -> int:
+    """Arena rows an adapter of `rank` holds: 0 for rank 0, else the next power of two
+    (at least MIN_BLOCK_ROWS). Aligned power-of-two blocks keep fragmentation bounded."""
+    if rank <= 0:
+        return 0
+    return max(MIN_BLOCK_ROWS, 1 << (rank - 1).bit_length())
+
+
+def arena_rows(num_slots: int, max_rank: int) -> int:
+    """Rows of arenas sized for num_slots - 1 adapters of max_rank (slot 0 holds none)."""
+    return (num_slots - 1) * block_rows(max(max_rank, 1))
+
+
+def num_slot_handles(num_rows: int) -> int:
+    """Slot 0, one slot per smallest block, and one for a rank-0 adapter (the unpinned
+    base): the length of the per-slot tables the kernels read."""
+    return num_rows // MIN_BLOCK_ROWS + 2
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """The host view of every slot a step runs with: ranks per projection group (0 where
+    the adapter does not target it), scalings, first arena rows."""
+
+    ranks: dict[str, list[int]]
+    scalings: list[float]
+    offsets: list[int]
 
 
 class LoRASlotBuffers:
@@ -27,11 +64,14 @@ class LoRASlotBuffers:
         dtype: torch.dtype,
         shapes: dict[str, tuple[int, int]] | None = None,
     ) -> None:
-        """`shapes`: (in, out) of A [r, in] and B [out, r] per module, when not the whole
-        model's (a tensor-parallel rank's share, TPShard.lora_shapes())."""
-        if num_slots < 1:
-            raise ValueError("num_slots must be >= 1 (slot 0 is the base model)")
-        self.spec, self.num_slots, self.max_rank = spec, num_slots, max_rank
+        """Arenas of arena_rows(num_slots, max_rank) rows. `shapes`: (in, out) of A [r, in]
+        and B [out, r] per module, when not the whole model's (a tensor-parallel rank's
+        share, TPShard.lora_shapes())."""
+        if num_slots < 2:
+            raise ValueError("num_slots must be >= 2 (slot 0 is the base model)")
+        self.spec, self.max_rank = spec, max_rank
+        self.num_rows = arena_rows(num_slots, max_rank)
+        self.num_slots = num_slot_handles(self.num_rows)
         shapes = shapes or spec.module_shapes()
         # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
         self.layers: list[dict[str, LoRABuffers]] = []
@@ -43,101 +83,127 @@ class LoRASlotBuffers:
                 offsets = [0]
                 for n in names:
                     offsets.append(offsets[-1] + shapes[n][1])
-                a = torch.zeros(num_slots, len(names) * max_rank, in_f, device=device, dtype=dtype)
-                b = kernels.lora_b_buffer(num_slots, offsets[-1], max_rank, device, dtype)
-                groups[group] = LoRABuffers(a, b, offsets, names, self.workspace_cols)
-                self.workspace_cols += a.shape[1]
+                a = torch.zeros(len(names), self.num_rows, in_f, device=device, dtype=dtype)
+                b = kernels.lora_b_buffer(offsets[-1], self.num_rows, device, dtype)
+                buf = LoRABuffers(a, b, offsets, names, max_rank, self.workspace_cols)
+                groups[group] = buf
+                self.workspace_cols += buf.width
             self.layers.append(groups)
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
-        self.ranks: dict[str, list[int]] = {g: [0] * num_slots for g in MODULE_GROUPS}
-        self.scalings = [0.0] * num_slots
-        # Rows at or past a slot's dirty rank are zero in every buffer: loads zero only
-        # the rows a previous, larger adapter left behind, not the whole slot.
-        self._dirty_rank = [0] * num_slots
-        # What write() copies into, per layer and group: numpy views of the buffers on CPU
+        n = self.num_slots
+        self.table = SlotTable({g: [0] * n for g in MODULE_GROUPS}, [0.0] * n, [0] * n)
+        # What write() copies into, per layer and group: numpy views of the arenas on CPU
         # (a write is ~100 small copies, and numpy slicing costs a tenth of torch's: the
         # write took 1.3-2.9 ms, mostly indexing, for adapters of 0.85-18.6 MB); the
-        # tensors themselves elsewhere.
+        # tensors themselves elsewhere. B as [P, out] (rank rows first) either way.
         self._targets = [
-            {g: (_copy_target(buf.a), _copy_target(buf.b)) for g, buf in groups.items()}
+            {g: (_copy_target(buf.a), _copy_target(buf.b.t())) for g, buf in groups.items()}
             for groups in self.layers
         ]
 
-    def write(
-        self, slot: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
-    ) -> None:
-        """Copy `adapter` into `slot` (zero-padding past its rank and untargeted modules).
+    def nbytes(self) -> int:
+        """Device bytes of every arena."""
+        return sum(
+            buf.a.numel() * buf.a.element_size() + buf.b.numel() * buf.b.element_size()
+            for groups in self.layers
+            for buf in groups.values()
+        )
 
-        The copies are issued on the current stream; callers choose it (the
-        prefetcher runs this on a side stream and records an event after). The
-        slot's rank stays 0 (invisible to batches) until activate(). With `progress`,
-        the slot is one the running step still reads: layer i is written only once
-        that step is past layer i."""
-        if slot == 0:
-            raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
+    def view(self) -> SlotTable:
+        """A copy of the slot table (what a step runs with while slots change)."""
+        t = self.table
+        return SlotTable(
+            {g: list(r) for g, r in t.ranks.items()}, list(t.scalings), list(t.offsets)
+        )
+
+    def write(
+        self, row0: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
+    ) -> None:
+        """Copy `adapter` into arena rows [row0, row0 + rank) (zeros for the slices of a
+        targeted group that it does not target: the group's rank covers every slice).
+
+        The copies are issued on the current stream; callers choose it (the prefetcher
+        runs this on a side stream and records an event after). No slot reads the rows
+        until activate(). With `progress`, the rows are ones the running step still
+        reads: layer i is written only once that step is past layer i."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"{adapter.name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
-        r, dirty = adapter.rank, self._dirty_rank[slot]
-        self._dirty_rank[slot] = max(dirty, r)  # holds even if a copy below fails
+        r = adapter.rank
+        if row0 < 0 or row0 + r > self.num_rows:
+            raise ValueError(f"rows [{row0}, {row0 + r}) outside the arena's {self.num_rows}")
+        rows = slice(row0, row0 + r)
         for layer, groups in enumerate(self.layers):
             if progress is not None:
                 progress.wait_layer(layer)
             for group, buf in groups.items():
                 a, b = self._targets[layer][group]
-                a, b = a[slot], b[slot]
-                for j, module in enumerate(buf.slice_names):
-                    ab = adapter.weights.get((layer, module))
-                    r_j = 0 if ab is None else r  # rows of this slice the adapter fills
-                    row0 = j * self.max_rank
+                weights = [adapter.weights.get((layer, m)) for m in buf.slice_names]
+                if all(ab is None for ab in weights):
+                    continue  # rank 0 for this group: its rows are never read
+                for j, ab in enumerate(weights):
                     c0, c1 = buf.slice_offsets[j], buf.slice_offsets[j + 1]
-                    if dirty > r_j:  # what a larger earlier adapter left past our rank
-                        _fill(a[row0 + r_j : row0 + dirty], None)
-                        _fill(b[c0:c1, r_j:dirty], None)
-                    if ab is not None:
-                        _fill(a[row0 : row0 + r], ab[0])
-                        _fill(b[c0:c1, :r], ab[1])
-        self._dirty_rank[slot] = r
+                    _fill(a[j, rows], None if ab is None else ab[0])
+                    _fill(b[rows, c0:c1], None if ab is None else ab[1].t())
 
-    def activate(self, slot: int, adapter: LoRAAdapterWeights) -> None:
-        """Make a written slot visible to batches (main thread, once its copies are done)."""
+    def activate(self, slot: int, row0: int, adapter: LoRAAdapterWeights) -> None:
+        """Make written rows visible to batches as `slot` (main thread, once the copies
+        are done)."""
+        if slot == 0:
+            raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
         for group, names in MODULE_GROUPS.items():
             targeted = any(n in adapter.target_modules for n in names)
-            self.ranks[group][slot] = adapter.rank if targeted else 0
-        self.scalings[slot] = adapter.scaling
+            self.table.ranks[group][slot] = adapter.rank if targeted else 0
+        self.table.scalings[slot] = adapter.scaling
+        self.table.offsets[slot] = row0
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (weights stay until overwritten; rank 0 disables them)."""
-        for ranks in self.ranks.values():
+        for ranks in self.table.ranks.values():
             ranks[slot] = 0
-        self.scalings[slot] = 0.0
+        self.table.scalings[slot] = 0.0
+        self.table.offsets[slot] = 0
 
 
 class SlotTensors:
-    """Slot ranks (per projection group) and scalings where the kernels read them: device
-    tensors at fixed addresses, rewritten in place (one copy) only when the values a step
-    runs with differ from the last ones sent: after a slot is activated or cleared, or for
-    the one step that runs with the view taken before a hand-over."""
+    """The slot table where the kernels read it: device tensors at fixed addresses,
+    rewritten in place (one copy) only when the values a step runs with differ from the
+    last ones sent: after a slot is activated or cleared, or for the one step that runs
+    with the view taken before a hand-over."""
 
     def __init__(self, num_slots: int, device: torch.device) -> None:
         layout = {g: (torch.int32, (num_slots,)) for g in MODULE_GROUPS}
-        self._buffer = StagedBuffer(layout | {"scalings": (torch.float32, (num_slots,))}, device)
+        layout |= {
+            "scalings": (torch.float32, (num_slots,)),
+            "offsets": (torch.int32, (num_slots,)),
+        }
+        self._buffer = StagedBuffer(layout, device)
         self.ranks = {g: self._buffer.device[g] for g in MODULE_GROUPS}
         self.scalings = self._buffer.device["scalings"]
+        self.offsets = self._buffer.device["offsets"]
         self._sent: tuple | None = None
         self.uploads = 0  # how often the values changed (tests: not every step)
 
-    def update(self, ranks: dict[str, list[int]], scalings: list[float]) -> None:
-        values = (tuple(tuple(ranks[g]) for g in MODULE_GROUPS), tuple(scalings))
+    def update(self, table: SlotTable) -> None:
+        values = (
+            tuple(tuple(table.ranks[g]) for g in MODULE_GROUPS),
+            tuple(table.scalings),
+            tuple(table.offsets),
+        )
         if values == self._sent:
             return
         host = self._buffer.writable()
         for g, group_ranks in zip(MODULE_GROUPS, values[0]):
             host[g].copy_(torch.tensor(group_ranks, dtype=torch.int32))
         host["scalings"].copy_(torch.tensor(values[1], dtype=torch.float32))
+        host["offsets"].copy_(torch.tensor(values[2], dtype=torch.int32))
         self._buffer.upload()
         self._sent = values
         self.uploads += 1
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(ranks per group, scalings, offsets): make_segment_infos' slot_tensors."""
+        return self.ranks, self.scalings, self.offsets
 
 
 def _copy_target(buf: torch.Tensor) -> np.ndarray | torch.Tensor:

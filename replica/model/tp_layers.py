@@ -60,7 +60,7 @@ class RowParallelLoRALinear:
         y = F.linear(x, self.weight)  # [T, out]: this rank's partial sum
         if self.lora is not None and seg.has_lora:
             out = None if workspace is None else workspace.region(self.lora)
-            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.num_slices, out=out)
+            inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.max_rank, out=out)
             self.comm.all_reduce(inter, "lora")
             kernels.lora_expand(y[:, self.cols], inter, self.lora.b, seg, self.lora.slice_offsets)
         return self.comm.all_reduce(y, "layer")

@@ -3,9 +3,9 @@
 Triton runs compiled on a CUDA machine (the cases live on the GPU) and in its
 interpreter elsewhere: tests/conftest.py sets TRITON_INTERPRET=1 where there is no
 CUDA, before anything imports triton, and the first test checks which it is.
-Weight padding past each slot's rank and every unused slot are NaN, so a kernel
-that reads past a rank or touches an unused slot fails loudly rather than by a
-rounding error.
+Every arena row that is not a used slot's rank rows (other adapters', free rows) is
+NaN, so a kernel that reads past a rank or touches an unused slot fails loudly rather
+than by a rounding error.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def test_triton_is_compiled_on_cuda_and_interpreted_elsewhere():
 @dataclass
 class Case:
     x: torch.Tensor  # [T, IN]
-    a: torch.Tensor  # [S, ns*R, IN]
-    b: torch.Tensor  # [S, out_total, R]
+    a: torch.Tensor  # [ns, P, IN]: the A arena
+    b: torch.Tensor  # [out_total, P]: the B arena
     y: torch.Tensor  # [T, out_total]
     seg: SegmentInfo
     num_slices: int
@@ -82,6 +82,19 @@ def draw_slots(popularity: str, n: int, num_slots: int, rnd: random.Random) -> l
     return [0 if i % 3 == 1 else s for i, s in enumerate(slots)]
 
 
+def draw_offsets(ranks: list[int], rnd: random.Random) -> tuple[list[int], int]:
+    """Each adapter slot's first arena row and the arena's rows. Slots of one rank sit
+    mostly side by side (the slot pool packs them so: the torch path's view runs), with
+    gaps of whole places, of rows no slot owns, and off-grid ones (its gather runs)."""
+    order = sorted(range(1, len(ranks)), key=lambda s: (ranks[s], rnd.random()))
+    offsets, cursor = [0] * len(ranks), 0
+    for s in order:
+        cursor += rnd.choice([0, 0, 0, ranks[s], 3])
+        offsets[s] = cursor
+        cursor += ranks[s]
+    return offsets, cursor + rnd.choice([0, 5])
+
+
 def make_case(
     popularity: str,
     n: int,
@@ -94,24 +107,25 @@ def make_case(
 ) -> Case:
     rnd = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    num_slots = 2 * n + 3  # room for gaps between used slots
+    num_slots = 2 * n + 3  # room for unused slots between used ones
     slots = draw_slots(popularity, n, num_slots, rnd)
     lens = [1] * n if kind == "decode" else [rnd.choice([0, 1, 2, 5, 17, 33, 40]) for _ in range(n)]
     ranks = [0] + [rank or rnd.choice([8, 16, 32, 64]) for _ in range(num_slots - 1)]
     scalings = [0.0] + [scaling or rnd.uniform(0.25, 2.0) for _ in range(num_slots - 1)]
-    seg = make_segment_info(lens, slots, ranks, scalings, TEST_DEVICE)
+    offsets, arena_rows = draw_offsets(ranks, rnd)
+    seg = make_segment_info(lens, slots, ranks, scalings, offsets, TEST_DEVICE)
     widths = WIDTHS[num_slices]
-    offsets = [0]
+    cols = [0]
     for w in widths:
-        offsets.append(offsets[-1] + w)
+        cols.append(cols[-1] + w)
     used = {s for s, n_tok in zip(slots, lens) if s and n_tok}
-    a = torch.full((num_slots, num_slices * R, IN), float("nan"))
-    b = torch.full((num_slots, offsets[-1], R), float("nan"))
+    # NaN wherever no used slot's rank rows are: other adapters' rows, free rows
+    a = torch.full((num_slices, arena_rows, IN), float("nan"))
+    b = torch.full((cols[-1], arena_rows), float("nan"))
     for s in used:
-        r = ranks[s]
-        for j in range(num_slices):
-            a[s, j * R : j * R + r] = torch.randn(r, IN, generator=gen) / IN**0.5
-        b[s, :, :r] = torch.randn(offsets[-1], r, generator=gen) / r**0.5
+        r, o = ranks[s], offsets[s]
+        a[:, o : o + r] = torch.randn(num_slices, r, IN, generator=gen) / IN**0.5
+        b[:, o : o + r] = torch.randn(cols[-1], r, generator=gen) / r**0.5
     tokens = sum(lens)
     base_rows = torch.ones(tokens, dtype=torch.bool)
     for g, s in enumerate(slots):
@@ -121,27 +135,29 @@ def make_case(
         x=torch.randn(tokens, IN, generator=gen).to(TEST_DEVICE, dtype),
         a=a.to(TEST_DEVICE, dtype),
         b=b.to(TEST_DEVICE, dtype),
-        y=torch.randn(tokens, offsets[-1], generator=gen).to(TEST_DEVICE, dtype),
+        y=torch.randn(tokens, cols[-1], generator=gen).to(TEST_DEVICE, dtype),
         seg=seg,
         num_slices=num_slices,
-        slice_offsets=offsets,
+        slice_offsets=cols,
         base_rows=base_rows.to(TEST_DEVICE),
     )
 
 
+def rank_major(b: torch.Tensor) -> torch.Tensor:
+    """The same B arena laid out as the torch path allocates it (kernels.lora_b_buffer)."""
+    return b.t().contiguous().t()
+
+
 def check_backend(backend: str, case: Case) -> None:
-    if backend == "torch":
-        case = zero_rank_padding(case)
-    # B contiguous (Triton's layout) and rank-major (the torch path's): see lora_b_buffer
+    # B rank rows contiguous (Triton's layout) and rank-major (the torch path's)
     _check_case(backend, case)
-    rank_major = case.b.transpose(1, 2).contiguous().transpose(1, 2)
-    _check_case(backend, dataclasses.replace(case, b=rank_major))
+    _check_case(backend, dataclasses.replace(case, b=rank_major(case.b)))
 
 
 def _check_case(backend: str, case: Case) -> None:
     ops = BACKENDS[backend]
-    ref_inter = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
-    inter = ops.lora_shrink(case.x, case.a, case.seg, case.num_slices)
+    ref_inter = lora_shrink_reference(case.x, case.a, case.seg, R)
+    inter = ops.lora_shrink(case.x, case.a, case.seg, R)
     assert inter.dtype == torch.float32 and inter.shape == ref_inter.shape
     torch.testing.assert_close(inter, ref_inter, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
 
@@ -152,18 +168,6 @@ def _check_case(backend: str, case: Case) -> None:
     rtol, atol = EXPAND_TOL[y.dtype]
     torch.testing.assert_close(y, ref_y, rtol=rtol, atol=atol)
     assert torch.equal(y[case.base_rows], case.y[case.base_rows])  # slot 0: untouched bits
-
-
-def zero_rank_padding(case: Case) -> Case:
-    """The contract keeps padding past a slot's rank zero (the engine zeroes a slot before
-    filling it); the torch path reads it when it merges slots of different ranks into one
-    bmm. Unused slots stay NaN: their rows must still be dropped."""
-    used = {s for s in case.seg.seg_slots.tolist() if s}
-    a, b = case.a.clone(), case.b.clone()
-    for s in used:
-        a[s] = a[s].nan_to_num(0.0)
-        b[s] = b[s].nan_to_num(0.0)
-    return dataclasses.replace(case, a=a, b=b)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -201,13 +205,12 @@ def test_triton_decode_through_both_kernel_families(monkeypatch, family, num_sli
 def test_graph_safe_decode_matches_reference(backend, popularity, dtype):
     """Decode batches whose metadata is read only on the device (the static decode path,
     replayed as CUDA graphs): the same results, with NaN in every byte a kernel must not
-    read, rank padding included (the per-token torch path masks it instead of reading it)."""
+    read, other adapters' rows past each rank included (the per-token torch path masks
+    them instead of reading them)."""
     seed = zlib.crc32(f"graph-{popularity}-{dtype}".encode())
     case = make_case(popularity, 9, "decode", dtype, 3, seed)
     case = dataclasses.replace(case, seg=dataclasses.replace(case.seg, graph_safe=True))
-    _check_case(backend, case)
-    rank_major = case.b.transpose(1, 2).contiguous().transpose(1, 2)
-    _check_case(backend, dataclasses.replace(case, b=rank_major))
+    check_backend(backend, case)
 
 
 @pytest.mark.parametrize("graph_safe", [False, True])
@@ -217,14 +220,12 @@ def test_shrink_writes_into_a_region_of_the_steps_workspace(backend, graph_safe)
     columns of it (a view with the workspace's row stride) and nothing else."""
     case = make_case("uniform", 7, "decode", torch.float32, 2, seed=5)
     case = dataclasses.replace(case, seg=dataclasses.replace(case.seg, graph_safe=graph_safe))
-    if backend == "torch" and not graph_safe:
-        case = zero_rank_padding(case)
-    width = case.a.shape[1]
+    width = case.num_slices * R
     workspace = torch.zeros(case.x.shape[0], 3 * width, device=TEST_DEVICE)
     region = workspace[:, width : 2 * width]
-    got = BACKENDS[backend].lora_shrink(case.x, case.a, case.seg, case.num_slices, out=region)
+    got = BACKENDS[backend].lora_shrink(case.x, case.a, case.seg, R, out=region)
     assert got.data_ptr() == region.data_ptr()
-    want = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
+    want = lora_shrink_reference(case.x, case.a, case.seg, R)
     torch.testing.assert_close(region, want, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
     assert not workspace[:, :width].any() and not workspace[:, 2 * width :].any()
 
@@ -240,13 +241,13 @@ def test_slices_with_mixed_batch(backend, num_slices):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_no_adapter_leaves_y_bit_identical(backend, dtype):
     dev = TEST_DEVICE
-    seg = make_segment_info([3, 0, 5], [0, 2, 0], [0, 16, 8], [0.0, 1.0, 2.0], dev)  # 2: empty
-    assert not seg.has_lora
+    seg = make_segment_info([3, 0, 5], [0, 2, 0], [0, 16, 8], [0.0, 1.0, 2.0], [0, 0, 16], dev)
+    assert not seg.has_lora  # slot 2's segment is empty
     x, y = torch.randn(8, IN).to(dev, dtype), torch.randn(8, 40).to(dev, dtype)
-    a = torch.full((3, R, IN), float("nan"), dtype=dtype, device=dev)
-    b = torch.randn(3, 40, R).to(dev, dtype)
+    a = torch.full((1, 24, IN), float("nan"), dtype=dtype, device=dev)
+    b = torch.randn(40, 24).to(dev, dtype)
     ops = BACKENDS[backend]
-    inter = ops.lora_shrink(x, a, seg, 1)
+    inter = ops.lora_shrink(x, a, seg, R)
     assert torch.equal(inter, torch.zeros(8, R, device=dev))
     y0 = y.clone()
     ops.lora_expand(y, inter, b, seg, [0, 40])
@@ -257,11 +258,12 @@ def test_no_adapter_leaves_y_bit_identical(backend, dtype):
 def test_empty_batch(backend):
     ops = BACKENDS[backend]
     dev = TEST_DEVICE
-    seg = make_segment_info([], [], [0, 8], [0.0, 1.0], dev)
-    inter = ops.lora_shrink(torch.zeros(0, IN, device=dev), torch.zeros(2, R, IN, device=dev), seg)
+    seg = make_segment_info([], [], [0, 8], [0.0, 1.0], [0, 0], dev)
+    a = torch.zeros(1, 8, IN, device=dev)
+    inter = ops.lora_shrink(torch.zeros(0, IN, device=dev), a, seg, R)
     assert inter.shape == (0, R)
     y = torch.zeros(0, 40, device=dev)
-    assert ops.lora_expand(y, inter, torch.zeros(2, 40, R, device=dev), seg, [0, 40]) is y
+    assert ops.lora_expand(y, inter, torch.zeros(40, 8, device=dev), seg, [0, 40]) is y
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -281,26 +283,37 @@ def test_torch_plan_follows_refilled_metadata():
     check_backend("torch", case)
 
 
-def test_torch_runs_bridge_small_gaps_only():
-    """Slots 1, 3, 5 share a run (the gaps are cheap at this width); a slot far away
-    gets its own run, so its unused neighbours are never read."""
+def test_torch_runs_view_same_rank_neighbours_and_bridge_small_gaps_only():
+    """Rank-16 slots packed side by side: slots 1, 3, 5 share one view run (the unused
+    places between are cheap at this width); a slot far away gets its own run, so its
+    unused neighbours are never read."""
     ranks, scalings = (0,) + (16,) * 40, (0.0,) + (1.0,) * 40
+    offsets = (0,) + tuple(16 * i for i in range(40))  # slot s at row 16*(s-1)
     indptr, slots, cpu = (0, 1, 2, 3, 4), (5, 1, 3, 40), torch.device("cpu")
-    narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, 16, 512 * 4, cpu)
-    assert [(r.lo, r.hi) for r in narrow] == [(1, 6), (40, 41)]
-    wide = sgmv_torch._runs(indptr, slots, ranks, scalings, 16, 4 * 4096 * 4, cpu)
-    assert [(r.lo, r.hi) for r in wide] == [(1, 2), (3, 4), (5, 6), (40, 41)]
+    narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 640, 512 * 4, cpu)
+    assert [(r.row0, r.k, r.stride) for r in narrow] == [(0, 5, 16), (624, 1, 16)]
+    assert all(r.weight_rows is None for r in narrow)  # views: no weight copied
+    wide = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 640, 4 * 4096 * 4, cpu)
+    assert [(r.row0, r.k) for r in wide] == [(0, 1), (32, 1), (64, 1), (624, 1)]
 
 
-def test_torch_runs_merge_ranks_when_padding_is_cheap():
-    """Adjacent slots of ranks 8 and 64 share one bmm at rank 64 when the padding read is
-    small next to a run's fixed cost, and stay apart when it is not."""
-    ranks, scalings = (0, 8, 64, 16), (0.0, 1.0, 1.0, 1.0)
+def test_torch_runs_gather_mixed_ranks_when_the_copy_is_cheap():
+    """Adjacent slots of ranks 8, 64, 16 (or one rank off the grid) cannot be one view:
+    they share one gathered bmm at rank 64 when the copy is small next to a run's fixed
+    cost, and stay apart when it is not."""
+    ranks, scalings, offsets = (0, 8, 64, 16), (0.0, 1.0, 1.0, 1.0), (0, 0, 8, 72)
     indptr, slots, cpu = (0, 1, 2, 3), (1, 2, 3), torch.device("cpu")
-    narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, 64, 512 * 4, cpu)
-    assert [(r.lo, r.hi, r.rank) for r in narrow] == [(1, 4, 64)]
-    wide = sgmv_torch._runs(indptr, slots, ranks, scalings, 64, 4 * 4096 * 4, cpu)
-    assert [(r.lo, r.hi, r.rank) for r in wide] == [(1, 2, 8), (2, 3, 64), (3, 4, 16)]
+    narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 88, 512 * 4, cpu)
+    assert [(r.k, r.rank, r.stride) for r in narrow] == [(3, 64, 0)]
+    rows, keep = narrow[0].weight_rows.tolist(), narrow[0].weight_keep[:, 0].tolist()
+    assert rows[:8] == list(range(8)) and keep[:8] == [True] * 8 and not any(keep[8:64])
+    assert rows[64:128] == list(range(8, 72)) and all(keep[64:128])
+    assert max(rows) == 87  # rows past the arena are clamped (and masked)
+    wide = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 88, 4 * 4096 * 4, cpu)
+    assert [(r.row0, r.k, r.rank) for r in wide] == [(0, 1, 8), (8, 1, 64), (72, 1, 16)]
+    off_grid = sgmv_torch._runs((0, 1, 2), (1, 2), (0, 8, 8), (0.0, 1.0, 1.0), (0, 0, 12),
+                                20, 512 * 4, cpu)  # fmt: skip
+    assert [(r.k, r.stride) for r in off_grid] == [(2, 0)]
 
 
 def test_dispatch():
@@ -335,8 +348,8 @@ def test_public_ops_dispatch_and_match(forced):
 
 def _check_public_ops():
     case = make_case("skewed", 7, "prefill", torch.bfloat16, 3, seed=11)
-    inter = kernels.lora_shrink(case.x, case.a, case.seg, case.num_slices)
-    ref_inter = lora_shrink_reference(case.x, case.a, case.seg, case.num_slices)
+    inter = kernels.lora_shrink(case.x, case.a, case.seg, R)
+    ref_inter = lora_shrink_reference(case.x, case.a, case.seg, R)
     torch.testing.assert_close(inter, ref_inter, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
     y = kernels.lora_expand(case.y.clone(), inter, case.b, case.seg, case.slice_offsets)
     ref_y = lora_expand_reference(case.y.clone(), ref_inter, case.b, case.seg, case.slice_offsets)
@@ -346,28 +359,32 @@ def _check_public_ops():
 def test_public_ops_validate_before_launch():
     case = make_case("distinct", 3, "decode", torch.float32, 2, seed=5)
     x, a, b, seg = case.x, case.a, case.b, case.seg
-    inter = kernels.lora_shrink(x, a, seg, 2)
+    inter = kernels.lora_shrink(x, a, seg, R)
     with pytest.raises(ValueError, match="share one of"):
-        kernels.lora_shrink(x.half(), a, seg, 2)
-    with pytest.raises(ValueError, match="slices"):
-        kernels.lora_shrink(x, a, seg, 5)
-    with pytest.raises(ValueError, match="one per buffer slot"):
-        kernels.lora_shrink(x, a[:-1], seg, 2)
+        kernels.lora_shrink(x.half(), a, seg, R)
+    with pytest.raises(ValueError, match="max_rank"):
+        kernels.lora_shrink(x, a, seg, 0)
+    with pytest.raises(ValueError, match="out"):
+        kernels.lora_shrink(x, a, seg, R, out=torch.zeros(x.shape[0], R, device=x.device))
+    with pytest.raises(ValueError, match=r"\[num_slices, P, in\]"):
+        kernels.lora_shrink(x, a[0], seg, R)
     with pytest.raises(ValueError, match="fp32"):
         kernels.lora_expand(case.y, inter.half(), b, seg, case.slice_offsets)
     with pytest.raises(ValueError, match="slice_offsets"):
         kernels.lora_expand(case.y, inter, b, seg, [0, 40, 30])
     with pytest.raises(ValueError, match="inter"):
-        kernels.lora_expand(case.y, inter, b, seg, [0, 40])
-    bad = make_segment_info([1, 1, 1], [1, 0, 2], [0, 8, 8], [0.0, 1.0, 1.0], TEST_DEVICE)
-    with pytest.raises(ValueError, match="one per buffer slot"):
-        kernels.lora_shrink(x, a, bad, 2)
+        kernels.lora_expand(case.y, inter[:-1], b, seg, case.slice_offsets)
+    with pytest.raises(ValueError, match=r"\[out, P\]|\[64, P\]"):
+        kernels.lora_expand(case.y, inter, b[:-1], seg, case.slice_offsets)
+    bad = make_segment_info([1, 1, 1], [1, 0, 2], [0, 8, 8], [0.0, 1.0, 1.0], [0, 0], TEST_DEVICE)
+    with pytest.raises(ValueError, match="one entry per slot"):
+        kernels.lora_shrink(x, a, bad, R)
 
 
-def test_torch_path_rejects_rank_past_buffer():
-    seg = make_segment_info([2], [1], [0, 32], [0.0, 1.0])
-    with pytest.raises(ValueError, match="rank 32"):
-        sgmv_torch.lora_shrink(torch.zeros(2, IN), torch.zeros(2, 16, IN), seg, 1)
+def test_torch_path_rejects_rows_past_the_arena():
+    seg = make_segment_info([2], [1], [0, 32], [0.0, 1.0], [0, 8])
+    with pytest.raises(ValueError, match=r"rows \[8, 40\) outside the arena's 16 rows"):
+        sgmv_torch.lora_shrink(torch.zeros(2, IN), torch.zeros(1, 16, IN), seg, R)
 
 
 @needs_triton
@@ -379,9 +396,9 @@ def test_triton_on_cpu_without_interpreter_is_refused():
         os.environ.pop("TRITON_INTERPRET", None)
         os.environ["LORAFLEET_KERNELS"] = "triton"
         import kernels
-        seg = kernels.make_segment_info([1], [1], [0, 8], [0.0, 1.0])
+        seg = kernels.make_segment_info([1], [1], [0, 8], [0.0, 1.0], [0, 0])
         try:
-            kernels.lora_shrink(torch.zeros(1, 16), torch.zeros(2, 16, 16), seg)
+            kernels.lora_shrink(torch.zeros(1, 16), torch.zeros(1, 8, 16), seg, 8)
         except RuntimeError as e:
             assert "TRITON_INTERPRET=1" in str(e), e
         else:
@@ -415,7 +432,8 @@ def test_triton_kernels_compile_for_cuda(tmp_path):
 
         for dtype, p in ptr.items():
             for seg_len in (1, 512):
-                ints = {"indptr_ptr": "*i32", "seg_slots_ptr": "*i32", "ranks_ptr": "*i32"}
+                ints = {"indptr_ptr": "*i32", "seg_slots_ptr": "*i32", "ranks_ptr": "*i32",
+                        "offsets_ptr": "*i32"}
                 shrink = ints | {"x_ptr": p, "a_ptr": p, "out_ptr": "*fp32"}
                 build(st._shrink_kernel, shrink, st.shrink_config(seg_len, 4096, 64, dtype))
                 expand = ints | {"inter_ptr": "*fp32", "b_ptr": p, "y_ptr": p,

@@ -1,5 +1,7 @@
-"""Adapter slots sized from a memory budget: the arithmetic, the buffers it allocates, and a
-batch running more adapters than the old fixed count of 7, against transformers + PEFT."""
+"""Adapter memory sized from a budget and held at each adapter's own rank: the arithmetic,
+the arenas it allocates, the rows adapters hold, and batches running more adapters than
+the old fixed count of 7 (and more than max-rank slots would hold), against
+transformers + PEFT."""
 
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ def buffer_bytes(lora: LoRASlotBuffers) -> int:
 def test_slot_bytes_are_what_the_buffers_allocate(demo, tp_size, dtype):
     spec = load_model_spec(demo.model_dir)
     shapes = None if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes()
-    lora = LoRASlotBuffers(spec, 3, 16, CPU, dtype, shapes)
-    assert buffer_bytes(lora) == 3 * slot_bytes(spec, 16, dtype, tp_size)
-    # a rank-16 slot is a quarter of a rank-64 one: bytes scale with max_lora_rank
-    assert 4 * slot_bytes(spec, 16, dtype, tp_size) == slot_bytes(spec, 64, dtype, tp_size)
+    lora = LoRASlotBuffers(spec, 3, 16, CPU, dtype, shapes)  # 2 adapters of rank 16
+    assert buffer_bytes(lora) == lora.nbytes() == 2 * slot_bytes(spec, 16, dtype, tp_size)
+    # bytes are per rank row: a rank-16 block is a quarter of a rank-64 one
+    row = slot_bytes(spec, 1, dtype, tp_size)
+    assert 16 * row == slot_bytes(spec, 16, dtype, tp_size)
+    assert 64 * row == slot_bytes(spec, 64, dtype, tp_size)
 
 
 def test_budget_sets_the_slot_count_and_the_batch_limit(tiny):
@@ -48,7 +52,8 @@ def test_budget_sets_the_slot_count_and_the_batch_limit(tiny):
         base.model_copy(update={"adapter_memory_bytes": 5 * per_slot + per_slot // 2}),
         spec, CPU, torch.float32,
     )  # fmt: skip
-    assert (sized.num_slots, sized.max_loras_per_batch) == (5, 4)
+    # 5 adapters of max_lora_rank (slot 0, the base, holds no memory)
+    assert (sized.num_slots, sized.max_loras_per_batch) == (6, 5)
     assert sized.adapter_memory_bytes is None  # what ranks are built from: a count
     EngineConfig(**sized.model_dump())  # and it validates again (TP workers rebuild it)
     capped = base.model_copy(update={"adapter_memory_bytes": 40 * per_slot, "max_num_seqs": 8})
@@ -62,7 +67,7 @@ def test_budget_sets_the_slot_count_and_the_batch_limit(tiny):
     assert (1 << 30) // per_slot > MAX_DEFAULT_SLOTS == default.num_slots
     # a set budget is taken as it is, past the default's cap
     many = base.model_copy(update={"adapter_memory_bytes": (MAX_DEFAULT_SLOTS + 9) * per_slot})
-    assert size_adapter_slots(many, spec, CPU, torch.float32).num_slots == MAX_DEFAULT_SLOTS + 9
+    assert size_adapter_slots(many, spec, CPU, torch.float32).num_slots == MAX_DEFAULT_SLOTS + 10
 
 
 def test_cuda_default_is_a_share_of_what_weights_and_kv_leave(tiny, monkeypatch):
@@ -92,15 +97,15 @@ def test_num_parameters_counts_the_checkpoint(tiny):
     assert spec.num_parameters() == total
 
 
-def test_a_budget_below_two_slots_is_a_config_error_at_start(tiny):
+def test_a_budget_below_one_adapter_of_max_rank_is_a_config_error_at_start(tiny):
     spec = load_model_spec(tiny.model_dir)
     per_slot = slot_bytes(spec, 64, torch.float32)
-    cfg = EngineConfig(model=str(tiny.model_dir), device="cpu", adapter_memory_bytes=per_slot)
-    with pytest.raises(ValueError, match="at least 2 are needed.*adapter_memory_bytes"):
+    cfg = EngineConfig(model=str(tiny.model_dir), device="cpu", adapter_memory_bytes=per_slot - 1)
+    with pytest.raises(ValueError, match="less than one adapter of max_lora_rank 64.*Raise"):
         LLMEngine(cfg)
-    # a smaller max rank makes the same budget enough
+    # a smaller max rank makes the same budget enough: 3 adapters of rank 16
     eng = LLMEngine(cfg.model_copy(update={"max_lora_rank": 16}))
-    assert eng.residency()["num_slots"] == 4
+    assert eng.residency()["num_slots"] == 4 and eng.residency()["adapter_rows"] == 48
     with pytest.raises(ValidationError, match="not both"):
         EngineConfig(model="m", num_slots=4, adapter_memory_bytes=1 << 20)
 
@@ -110,7 +115,7 @@ def test_more_adapters_than_the_old_seven_run_in_one_batch_like_peft(tiny):
     names) in one batch of an engine sized for 12 slots: every request runs in the same
     steps and decodes what transformers + PEFT decode with its adapter."""
     spec = load_model_spec(tiny.model_dir)
-    budget = 12 * slot_bytes(spec, 64, torch.float32)
+    budget = 11 * slot_bytes(spec, 64, torch.float32)
     cfg = EngineConfig(
         model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20,
         adapter_memory_bytes=budget, adapter_loading="sync", max_loads_in_flight=10,
@@ -136,3 +141,46 @@ def test_more_adapters_than_the_old_seven_run_in_one_batch_like_peft(tiny):
     oracles = {path: hf_model(tiny.model_dir, path) for path in dirs}
     for seq, prompt, name in zip(seqs, prompts, names):
         assert seq.output_ids == hf_greedy(oracles[names[name]], prompt, 6), name
+
+
+def test_adapters_hold_their_own_rank_and_five_share_two_max_rank_blocks_like_peft(tiny):
+    """Arenas sized for 2 adapters of rank 64 (128 rank rows) hold the tiny adapters of
+    ranks 64, 32, 16 and 8 plus a second rank-8 one at once (64+32+16+8+8 rows): all
+    five run in one batch, decode what transformers + PEFT decode, and the rows held
+    are exactly their ranks'."""
+    spec = load_model_spec(tiny.model_dir)
+    cfg = EngineConfig(
+        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=3,
+        max_loras_per_batch=5, adapter_loading="sync", max_loads_in_flight=5,
+    )  # fmt: skip
+    eng = LLMEngine(cfg)
+    row = slot_bytes(spec, 1, torch.float32)
+    assert eng.executor.lora.nbytes() == 128 * row  # no slot padded to max_lora_rank
+    by_rank = {peft_rank(path): path for path in tiny.adapters.values()}
+    assert sorted(by_rank) == [8, 16, 32, 64]
+    names = {f"r{r}": p for r, p in by_rank.items()} | {"r8-again": by_rank[8]}
+    for name, path in names.items():
+        eng.load_adapter(name, path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, spec.vocab_size, (4 + i,), generator=g).tolist() for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    seqs = [eng.add_request(p, greedy, n) for p, n in zip(prompts, names)]
+    eng.step()
+    assert {s.lora_key for s in eng.scheduler.running} == set(names)
+    pool = eng.adapters.pool
+    assert pool.rows_used == 64 + 32 + 16 + 8 + 8 == 128
+    assert eng.residency()["adapter_rows_used"] * row == 128 * row
+    for _ in range(50):
+        if not eng.has_work():
+            break
+        eng.step()
+    assert not eng.has_work() and pool.num_evictions == 0
+    oracles = {path: hf_model(tiny.model_dir, path) for path in by_rank.values()}
+    for seq, prompt, name in zip(seqs, prompts, names):
+        assert seq.output_ids == hf_greedy(oracles[names[name]], prompt, 5), name
+
+
+def peft_rank(path) -> int:
+    import json
+
+    return json.loads((path / "adapter_config.json").read_text())["r"]

@@ -54,7 +54,7 @@ def next_plan(eng: LLMEngine):
 
 def static_for(eng: LLMEngine, max_num_seqs: int) -> StaticDecode:
     runner = eng.executor
-    runner.slot_tensors.update(runner.lora.ranks, runner.lora.scalings)
+    runner.slot_tensors.update(runner.lora.table)
     return runner.make_static_decode(max_num_seqs)
 
 
@@ -76,7 +76,7 @@ def test_a_padded_bucket_gives_the_unpadded_logits_and_writes_kv_only_to_scratch
     names = list(tiny.adapters)
     decoding(eng, [(5, names[0]), (19, None), (9, names[1]), (33, names[2]), (3, names[0])])
     plan, _ = next_plan(eng)
-    runner, ranks = eng.executor, eng.executor.lora.ranks
+    runner, ranks = eng.executor, eng.executor.lora.table.ranks
     saved = [t.clone() for t in (*runner.kv.k, *runner.kv.v)]
 
     def restore() -> None:
@@ -97,7 +97,7 @@ def test_a_padded_bucket_gives_the_unpadded_logits_and_writes_kv_only_to_scratch
     restore()
     exact = static_for(eng, 5).run(plan, ranks)
     restore()
-    eager = runner.execute(plan, ranks, runner.lora.scalings)
+    eager = runner.execute(plan, runner.lora.table)
     assert got.shape == exact.shape == eager.shape == (5, eng.spec.vocab_size)
     torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-4)
@@ -179,6 +179,7 @@ def test_graph_steps_of_a_bucket_run_the_same_ops_on_the_same_buffers(tiny, monk
         buffers = dict(static.inputs.tensors)
         buffers |= {f"ranks.{g}": t for g, t in eng.executor.slot_tensors.ranks.items()}
         buffers["scalings"] = eng.executor.slot_tensors.scalings
+        buffers["offsets"] = eng.executor.slot_tensors.offsets
         buffers["seg_indptr"] = static.inputs.seg_indptr
         static.inputs.fill(plan, 8)
         trace = OpTrace(buffers)
@@ -190,7 +191,7 @@ def test_graph_steps_of_a_bucket_run_the_same_ops_on_the_same_buffers(tiny, monk
     assert [op[:2] for op in first] == [op[:2] for op in second]  # ops and shapes
     assert [op[2] for op in first] == [op[2] for op in second]  # persistent buffers read
     read = {name for op in first for owner in op[2] if owner for name in [owner[0]]}
-    assert {"block_tables", "context_lens", "token_slots", "scalings"} <= read
+    assert {"block_tables", "context_lens", "token_slots", "scalings", "offsets"} <= read
     assert not SCALAR_READS & {op[0] for op in first}
 
 
@@ -213,14 +214,14 @@ def test_graph_lora_launches_two_per_group_and_layer_or_none(tiny, monkeypatch, 
     static = static_for(eng, 4)
     plan, _ = next_plan(eng)
     calls.update(shrink=0, expand=0)
-    static.run(plan, eng.executor.lora.ranks)
+    static.run(plan, eng.executor.lora.table.ranks)
     per_step = eng.spec.num_layers * 4 if with_lora else 0
     assert calls == {"shrink": per_step, "expand": per_step}
 
 
 def test_persistent_slot_tensors_are_sent_only_when_they_change(tiny):
-    """Slot ranks and scalings live on the device between steps: a copy only after a
-    slot is activated or cleared, not every step."""
+    """Slot ranks, scalings and offsets live on the device between steps: a copy only
+    after a slot is activated or cleared, not every step."""
     eng = make_engine(tiny, num_slots=2)  # one adapter slot: every new adapter reloads it
     names = list(tiny.adapters)
     slots = eng.executor.slot_tensors
@@ -233,9 +234,10 @@ def test_persistent_slot_tensors_are_sent_only_when_they_change(tiny):
     assert after_one > steady  # the slot was activated
     eng.generate([(prompt(3, 6), SamplingParams(temperature=0, max_tokens=8), names[0])])
     assert slots.uploads == after_one  # resident: nothing to send
-    ranks = eng.executor.lora.ranks
-    assert slots.ranks["qkv_proj"].tolist() == ranks["qkv_proj"]
-    assert slots.scalings.tolist() == pytest.approx(eng.executor.lora.scalings)
+    table = eng.executor.lora.table
+    assert slots.ranks["qkv_proj"].tolist() == table.ranks["qkv_proj"]
+    assert slots.scalings.tolist() == pytest.approx(table.scalings)
+    assert slots.offsets.tolist() == table.offsets
 
 
 def test_static_decode_bucket_engine_tokens_match_eager_across_loads(tiny):

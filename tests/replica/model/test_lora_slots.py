@@ -1,11 +1,12 @@
-"""Slot buffers: a load leaves exactly the adapter's weights and zero padding behind,
-whatever larger adapter held the slot before (loads zero only what is dirty)."""
+"""Adapter arenas: a load writes exactly the adapter's rank rows (and layer by layer
+behind a running step when handed over); the slot table says where each adapter is."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 import torch
 
 from replica.device import StepProgress
@@ -28,24 +29,54 @@ def adapter(spec, name: str, rank: int, modules: tuple[str, ...], seed: int):
     return LoRAAdapterWeights(name, rank, 1.0, modules, weights)
 
 
-def snapshot(bufs: LoRASlotBuffers, slot: int) -> list[torch.Tensor]:
-    return [t[slot].clone() for groups in bufs.layers for b in groups.values() for t in (b.a, b.b)]
-
-
-def test_a_load_after_a_larger_adapter_equals_a_load_into_a_fresh_slot(tiny):
+def test_an_adapter_is_written_into_its_rank_rows_and_nowhere_else(tiny):
+    """Each adapter holds only its own rank's rows of every arena: A rows per slice, B
+    columns; a targeted group's untargeted slices are zero there, untargeted groups and
+    every other row are left as they were (another adapter's weights stay intact)."""
     spec = load_model_spec(tiny.model_dir)
     all_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     big = adapter(spec, "big", 16, all_modules, 0)
     mid = adapter(spec, "mid", 8, ("q_proj", "v_proj", "down_proj"), 1)
-    small = adapter(spec, "small", 4, ("k_proj",), 2)
-    used = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
-    for a in (big, mid, small, big, small):  # shrink, shrink, grow, shrink
-        used.write(1, a)
-        fresh = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
-        fresh.write(1, a)
-        for got, want in zip(snapshot(used, 1), snapshot(fresh, 1)):
-            assert torch.equal(got, want)
-    assert all(torch.count_nonzero(t) == 0 for t in snapshot(used, 2))  # neighbours untouched
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    assert bufs.num_rows == 32
+    bufs.write(0, big)
+    bufs.write(16, mid)
+    bufs.write(24, adapter(spec, "small", 4, ("k_proj",), 2))
+    bufs.write(24, mid)  # rows [24, 32): mid again, over a smaller adapter
+    for layer, groups in enumerate(bufs.layers):
+        for buf in groups.values():
+            for j, module in enumerate(buf.slice_names):
+                c0, c1 = buf.slice_offsets[j], buf.slice_offsets[j + 1]
+                a, b = big.weights[(layer, module)]
+                assert torch.equal(buf.a[j, 0:16], a) and torch.equal(buf.b[c0:c1, 0:16], b)
+                for row0 in (16, 24):
+                    got_a, got_b = buf.a[j, row0 : row0 + 8], buf.b[c0:c1, row0 : row0 + 8]
+                    if (layer, module) in mid.weights:
+                        a, b = mid.weights[(layer, module)]
+                        assert torch.equal(got_a, a) and torch.equal(got_b, b)
+                    elif any(m in mid.target_modules for m in buf.slice_names):
+                        assert not got_a.any() and not got_b.any()  # e.g. k of mid's qkv
+                    elif row0 == 16:  # o_proj, gate_up: mid does not write them at all
+                        assert not got_a.any() and not got_b.any()
+
+
+def test_the_slot_table_says_where_each_adapter_is(tiny):
+    spec = load_model_spec(tiny.model_dir)
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    assert bufs.num_slots == 2 + 32 // 8  # the base, one per smallest block, the spare
+    bufs.activate(3, 24, adapter(spec, "mid", 8, ("q_proj", "down_proj"), 1))
+    view = bufs.view()
+    assert (view.offsets[3], view.scalings[3]) == (24, 1.0)
+    assert {g: r[3] for g, r in view.ranks.items()} == {
+        "qkv_proj": 8, "o_proj": 0, "gate_up_proj": 0, "down_proj": 8,
+    }  # fmt: skip
+    bufs.clear(3)
+    assert view.offsets[3] == 24 and bufs.table.offsets[3] == 0  # the view is a copy
+    assert all(r[3] == 0 for r in bufs.table.ranks.values())
+    with pytest.raises(ValueError, match="slot 0"):
+        bufs.activate(0, 0, adapter(spec, "x", 8, ("q_proj",), 1))
+    with pytest.raises(ValueError, match="outside the arena"):
+        bufs.write(30, adapter(spec, "x", 8, ("q_proj",), 1))
 
 
 def test_a_handed_over_slot_is_written_layer_by_layer_behind_the_step(tiny):
@@ -54,16 +85,16 @@ def test_a_handed_over_slot_is_written_layer_by_layer_behind_the_step(tiny):
     spec = load_model_spec(tiny.model_dir)
     assert spec.num_layers >= 2
     bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
-    bufs.write(1, adapter(spec, "old", 8, ("q_proj",), 3))
-    before = [layer["qkv_proj"].a[1].clone() for layer in bufs.layers]
+    bufs.write(16, adapter(spec, "old", 8, ("q_proj",), 3))
+    before = [layer["qkv_proj"].a[0, 16:24].clone() for layer in bufs.layers]
     progress = StepProgress(torch.device("cpu"), timeout_s=30)
     load = threading.Thread(
-        target=bufs.write, args=(1, adapter(spec, "new", 8, ("q_proj",), 4), progress)
+        target=bufs.write, args=(16, adapter(spec, "new", 8, ("q_proj",), 4), progress)
     )
     load.start()
 
     def written(layer: int) -> bool:
-        return not torch.equal(bufs.layers[layer]["qkv_proj"].a[1], before[layer])
+        return not torch.equal(bufs.layers[layer]["qkv_proj"].a[0, 16:24], before[layer])
 
     time.sleep(0.2)
     assert not written(0), "layer 0 written before the step finished it"
@@ -88,9 +119,9 @@ def test_adapters_in_half_precision_files_load_into_fp32_slots(tiny):
         src = adapter(spec, "half", 8, modules, 4)
         src.weights = {k: (a.to(dtype), b.to(dtype)) for k, (a, b) in src.weights.items()}
         bufs = LoRASlotBuffers(spec, 2, 16, torch.device("cpu"), torch.float32)
-        bufs.write(1, src)
+        bufs.write(8, src)
         for layer in range(spec.num_layers):
             a, b = src.weights[(layer, "q_proj")]
             qkv = bufs.layers[layer]["qkv_proj"]
-            assert torch.equal(qkv.a[1, :8], a.float())
-            assert torch.equal(qkv.b[1, : b.shape[0], :8], b.float())
+            assert torch.equal(qkv.a[0, 8:16], a.float())
+            assert torch.equal(qkv.b[: b.shape[0], 8:16], b.float())
