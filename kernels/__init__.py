@@ -4,6 +4,7 @@
     segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, scalings, offsets, device)
     inter = lora_shrink(x, a, seg, max_rank[, out])  # [T, num_slices*R] float32
     lora_expand(y, inter, b, seg, slice_offsets)     # y += LoRA delta, in place
+    a = lora_a_buffer(num_slices, rows, in, device, dtype)  # an A arena, the fastest layout
     b = lora_b_buffer(out, rows, device, dtype)      # a B arena, the fastest layout
     o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                block_size, scale, sliding_window)  # [D, H, hd]
@@ -44,11 +45,26 @@ __all__ = [
     "backend_for",
     "force_backend",
     "forced_backend",
+    "lora_a_buffer",
     "lora_b_buffer",
     "paged_decode_attention",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def lora_a_buffer(
+    num_slices: int, rows: int, in_features: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:  # [num_slices, rows, in_features], zeros
+    """A zeroed A arena in the memory layout the device's backend reads fastest (every
+    backend accepts any layout with unit stride along `in`). Triton gets each slice's rows
+    contiguous. The torch path gets rank rows first ([rows, num_slices, in] in memory, seen
+    permuted): an adapter's rows of every slice are then one [r * num_slices, in] block,
+    so a run's shrink is one matmul for all slices instead of one per slice."""
+    if backend_for(torch.empty(0, device=device)) == "triton":
+        return torch.zeros(num_slices, rows, in_features, device=device, dtype=dtype)
+    rank_major = torch.zeros(rows, num_slices, in_features, device=device, dtype=dtype)
+    return rank_major.permute(1, 0, 2)
 
 
 def lora_b_buffer(

@@ -1,22 +1,21 @@
 """Fast torch path of the multi-LoRA ops: the CPU backend (and CUDA when forced).
 
-Formulation: tokens are grouped by slot; used slots form *runs*, each computed as
-one `torch.bmm` (or, for a run of one slot, one 2-D matmul) per slice. A run's
-weights are k *places* of `rank` arena rows each:
-- a *view* run (every slot of the run has the run's rank, and their first rows lie on
-  one grid of that rank: the slot pool packs adapters of one rank class side by side)
-  reads a zero-copy view of the arenas, `a[j, row0 : row0 + k*r].view(k, r, in)`;
-  places on the grid that no used slot holds (other adapters, free rows) are computed
-  and dropped;
-- a *gather* run (mixed ranks, off-grid slots) copies its slots' rows into a
-  [k, r, in] operand once per slice, rows past a slot's own rank masked to zero.
+Formulation: tokens are grouped by slot; used slots of one rank form *runs*, each
+computed as one `torch.bmm` (or, for a run of one slot, one 2-D matmul) per slice over a
+zero-copy view of the arenas: k *places* of `rank` rows, `stride` rows apart
+(`a[j]` seen as [k, r, in] with as_strided). The slot pool puts every adapter in an
+aligned power-of-two block, so slots of one rank always lie on one grid; places on it
+that no used slot holds (other adapters, free rows) are computed and dropped. No weight
+is copied, and rows past a slot's rank (another adapter's) are never read. Slots of
+different ranks never share a run: nothing guarantees zeros past a rank any more.
 When the run's slots hold different token counts, its token rows are gathered once
 into the padded [k, m] layout the bmm needs (a place past a slot's tokens repeats a
 real row) and every slice's matmul shares that operand; each result drops the padded
 places with one index_select. (Padding per matmul instead, zeros + index_copy_ for
 every slice: decode step median 78 vs 71 ms, 32 tokens over 16 adapters of uneven
-popularity, the two alternated step by step.) B reads fastest rank-major
-(kernels.lora_b_buffer): an adapter's rank rows are then whole rows of memory.
+popularity, the two alternated step by step.) A and B read fastest rank-major
+(kernels.lora_a_buffer, lora_b_buffer): an adapter's rank rows are then whole rows of
+memory, and a shrink is one matmul over every slice.
 
 Picked by measurement (decode, 32 tokens with 32 rank-16 adapters, fp32,
 weights cold, 2-core CPU; `lorafleet bench kernels` and the report of the
@@ -26,10 +25,10 @@ bandwidth); gather + bmm (BGMV-style, copies every token's A/B) 1.5x / 0.5x;
 F.grouped_mm over the slot range 2.2x / 1.25x (a per-group cost in its CPU
 fallback); einsum is bmm underneath.
 
-Decode-sized slots merge into one run while the extra bytes read (places no used slot
-holds, rows copied by a gather) cost less than the ops saved (`_MERGE_BYTES`). A slot
-with many tokens (prefill) forms a run alone. Plans are memoized on the metadata's
-values, so every layer of a step reuses the plan its first layer built.
+Decode-sized slots of one rank merge into one run while the places between them cost
+fewer bytes than the ops a run saves (`_MERGE_BYTES`). A slot with many tokens
+(prefill) forms a run alone. Plans are memoized on the metadata's values, so every
+layer of a step reuses the plan its first layer built.
 
 Reads the metadata on the host: free on CPU, a device sync on CUDA (where
 this path only runs when LORAFLEET_KERNELS=torch forces it). fp16/bf16
@@ -40,6 +39,7 @@ is fp32.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,24 +49,20 @@ from kernels.segments import SegmentInfo
 # Slots with more tokens than this get a run each (their matmul amortizes the
 # call); fewer are padded to the run's longest, so padding stays compute-cheap.
 _SMALL_TOKENS = 16
-# Reading this many extra bytes (places no used slot holds, rows a gather copies) costs
-# about what one more run's ~10 fixed-cost ops do at the ~10-20 GB/s measured here, so
-# runs merge below it.
+# Reading this many extra bytes (places no used slot holds) costs about what one more
+# run's ~10 fixed-cost ops do at the ~10-20 GB/s measured here, so runs merge below it.
 _MERGE_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
 class _Run:
-    """Used slots read as k places of `rank` arena rows: one matmul per slice."""
+    """Used slots of one rank read as k places of `rank` arena rows, `stride` rows apart:
+    one matmul per slice over a view of the arenas."""
 
     k: int  # places
-    rank: int  # r: arena rows per place (the largest rank among the run's slots)
-    row0: int  # view runs: the first arena row of place 0
-    stride: int  # view runs: arena rows from one place to the next (= rank); 0: gather
-    # gather runs: [k*r] int64 arena rows of every place, and [k*r, 1] bool: the row lies
-    # within its slot's rank (rows past it belong to other adapters: masked to zero)
-    weight_rows: torch.Tensor | None
-    weight_keep: torch.Tensor | None
+    rank: int  # r: the rank of every slot of the run
+    row0: int  # the first arena row of place 0
+    stride: int  # arena rows from one place to the next (>= rank)
     m: int  # tokens per place after zero padding (bmm runs)
     rows: torch.Tensor  # [n] int64: token rows in (place, token) order
     row_range: tuple[int, int] | None  # rows are exactly range(*row_range): use views
@@ -106,53 +102,49 @@ def _runs(
                 f"slot {s}: rows [{offsets[s]}, {offsets[s] + ranks[s]}) outside the "
                 f"arena's {arena_rows} rows"
             )
+    # Prefill-sized slots each get a run. Decode-sized ones of one rank are merged in arena
+    # order while they lie on one grid and the places between them that no used slot holds
+    # cost fewer bytes than the ~10 fixed-cost ops (~10 us each on CPU) a run saves.
+    by_rank: dict[int, list[int]] = {}
+    for s in sorted(rows_of, key=offsets.__getitem__):
+        if len(rows_of[s]) <= _SMALL_TOKENS:
+            by_rank.setdefault(ranks[s], []).append(s)
     groups: list[list[int]] = []
-    # Prefill-sized slots each get a run. Decode-sized ones are merged in arena order while
-    # the bytes a merge adds cost less than the ops it saves: on CPU a run's fixed cost is
-    # ~10 ops of ~10 us.
-    small = sorted(
-        (s for s in rows_of if len(rows_of[s]) <= _SMALL_TOKENS), key=offsets.__getitem__
-    )
-    for s in small:
-        if groups and _merge_cost(groups[-1], s, ranks, offsets, bytes_per_rank) <= _MERGE_BYTES:
-            groups[-1].append(s)
-        else:
-            groups.append([s])
+    for r, members in sorted(by_rank.items()):
+        group = [members[0]]
+        for s in members[1:]:
+            grown = [*group, s]
+            stride = _stride(grown, r, offsets)
+            unused = _places_of(grown, stride, offsets) - len(grown)
+            if stride and unused * r * bytes_per_rank <= _MERGE_BYTES:
+                group = grown
+            else:
+                groups.append(group)
+                group = [s]
+        groups.append(group)
     groups += [[s] for s in sorted(rows_of) if len(rows_of[s]) > _SMALL_TOKENS]
-    return tuple(
-        _make_run(g, rows_of, ranks, scalings, offsets, arena_rows, device) for g in groups
+    return tuple(_make_run(g, rows_of, ranks, scalings, offsets, device) for g in groups)
+
+
+def _stride(group: list[int], rank: int, offsets: tuple[int, ...]) -> int:
+    """The rows between places when the slots (one rank, in arena order) are places of
+    one view: the gcd of their first rows' distances, if no smaller than the rank (the
+    slot pool's aligned blocks guarantee it for one rank); 0 when they are not."""
+    o0 = offsets[group[0]]
+    stride = 0
+    for s in group[1:]:
+        stride = math.gcd(stride, offsets[s] - o0)
+    if len(group) == 1:
+        return rank
+    return stride if stride >= rank else 0
+
+
+def _places_of(group: list[int], stride: int, offsets: tuple[int, ...]) -> int:
+    return (
+        1
+        if len(group) == 1 or not stride
+        else (offsets[group[-1]] - offsets[group[0]]) // stride + 1
     )
-
-
-def _grid(group: list[int], ranks: tuple[int, ...], offsets: tuple[int, ...]) -> bool:
-    """Whether the slots (in arena order) are places of one view: one rank r, first rows
-    r apart by whole places."""
-    r, o0 = ranks[group[0]], offsets[group[0]]
-    prev = o0 - r
-    for s in group:
-        o = offsets[s]
-        if ranks[s] != r or (o - o0) % r or o <= prev:
-            return False
-        prev = o
-    return True
-
-
-def _run_bytes(
-    group: list[int], ranks: tuple[int, ...], offsets: tuple[int, ...], bytes_per_rank: int
-) -> int:
-    """Bytes a run reads: a view's whole grid span; a gather's rows twice (copy, then read)."""
-    if _grid(group, ranks, offsets):
-        span = offsets[group[-1]] + ranks[group[-1]] - offsets[group[0]]
-        return span * bytes_per_rank
-    return 2 * len(group) * max(ranks[s] for s in group) * bytes_per_rank
-
-
-def _merge_cost(
-    group: list[int], s: int, ranks: tuple[int, ...], offsets: tuple[int, ...], bpr: int
-) -> int:
-    """Extra bytes read if slot s joins the run `group` instead of starting its own."""
-    alone = _run_bytes(group, ranks, offsets, bpr) + _run_bytes([s], ranks, offsets, bpr)
-    return _run_bytes([*group, s], ranks, offsets, bpr) - alone
 
 
 def _make_run(
@@ -161,19 +153,11 @@ def _make_run(
     ranks: tuple[int, ...],
     scalings: tuple[float, ...],
     offsets: tuple[int, ...],
-    arena_rows: int,
     device: torch.device,
 ) -> _Run:
-    r = max(ranks[s] for s in group)
-    if _grid(group, ranks, offsets):
-        row0, stride = offsets[group[0]], r
-        place = {s: (offsets[s] - row0) // r for s in group}
-        weight_rows = weight_keep = None
-    else:
-        row0, stride = 0, 0
-        place = {s: i for i, s in enumerate(group)}
-        weight_rows = [min(offsets[s] + c, arena_rows - 1) for s in group for c in range(r)]
-        weight_keep = [c < ranks[s] for s in group for c in range(r)]
+    r = ranks[group[0]]
+    row0, stride = offsets[group[0]], _stride(group, r, offsets)
+    place = {s: (offsets[s] - row0) // stride for s in group}
     k = place[group[-1]] + 1
     at = {p: s for s, p in place.items()}  # place -> slot (places between: none)
     m = max(len(rows_of[s]) for s in group)
@@ -201,8 +185,6 @@ def _make_run(
         rank=r,
         row0=row0,
         stride=stride,
-        weight_rows=None if weight_rows is None else tensor(weight_rows),
-        weight_keep=None if weight_keep is None else tensor(weight_keep, torch.bool)[:, None],
         m=m,
         rows=tensor(rows),
         row_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
@@ -253,16 +235,16 @@ def _operand(src: torch.Tensor, run: _Run) -> torch.Tensor:
 
 
 def _places(arena: torch.Tensor, run: _Run) -> torch.Tensor:
-    """The run's weights out of an arena laid out [P, cols] (rank rows first): [r, cols]
-    for one place, [k, r, cols] for several; a view unless the run gathers."""
-    if run.weight_rows is not None:
-        w = arena.index_select(0, run.weight_rows)  # [k*r, cols]
-        w = torch.where(run.weight_keep, w, 0)  # rows past a slot's rank: not its weights
-        return w if run.single else w.view(run.k, run.rank, w.shape[1])
-    span = _cut(arena, 0, run.row0, run.row0 + run.k * run.stride)
+    """The run's weights out of an arena laid out [P, cols] (rank rows first), a view:
+    [r, cols] for one place, [k, r, cols] for several (place i at row0 + i*stride)."""
     if run.single:
-        return span
-    return _cut(span.view(run.k, run.stride, span.shape[1]), 1, 0, run.rank)
+        return _cut(arena, 0, run.row0, run.row0 + run.rank)
+    row, col = arena.stride()
+    return arena.as_strided(
+        (run.k, run.rank, arena.shape[1]),
+        (run.stride * row, row, col),
+        arena.storage_offset() + run.row0 * row,
+    )
 
 
 def _matmul(p: torch.Tensor, w_t: torch.Tensor, run: _Run) -> torch.Tensor:
@@ -292,8 +274,21 @@ def lora_shrink(
         return out
     if seg.graph_safe:
         return _shrink_per_token(x, a, seg, max_rank, out)
-    for run in _plan(seg, arena_rows, num_slices * a.shape[2] * a.element_size(), x.device):
+    plan = _plan(seg, arena_rows, num_slices * a.shape[2] * a.element_size(), x.device)
+    rank_major = a.stride(0) == a.shape[2] and a.stride(1) == num_slices * a.shape[2]
+    for run in plan:
         xs = _operand(x, run)  # [n or k*m, in]
+        if rank_major:  # every slice of a place is one [r * num_slices, in] block: one matmul
+            w = _places(a.permute(1, 0, 2).reshape(arena_rows, -1), run)  # [(k,) r, ns*in]
+            w = w.unflatten(-1, (num_slices, a.shape[2])).flatten(-3, -2)  # [(k,) r*ns, in]
+            res = _matmul(xs, w.transpose(-1, -2), run)  # [n, r*ns], (c, j) order
+            dst = _cut(out.view(out.shape[0], num_slices, max_rank), 2, 0, run.rank)
+            src = res.view(-1, run.rank, num_slices).transpose(1, 2)  # [n, ns, r]
+            if run.row_range is not None:
+                _cut(dst, 0, *run.row_range).copy_(src)
+            else:
+                dst.index_copy_(0, run.rows, src)
+            continue
         for j in range(num_slices):
             c0 = j * max_rank
             w = _places(a[j], run)  # [(k,) r, in]

@@ -83,7 +83,7 @@ class LoRASlotBuffers:
                 offsets = [0]
                 for n in names:
                     offsets.append(offsets[-1] + shapes[n][1])
-                a = torch.zeros(len(names), self.num_rows, in_f, device=device, dtype=dtype)
+                a = kernels.lora_a_buffer(len(names), self.num_rows, in_f, device, dtype)
                 b = kernels.lora_b_buffer(offsets[-1], self.num_rows, device, dtype)
                 buf = LoRABuffers(a, b, offsets, names, max_rank, self.workspace_cols)
                 groups[group] = buf

@@ -143,15 +143,17 @@ def make_case(
     )
 
 
-def rank_major(b: torch.Tensor) -> torch.Tensor:
-    """The same B arena laid out as the torch path allocates it (kernels.lora_b_buffer)."""
-    return b.t().contiguous().t()
+def rank_major(case: Case) -> Case:
+    """The same arenas laid out as the torch path allocates them (kernels.lora_a_buffer,
+    lora_b_buffer): rank rows first."""
+    a = case.a.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    return dataclasses.replace(case, a=a, b=case.b.t().contiguous().t())
 
 
 def check_backend(backend: str, case: Case) -> None:
-    # B rank rows contiguous (Triton's layout) and rank-major (the torch path's)
+    # slice rows contiguous (Triton's layout) and rank-major (the torch path's)
     _check_case(backend, case)
-    _check_case(backend, dataclasses.replace(case, b=rank_major(case.b)))
+    _check_case(backend, rank_major(case))
 
 
 def _check_case(backend: str, case: Case) -> None:
@@ -221,13 +223,14 @@ def test_shrink_writes_into_a_region_of_the_steps_workspace(backend, graph_safe)
     case = make_case("uniform", 7, "decode", torch.float32, 2, seed=5)
     case = dataclasses.replace(case, seg=dataclasses.replace(case.seg, graph_safe=graph_safe))
     width = case.num_slices * R
-    workspace = torch.zeros(case.x.shape[0], 3 * width, device=TEST_DEVICE)
-    region = workspace[:, width : 2 * width]
-    got = BACKENDS[backend].lora_shrink(case.x, case.a, case.seg, R, out=region)
-    assert got.data_ptr() == region.data_ptr()
-    want = lora_shrink_reference(case.x, case.a, case.seg, R)
-    torch.testing.assert_close(region, want, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
-    assert not workspace[:, :width].any() and not workspace[:, 2 * width :].any()
+    for layout in (case, rank_major(case)):
+        workspace = torch.zeros(case.x.shape[0], 3 * width, device=TEST_DEVICE)
+        region = workspace[:, width : 2 * width]
+        got = BACKENDS[backend].lora_shrink(case.x, layout.a, case.seg, R, out=region)
+        assert got.data_ptr() == region.data_ptr()
+        want = lora_shrink_reference(case.x, case.a, case.seg, R)
+        torch.testing.assert_close(region, want, rtol=SHRINK_TOL[0], atol=SHRINK_TOL[1])
+        assert not workspace[:, :width].any() and not workspace[:, 2 * width :].any()
 
 
 @pytest.mark.parametrize("num_slices", [1, 2, 3])
@@ -284,36 +287,37 @@ def test_torch_plan_follows_refilled_metadata():
 
 
 def test_torch_runs_view_same_rank_neighbours_and_bridge_small_gaps_only():
-    """Rank-16 slots packed side by side: slots 1, 3, 5 share one view run (the unused
-    places between are cheap at this width); a slot far away gets its own run, so its
-    unused neighbours are never read."""
+    """Rank-16 slots packed side by side: slots 1, 4, 5 share one view run (the two
+    unused places between are cheap at this width); a slot far away gets its own run,
+    so its unused neighbours are never read. Slots every other block are one view of
+    stride 32, with no unused place at all."""
     ranks, scalings = (0,) + (16,) * 40, (0.0,) + (1.0,) * 40
     offsets = (0,) + tuple(16 * i for i in range(40))  # slot s at row 16*(s-1)
-    indptr, slots, cpu = (0, 1, 2, 3, 4), (5, 1, 3, 40), torch.device("cpu")
+    indptr, slots, cpu = (0, 1, 2, 3, 4), (5, 1, 4, 40), torch.device("cpu")
     narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 640, 512 * 4, cpu)
     assert [(r.row0, r.k, r.stride) for r in narrow] == [(0, 5, 16), (624, 1, 16)]
-    assert all(r.weight_rows is None for r in narrow)  # views: no weight copied
     wide = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 640, 4 * 4096 * 4, cpu)
-    assert [(r.row0, r.k) for r in wide] == [(0, 1), (32, 1), (64, 1), (624, 1)]
+    # wide rows: the places between cost too much; 1 and 4 are a view of stride 48
+    assert [(r.row0, r.k, r.stride) for r in wide] == [(0, 2, 48), (64, 2, 560)]
+    spaced = sgmv_torch._runs((0, 1, 2, 3), (1, 3, 5), ranks, scalings, offsets, 640,
+                              4 * 4096 * 4, cpu)  # fmt: skip
+    assert [(r.row0, r.k, r.stride) for r in spaced] == [(0, 3, 32)]
 
 
-def test_torch_runs_gather_mixed_ranks_when_the_copy_is_cheap():
-    """Adjacent slots of ranks 8, 64, 16 (or one rank off the grid) cannot be one view:
-    they share one gathered bmm at rank 64 when the copy is small next to a run's fixed
-    cost, and stay apart when it is not."""
-    ranks, scalings, offsets = (0, 8, 64, 16), (0.0, 1.0, 1.0, 1.0), (0, 0, 8, 72)
-    indptr, slots, cpu = (0, 1, 2, 3), (1, 2, 3), torch.device("cpu")
-    narrow = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 88, 512 * 4, cpu)
-    assert [(r.k, r.rank, r.stride) for r in narrow] == [(3, 64, 0)]
-    rows, keep = narrow[0].weight_rows.tolist(), narrow[0].weight_keep[:, 0].tolist()
-    assert rows[:8] == list(range(8)) and keep[:8] == [True] * 8 and not any(keep[8:64])
-    assert rows[64:128] == list(range(8, 72)) and all(keep[64:128])
-    assert max(rows) == 87  # rows past the arena are clamped (and masked)
-    wide = sgmv_torch._runs(indptr, slots, ranks, scalings, offsets, 88, 4 * 4096 * 4, cpu)
-    assert [(r.row0, r.k, r.rank) for r in wide] == [(0, 1, 8), (8, 1, 64), (72, 1, 16)]
-    off_grid = sgmv_torch._runs((0, 1, 2), (1, 2), (0, 8, 8), (0.0, 1.0, 1.0), (0, 0, 12),
-                                20, 512 * 4, cpu)  # fmt: skip
-    assert [(r.k, r.stride) for r in off_grid] == [(2, 0)]
+def test_torch_runs_keep_ranks_apart_and_stride_over_larger_blocks():
+    """Slots of ranks 8, 64, 16 side by side are three runs (past a rank lie another
+    adapter's rows, not zeros); rank-12 slots in 16-row blocks are one view of stride
+    16; same-rank slots closer than their rank are not a view."""
+    cpu, wide = torch.device("cpu"), 512 * 4
+    mixed = sgmv_torch._runs((0, 1, 2, 3), (1, 2, 3), (0, 8, 64, 16), (0.0, 1.0, 1.0, 1.0),
+                             (0, 0, 8, 72), 88, wide, cpu)  # fmt: skip
+    assert sorted((r.row0, r.k, r.rank) for r in mixed) == [(0, 1, 8), (8, 1, 64), (72, 1, 16)]
+    blocks = sgmv_torch._runs((0, 1, 2, 3), (1, 2, 3), (0, 12, 12, 12), (0.0, 1.0, 1.0, 1.0),
+                              (0, 0, 16, 48), 64, wide, cpu)  # fmt: skip
+    assert [(r.row0, r.k, r.stride, r.rank) for r in blocks] == [(0, 4, 16, 12)]
+    close = sgmv_torch._runs((0, 1, 2), (1, 2), (0, 8, 8), (0.0, 1.0, 1.0), (0, 0, 4),
+                             12, wide, cpu)  # fmt: skip
+    assert [(r.row0, r.k) for r in close] == [(0, 1), (4, 1)]
 
 
 def test_dispatch():
