@@ -116,7 +116,8 @@ class AdapterStore:
         self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef]] = {}
         self._listing: list[AdapterInfo] | None = None  # list()'s answer until a change
         self._versions = itertools.count(1)
-        self._retired: dict[tuple[str, int], tuple[ray.ObjectRef, float]] = {}
+        # (name, version) -> (weights, when retired, rank)
+        self._retired: dict[tuple[str, int], tuple[ray.ObjectRef, float, int]] = {}
         self._name_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # lock, holders+waiters
         self._loads = asyncio.Semaphore(MAX_CONCURRENT_LOADS)
         self._resolving: dict[str, asyncio.Future[AdapterInfo]] = {}
@@ -190,18 +191,19 @@ class AdapterStore:
         # a caller that gives up (its request's deadline) leaves the lookup to the others
         return await asyncio.shield(pending)
 
-    async def get_ref(self, name: str, version: int) -> list[ray.ObjectRef]:
-        """The weights of one version, wrapped in a list so Ray hands over the reference,
-        not the value. Raises NotFoundError if that version is gone (unloaded)."""
+    async def get_ref(self, name: str, version: int) -> list[Any]:
+        """[the weights of one version, its rank]: the reference in a list so Ray hands it
+        over, not the value; the rank so a replica reserves exactly its rows before
+        fetching. Raises NotFoundError if that version is gone (unloaded)."""
         self.num_ref_requests += 1
         entry = self._adapters.get(name)
         if entry is not None and entry[0].version == version:
-            return [entry[1]]
+            return [entry[1], entry[0].rank]
         self._prune_retired()
         retired = self._retired.get((name, version))
         if retired is None:
             raise NotFoundError(f"adapter {name!r} version {version} is no longer registered")
-        return [retired[0]]
+        return [retired[0], retired[2]]
 
     async def list(self) -> list[AdapterInfo]:
         if self._listing is None:  # sorted once per change, not once per GET /v1/models
@@ -403,15 +405,13 @@ class AdapterStore:
         """Keep a version that left the registry fetchable for RETIRED_TTL_S, and tell
         replicas (next report) to drop their copies once unused."""
         self._prune_retired()
-        self._retired[(info.name, info.version)] = (ref, time.monotonic())
+        self._retired[(info.name, info.version)] = (ref, time.monotonic(), info.rank)
         self._epoch += 1
         self._removals.append((self._epoch, info.name, info.version))
 
     def _prune_retired(self) -> None:
         now = time.monotonic()
-        self._retired = {
-            k: (ref, t) for k, (ref, t) in self._retired.items() if now - t < RETIRED_TTL_S
-        }
+        self._retired = {k: v for k, v in self._retired.items() if now - v[1] < RETIRED_TTL_S}
 
     def _removed_since(self, seen: tuple[str, int] | None) -> list[tuple[str, int]] | None:
         """[name, version] removed after epoch `seen`; None when the log cannot tell."""

@@ -32,16 +32,25 @@ class ObjectStoreSource:
 
     def __init__(self) -> None:
         self._refs: dict[str, ray.ObjectRef] = {}
+        self._ranks: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def add(self, key: str, ref: ray.ObjectRef) -> None:
+    def add(self, key: str, ref: ray.ObjectRef, rank: int | None = None) -> None:
+        """`rank`, the store's record of it, lets a load reserve rows before fetching."""
         with self._lock:
             self._refs[key] = ref
+            if rank is not None:
+                self._ranks[key] = rank
 
     def remove(self, key: str) -> None:
         """Drop the reference, so the object store can free the weights once unused."""
         with self._lock:
             self._refs.pop(key, None)
+            self._ranks.pop(key, None)
+
+    def rank_of(self, key: str) -> int | None:
+        with self._lock:
+            return self._ranks.get(key)
 
     def __contains__(self, key: str) -> bool:
         with self._lock:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from replica.adapters.host_cache import HostCache
@@ -42,8 +42,12 @@ class Prefetcher:
         loader,
         window: int,
         max_inflight: int,
+        rank_of: Callable[[str], int | None],
     ) -> None:
+        """`rank_of(name)`: an adapter's rank without fetching it (None: unknown), so a
+        load reserves exactly the rows its rank needs."""
         self.pool, self.buffers, self.host_cache, self.loader = pool, buffers, host_cache, loader
+        self.rank_of = rank_of
         self.window, self.max_inflight = window, max_inflight
         self._inflight: dict[str, _InFlight] = {}
         self.loads_started = 0
@@ -114,7 +118,7 @@ class Prefetcher:
                 continue
             # an adapter wanted by an older request stays; one nobody waits for goes first;
             # the slot's block must hold the new adapter's rank
-            rank = self.host_cache.rank_of(name)
+            rank = self.rank_of(name)
             free = [
                 i for i in ending
                 if self.pool.slots[i].adapter not in names[:k] and self.pool.fits(i, rank)
@@ -139,7 +143,7 @@ class Prefetcher:
         return names
 
     def start(self, name: str, protected: set[str] = frozenset()) -> bool:
-        slot = self.pool.reserve(name, protected, self.host_cache.rank_of(name))
+        slot = self.pool.reserve(name, protected, self.rank_of(name))
         if slot is None:
             return False
         self._submit(name, slot)

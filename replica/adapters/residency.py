@@ -65,8 +65,9 @@ class AdapterResidency:
         self.loader = InlineLoader(device) if self.sync else SideStreamLoader(device)
         window = c.max_loras_per_batch if self.sync else c.prefetch_window
         self.prefetcher = Prefetcher(
-            self.pool, slots, self.host_cache, self.loader, window, c.max_loads_in_flight
-        )
+            self.pool, slots, self.host_cache, self.loader, window, c.max_loads_in_flight,
+            self.rank_of,
+        )  # fmt: skip
         self.max_loads_in_flight = c.max_loads_in_flight
         self.unloading: set[str] = set()  # refused for new requests; weights go when unused
 
@@ -108,6 +109,15 @@ class AdapterResidency:
                 self.source.remove(name)
                 self.host_cache.drop(name)
                 self.unloading.discard(name)
+
+    def rank_of(self, name: str) -> int | None:
+        """`name`'s rank without fetching it: the host copy's, else the source's record."""
+        rank = self.host_cache.rank_of(name)
+        if rank is not None:
+            return rank
+        if name == BASE_KEY:
+            return 0
+        return getattr(self.source, "rank_of", lambda _: None)(name)
 
     def tier(self, name: str) -> str:
         """Where `name` is now: "device" (a slot, ready or loading), "host", or "miss"."""

@@ -9,6 +9,7 @@ source, the object store, is adapters/object_store.py.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -42,6 +43,10 @@ class AdapterSource(Protocol):
 
     def remove(self, name: str) -> None:
         """Forget `name` (unloaded)."""
+
+    def rank_of(self, name: str) -> int | None:
+        """`name`'s rank without fetching its weights, None when that is not known: a
+        load then reserves rows for max_lora_rank."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,14 @@ class PeftDirectorySource:
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
         return load_peft_adapter(self.paths[name], self.spec, self.max_lora_rank, name)
+
+    def rank_of(self, name: str) -> int | None:
+        """`r` of the directory's adapter_config.json (a small read, no weights)."""
+        try:
+            config = json.loads((Path(self.paths[name]) / "adapter_config.json").read_text())
+            return int(config["r"])
+        except (KeyError, OSError, ValueError, TypeError):
+            return None
 
     def locate(self, name: str) -> PeftDirectoryLocator:
         path = str(self.paths[name])

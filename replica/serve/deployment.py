@@ -139,8 +139,8 @@ class LoRAReplica:
         return key
 
     async def _fetch_ref(self, adapter: AdapterKey) -> None:
-        [ref] = await self.store.get_ref.remote(adapter.name, adapter.version)
-        self.source.add(str(adapter), ref)
+        ref, rank = await self.store.get_ref.remote(adapter.name, adapter.version)
+        self.source.add(str(adapter), ref, rank)
 
     async def _report(self, stats: dict[str, Any]) -> None:
         """Report to the store; drop references to adapter versions it no longer holds.

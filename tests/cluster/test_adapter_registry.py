@@ -113,7 +113,8 @@ def test_an_unregistered_adapter_in_a_root_is_registered_on_first_request(tiny, 
         assert info.path == str((root / "adapter-01").resolve())
         assert await store.resolve("adapter-01") == info  # registered: no second lookup
         assert [i.name for i in await store.list()] == ["adapter-01"]
-        assert await store.get_ref("adapter-01", info.version)
+        ref, rank = await store.get_ref("adapter-01", info.version)
+        assert ref is not None and rank == 16  # replicas reserve rows by it before fetching
         # as an explicit load would: taken, so a plain load of the name is refused
         with pytest.raises(BadRequestError, match="already registered"):
             await store.register("adapter-01", str(root / "adapter-01"))

@@ -181,3 +181,20 @@ def peft_rank(path) -> int:
     import json
 
     return json.loads((path / "adapter_config.json").read_text())["r"]
+
+
+def test_a_load_reserves_its_rank_before_the_weights_are_in_host_memory(tiny):
+    """With nothing staged in host memory the rank comes from the source's record
+    (adapter_config.json here, the AdapterStore in a cluster): a rank-8 adapter's first
+    load takes 8 rows, not a max-rank block."""
+    cfg = EngineConfig(
+        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=3
+    )
+    eng = LLMEngine(cfg)
+    path = next(p for p in tiny.adapters.values() if peft_rank(p) == 8)
+    eng.load_adapter("r8", path)
+    eng.adapters.host_cache.drop("r8")  # as a host cache under pressure would
+    assert eng.adapters.host_cache.rank_of("r8") is None and eng.adapters.rank_of("r8") == 8
+    eng.generate([([5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "r8")])
+    slot = eng.adapters.pool.slots[eng.adapters.pool.ready_slot("r8")]
+    assert (slot.rows, eng.adapters.pool.rows_used) == (8, 8)
