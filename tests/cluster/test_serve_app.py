@@ -33,7 +33,7 @@ from cluster.cli import main
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
-from tests.conftest import tiny_assets
+from tests.conftest import QUICK_STOP, tiny_assets
 
 pytestmark = pytest.mark.serve
 
@@ -80,7 +80,10 @@ def _config(assets, port: int, max_replicas: int = 2, target: int = 8) -> dict:
                             "max_replicas": max_replicas,
                             "target_ongoing_requests": target,
                         },
-                    }
+                        **QUICK_STOP,
+                    },
+                    {"name": "AdapterStore", **QUICK_STOP},
+                    {"name": "Ingress", **QUICK_STOP},
                 ],
             }
         ],
@@ -657,9 +660,8 @@ def _joined_config(assets, port: int) -> dict:
     app = config["applications"][0]
     app.update(name="joined", route_prefix="/joined")
     app["args"]["adapters"] = {}
-    app["deployments"] = [
-        {"name": "LoRAReplica", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}
-    ]
+    replica = {"name": "LoRAReplica", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}
+    app["deployments"] = [{**replica, **QUICK_STOP}, *app["deployments"][1:]]  # store, ingress
     return config
 
 

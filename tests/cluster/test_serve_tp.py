@@ -24,7 +24,7 @@ from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.executor.tp_group import RANK_ACTOR_PREFIX
 from replica.wire import SamplingParams
-from tests.conftest import tiny_assets
+from tests.conftest import QUICK_STOP, tiny_assets
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
@@ -50,7 +50,8 @@ def cluster(assets):
     engine = {"model": str(assets.model_dir), "device": "cpu", "tp_size": 2,
               "num_slots": 3, "kv_cache_bytes": 16 * 2**20}  # fmt: skip
     deployment = {"name": "LoRAReplica", "num_replicas": 1, "health_check_period_s": 1,
-                  "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 2}  # fmt: skip
+                  "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 2,
+                  **QUICK_STOP}  # fmt: skip
     config = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
@@ -58,7 +59,8 @@ def cluster(assets):
             "name": "lorafleet", "route_prefix": "/", "import_path": "cluster.app:build_app",
             "args": {"engine": engine, "served_model_name": "tiny-base",
                      "adapters": {n: str(assets.adapters[n]) for n in ADAPTERS}},
-            "deployments": [deployment],
+            "deployments": [deployment, {"name": "AdapterStore", **QUICK_STOP},
+                            {"name": "Ingress", **QUICK_STOP}],
         }],
     }  # fmt: skip
     try:

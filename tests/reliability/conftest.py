@@ -22,7 +22,7 @@ import ray
 from ray import serve
 
 from cluster import serving
-from tests.conftest import tiny_assets
+from tests.conftest import QUICK_STOP, tiny_assets
 
 API_KEY = "test-key-0123456789"
 KEY_ENV = "LORAFLEET_TEST_ADMIN_KEY"
@@ -94,8 +94,10 @@ def app_config(assets, port: int, adapter_limit: int) -> dict[str, Any]:
                         "max_ongoing_requests": MAX_ONGOING,
                         "ray_actor_options": {"num_cpus": 1},
                         "health_check_period_s": 1,
+                        **QUICK_STOP,
                     },
-                    {"name": "AdapterStore", "health_check_period_s": 1},
+                    {"name": "AdapterStore", "health_check_period_s": 1, **QUICK_STOP},
+                    {"name": "Ingress", **QUICK_STOP},
                 ],
             }
         ],
