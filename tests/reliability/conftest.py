@@ -202,14 +202,15 @@ def _idle(s: dict) -> bool:
     )
 
 
-def wait_healthy(cluster, timeout_s: float = 120.0) -> None:
-    """Until the app is RUNNING with both replicas up and answering."""
+def wait_healthy(cluster, timeout_s: float = 120.0, headers: dict | None = None) -> None:
+    """Until the app is RUNNING with both replicas up and answering. `headers`: the key,
+    on an app that wants one for inference."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         app = serve.status().applications.get("lorafleet")
         replicas = app.deployments["LoRAReplica"].replica_states if app else {}
         if app and app.status == "RUNNING" and replicas.get("RUNNING", 0) == 2:
-            if complete(cluster, "tiny-base").status_code == 200:
+            if complete(cluster, "tiny-base", headers=headers).status_code == 200:
                 return
         time.sleep(0.5)
     raise AssertionError(f"app not healthy after {timeout_s} s: {serve.status()}")

@@ -3,33 +3,127 @@ the config required for inference too (api_key_for_inference), which then takes 
 over the environment's key. A deploy costs ~25 s here and putting the app back as much:
 one redeploy for the module, not one per setting (that was ~50 s more per run). So every
 request here carries the config's key, and asks for a few tokens at most where it is to
-finish within the deadline."""
+finish within the deadline.
+
+GET /health is here too: 200 while a replica can serve, 503 (OpenAI body) once none can,
+found without sending a generation; and 200 again when replicas are back. Bringing them
+back starts two replicas, as the module's redeploy does: its test brings them back with
+the module's settings, and that is the module's redeploy (a test of its own put the app
+back first, then the module redeployed it: ~25 s more)."""
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
+from ray import serve
 
+from cluster import serving
+from router.ingress import HEALTH_MAX_REPORT_AGE_S
 from tests.reliability.conftest import ADMIN, complete, post, redeploy, wait_healthy
+from tests.reliability.test_bad_input import assert_openai_error
 from tests.reliability.test_faults import LONG, _aborted
 
 pytestmark = pytest.mark.serve
 
 CONFIG_KEY = "config-key-9876543210"
 KEYED = {"Authorization": f"Bearer {CONFIG_KEY}"}
+SETTINGS = {"request_timeout_s": 1.0, "api_key": CONFIG_KEY, "api_key_for_inference": True}
 
 
 @pytest.fixture(scope="module")
-def strict(cluster) -> Iterator[dict[str, Any]]:
-    redeploy(cluster, request_timeout_s=1.0, api_key=CONFIG_KEY, api_key_for_inference=True)
-    yield cluster
-    redeploy(cluster)  # put back
-    wait_healthy(cluster)
-    assert complete(cluster, "adapter-00").status_code == 200  # no key needed again
+def deploy_settings(cluster) -> Iterator[Callable[[], None]]:
+    """Redeploys the app with SETTINGS and waits for its two replicas; once it has, the app
+    is put back after the module's last test."""
+    deployed = []
+
+    def deploy() -> None:
+        deployed.append(True)
+        redeploy(cluster, timeout_s=240, **SETTINGS)  # all four replicas start again
+        wait_healthy(cluster, headers=KEYED)
+
+    yield deploy
+    if deployed:
+        redeploy(cluster)  # put back
+        wait_healthy(cluster)
+        assert complete(cluster, "adapter-00").status_code == 200  # no key needed again
+
+
+@pytest.fixture
+def strict(cluster, deploy_settings) -> dict[str, Any]:
+    """The app with SETTINGS: deployed by the first test that needs it, unless /health's
+    test brought the replicas back with them."""
+    if not _settings_deployed():
+        deploy_settings()
+    return cluster
+
+
+def _settings_deployed() -> bool:
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()["applications"]["lorafleet"]
+    args = details["deployed_app_config"]["args"]
+    return all(args.get(k) == v for k, v in SETTINGS.items())
+
+
+# -- /health: no replica, then replicas back (with SETTINGS) -----------------------------------
+
+
+def _health(cluster) -> httpx.Response:
+    return httpx.get(cluster["url"] + "/health", timeout=30)
+
+
+def _await_health(cluster, status: int, timeout_s: float) -> httpx.Response:
+    """Poll /health until it answers `status`; the last answer either way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = _health(cluster)
+        if r.status_code == status or time.monotonic() > deadline:
+            return r
+        time.sleep(0.5)
+
+
+def _running_replicas() -> int:
+    app = serve.status().applications["lorafleet"]
+    return app.deployments["LoRAReplica"].replica_states.get("RUNNING", 0)
+
+
+def test_health_is_503_with_no_replica_and_200_once_they_are_back(cluster, deploy_settings):
+    assert _health(cluster).json() == {"status": "ok"}
+    # Serve's config allows no num_replicas of 0: autoscaling down to zero instead, with
+    # no traffic to scale it up again (/health sends none)
+    config = copy.deepcopy(cluster["config"])
+    [replica] = [d for d in config["applications"][0]["deployments"] if d["name"] == "LoRAReplica"]
+    del replica["num_replicas"]
+    replica["autoscaling_config"] = {
+        "min_replicas": 0,
+        "initial_replicas": 0,
+        "max_replicas": 2,
+        "downscale_delay_s": 0,
+        "downscale_to_zero_delay_s": 0,
+    }
+    try:
+        serving.deploy(config, timeout_s=120)
+        deadline = time.monotonic() + 60
+        while _running_replicas() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _running_replicas() == 0, serve.status()
+        # the last reports age out within HEALTH_MAX_REPORT_AGE_S
+        r = _await_health(cluster, 503, HEALTH_MAX_REPORT_AGE_S + 10)
+        assert r.status_code == 503, r.text
+        assert "no replica can serve" in assert_openai_error(r)["message"]
+    finally:
+        deploy_settings()  # two replicas again, with this module's settings
+    r = _await_health(cluster, 200, 30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+
+
+# -- the settings --------------------------------------------------------------------------
 
 
 def test_a_request_past_its_deadline_is_504_and_aborted(strict):
