@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 
 from cluster import serving
 from cluster.cli import main
+from cluster.demo import showcase
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
@@ -362,6 +363,19 @@ def test_models_lists_base_and_adapters(cluster, client):
     assert models["adapter-00"].model_extra["parent"] == "tiny-base"
 
 
+def test_showcase_of_a_server_without_a_key(cluster, capsys):
+    """What `lorafleet up` shows once an app without a key runs (the trained demo's `up`
+    test runs one with a key): every model answers the showcase's requests, sent together
+    without a key, and the commands printed to try more carry none."""
+    names = showcase.show(cluster["url"], "the cat sat on", max_tokens=3)
+    out = capsys.readouterr().out
+    assert names[0] == "tiny-base" and set(PRELOADED) <= set(names)
+    assert f"{len(names)} requests sent together, prompt 'the cat sat on':" in out
+    assert all(f" {name} | " in out for name in names) and "<HTTP" not in out, out
+    tried = showcase.try_it(cluster["url"], names[-1], "the cat sat on")
+    assert "api_key='none'" in tried and "Authorization" not in tried
+
+
 def test_unknown_model_is_404_pointing_to_the_model_list(cluster):
     r = _post(cluster, "/v1/completions", {"model": "nope", "prompt": "hi"})
     assert r.status_code == 404
@@ -672,11 +686,13 @@ def _up(*args: str) -> list[str]:
 def test_up_joining_a_cluster_adds_its_app_and_removes_only_that(cluster, assets, tmp_path):
     """`lorafleet up --address` beside an application deployed earlier: another HTTP port
     is refused in one line before anything deploys; its own app is served beside the
-    other and is all it removes when stopped."""
+    other and is all it removes when stopped. Its app has no key: the commands it prints
+    carry none (the trained demo's `up` test runs with one)."""
     address = ray.get_runtime_context().gcs_address
     path = tmp_path / "joined.yaml"
     path.write_text(yaml.safe_dump(_joined_config(assets, cluster["port"])))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LORAFLEET_API_KEY", None)
     other_port = str(_free_port())
     refused = subprocess.run(
         _up("--address", address, "--config", str(path), "--port", other_port),
@@ -696,13 +712,14 @@ def test_up_joining_a_cluster_adds_its_app_and_removes_only_that(cluster, assets
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not any("try it" in x for x in lines):
-            line = proc.stdout.readline()
+        while time.monotonic() < deadline and not any(".choices[0].text)" in x for x in lines):
+            line = proc.stdout.readline()  # up to the last line of the commands it prints
             if not line:
                 break
             lines.append(line)
         out = "".join(lines)
         assert f"serving at http://127.0.0.1:{cluster['port']}/joined" in out, out[-3000:]
+        assert "try it" in out and "api_key='none'" in out and "Authorization" not in out, out
         apps = serve.status().applications
         assert apps["joined"].status == "RUNNING" and apps["lorafleet"].status == "RUNNING"
         r = httpx.get(f"{cluster['url']}/joined/v1/models", timeout=30)
