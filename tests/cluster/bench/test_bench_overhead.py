@@ -14,14 +14,18 @@ from cluster.cli import main
 @pytest.mark.slow
 @pytest.mark.serve
 def test_quick_run_measures_both_arms(tmp_path, capsys):
+    """--replicas 1: one replica process fewer to start than the default 2 (the HTTP arm's
+    deployment is most of this test's time), and the flag is checked too."""
     out = tmp_path / "overhead.json"
-    assert main(["bench", "overhead", "--quick", "--num-cpus", "2", "--json", str(out)]) == 0
+    argv = ["bench", "overhead", "--quick", "--num-cpus", "2", "--replicas", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["engine_tok_per_s"] > 0 and report["http_tok_per_s"] > 0
     assert report["http_over_engine"] == pytest.approx(
         report["http_tok_per_s"] / report["engine_tok_per_s"]
     )
-    assert report["sizes"] == overhead.QUICK.__dict__ and report["num_cpus"] == 2
+    assert report["sizes"] == {**overhead.QUICK.__dict__, "replicas": 1}
+    assert report["num_cpus"] == 2
     assert "http_over_engine" in capsys.readouterr().out
 
 
