@@ -19,6 +19,7 @@ from cluster.bench.suite import (
     QUICK,
     RESULTS_BEGIN,
     RESULTS_END,
+    STOP_POLL_S,
     VARIANTS,
     Run,
     RunResult,
@@ -84,6 +85,9 @@ def test_every_variant_config_builds_with_its_settings():
     for v in VARIANTS:
         config = bench_suite._serve_config(v, QUICK, 8123)
         ServeDeploySchema.model_validate(config)
+        deployments = config["applications"][0]["deployments"]
+        assert {d["name"] for d in deployments} == {"LoRAReplica", "AdapterStore", "Ingress"}
+        assert all(d["graceful_shutdown_wait_loop_s"] == STOP_POLL_S for d in deployments)
         args = config["applications"][0]["args"]
         app_config = AppConfig.model_validate(args)
         assert app_config.demo_adapters == QUICK.adapters
