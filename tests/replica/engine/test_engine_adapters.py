@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -17,6 +18,7 @@ from replica.engine.sequence import SeqStatus, Sequence
 from replica.model.lora_slots import SlotTable
 from replica.model.spec import load_model_spec
 from replica.wire import SamplingParams
+from tests.conftest import tiny_assets
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -44,6 +46,10 @@ def engine(assets, source=None, **kw) -> LLMEngine:
     return LLMEngine(cfg, source or SlowSource(assets))
 
 
+def rank(assets, name: str) -> int:
+    return json.loads((assets.adapters[name] / "adapter_config.json").read_text())["r"]
+
+
 def prompt(i: int, n: int = 8) -> list[int]:
     return [(7 * i + 3 * j) % 500 + 3 for j in range(n)]
 
@@ -59,9 +65,10 @@ def run(eng: LLMEngine, max_steps: int = 2000, check=None) -> None:
 
 
 def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
-    """More adapters than fit: after every step, each running sequence's adapter rows hold
-    exactly its adapter's weights, and slot 0 has rank 0."""
-    eng = engine(tiny, num_slots=3, max_loras_per_batch=2, host_cache_bytes=0)
+    """More adapters than fit (ranks 8 + 16 + 32 share the one rank-64 block adapter-03
+    needs alone): after every step, each running sequence's adapter rows hold exactly its
+    adapter's weights, and slot 0 has rank 0."""
+    eng = engine(tiny, num_slots=2, max_loras_per_batch=2, host_cache_bytes=0)
     names = list(tiny.adapters)
     reference = {n: eng.adapters.source.fetch(n) for n in names}
     seqs = [
@@ -186,13 +193,15 @@ def test_base_slot_unpinned_ablation_still_correct(tiny):
 def test_a_batch_ending_at_once_hands_its_slots_to_the_next_adapters(tiny):
     """Every request has the same length, so a whole batch ends in one step. The slots it
     frees start loading the waiting requests' adapters during that last step, layer by
-    layer behind the forward; the tokens stay each request's solo tokens."""
-    names = list(tiny.adapters)
-    eng = engine(tiny, num_slots=3, max_loras_per_batch=2)
+    layer behind the forward; the tokens stay each request's solo tokens. Adapters of
+    rank 64 in two rank-64 blocks: each batch's blocks are what the next batch needs."""
+    many = tiny_assets("llama", num_adapters=16)
+    names = [n for n in many.adapters if rank(many, n) == 64]
+    eng = engine(many, num_slots=3, max_loras_per_batch=2)
     seqs = [eng.add_request(prompt(i), GREEDY, names[i % len(names)]) for i in range(8)]
     run(eng, check=eng.adapters.pool.check_integrity)
     assert eng.adapters.prefetcher.handovers >= 2
-    alone = engine(tiny, num_slots=6)
+    alone = engine(many, num_slots=6)
     for s in seqs:
         assert s.output_ids == alone.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
 
@@ -239,8 +248,8 @@ def test_more_waiting_requests_than_the_window_do_not_livelock(tiny):
 
 
 def test_telemetry_counts_lookups_useful_loads_and_load_latencies(tiny):
-    eng = engine(tiny, num_slots=2)  # one adapter slot
-    a, b, c = list(tiny.adapters)[:3]
+    eng = engine(tiny, num_slots=2)  # one rank-64 block: adapter-03 fills it alone
+    c, b, a = list(tiny.adapters)[1:]
     for i, name in enumerate([a, a, b, a]):  # miss, device, miss (evicts a), host
         eng.add_request(prompt(i), GREEDY, name)
         run(eng)

@@ -230,7 +230,7 @@ def test_model_variants_equal_tp1(arch, overrides):
 def test_adapter_churn_keeps_every_rank_on_rank0s_slots(tiny):
     """More adapters than slots, no host cache: every load, eviction and reload is decided
     by rank 0 and applied by rank 1 to the same slot."""
-    two = engine(tiny, tp_size=2, num_slots=3, max_loras_per_batch=2, host_cache_bytes=0)
+    two = engine(tiny, tp_size=2, num_slots=2, max_loras_per_batch=2, host_cache_bytes=0)
     try:
         names = [None if i % 5 == 4 else list(tiny.adapters)[i % 4] for i in range(16)]
         lengths = [8 + i % 5 for i in range(16)]

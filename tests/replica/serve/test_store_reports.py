@@ -27,7 +27,7 @@ class Store:
 
     @property
     def get_ref(self) -> Any:
-        return _Remote(lambda name, version: [self.refs[(name, version)]])
+        return _Remote(lambda name, version: [self.refs[(name, version)], 8])  # ref, rank
 
     def _report(self, replica_id: str, stats: dict, seen: Any) -> dict:
         self.seen.append(seen)
