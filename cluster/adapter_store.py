@@ -115,6 +115,7 @@ class AdapterStore:
         self.resolve_allow = tuple(resolve_allow)
         self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef]] = {}
         self._listing: list[AdapterInfo] | None = None  # list()'s answer until a change
+        self._changes = 0  # registry changes so far: listing()'s tag
         self._versions = itertools.count(1)
         # (name, version) -> (weights, when retired, rank)
         self._retired: dict[tuple[str, int], tuple[ray.ObjectRef, float, int]] = {}
@@ -166,7 +167,7 @@ class AdapterStore:
             entry = self._adapters.pop(name, None)
             if entry is None:
                 raise NotFoundError(self._not_found(name))
-            self._listing = None
+            self._changed()
             self._retire(*entry)
             self._kv_delete(name)
             return entry[0]
@@ -206,9 +207,19 @@ class AdapterStore:
         return [retired[0], retired[2]]
 
     async def list(self) -> list[AdapterInfo]:
-        if self._listing is None:  # sorted once per change, not once per GET /v1/models
+        """Every registered adapter, sorted by name (once per change, not once per call)."""
+        if self._listing is None:
             self._listing = sorted((i for i, _ in self._adapters.values()), key=lambda i: i.name)
         return self._listing
+
+    async def listing(
+        self, known: tuple[str, int] | None = None
+    ) -> tuple[tuple[str, int], list[AdapterInfo] | None]:
+        """(tag, list()), or (tag, None) when `known` is the tag already: a caller that
+        keeps its last answer moves the registry only when it changed, so GET /v1/models
+        with 10,000 adapters costs a call, not 10,000 entries pickled and rendered."""
+        tag = (self.incarnation, self._changes)
+        return tag, (None if known == tag else await self.list())
 
     async def live_versions(self) -> dict[str, int]:
         return self._live_versions()
@@ -264,6 +275,10 @@ class AdapterStore:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _changed(self) -> None:
+        self._listing = None
+        self._changes += 1
+
     def _live_versions(self) -> dict[str, int]:
         return {name: info.version for name, (info, _) in self._adapters.items()}
 
@@ -301,7 +316,7 @@ class AdapterStore:
         old = self._adapters.get(info.name)
         self._adapters[info.name] = (info, loaded.ref)
         self.num_puts += 1  # counted here, in the event loop: loads run on threads
-        self._listing = None
+        self._changed()
         if old is not None:
             self._retire(*old)
         if version is None:

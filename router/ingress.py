@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import context as serve_context
@@ -396,6 +396,7 @@ class Ingress:
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
         self.metrics = IngressMetrics()
+        self._models_body: tuple[Any, bytes] | None = None  # (store's listing tag, body)
 
     # -- service -------------------------------------------------------------------------------
 
@@ -422,11 +423,19 @@ class Ingress:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._api_key):
             raise UnauthorizedError("a valid API key is required (Authorization: Bearer KEY)")
 
-    @app.get("/v1/models")
-    async def models(self, authorization: str | None = AUTHORIZATION) -> p.ModelList:
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def models(self, authorization: str | None = AUTHORIZATION) -> Response:
+        """The base model and every adapter. The body is rendered once per registry
+        change (the store's listing tag) and kept: with thousands of adapters a GET
+        costs one small store call, not a list pickled, validated and rendered."""
         self._authorize(authorization, admin=False)
-        cards = [self._adapter_card(a) for a in await self.store.list.remote()]
-        return p.ModelList(data=[self._base_card(), *cards])
+        known = self._models_body[0] if self._models_body is not None else None
+        tag, infos = await self.store.listing.remote(known)
+        if infos is not None or self._models_body is None:
+            cards = [self._adapter_card(a) for a in infos or ()]
+            body = p.ModelList(data=[self._base_card(), *cards]).model_dump_json()
+            self._models_body = (tag, body.encode())
+        return Response(self._models_body[1], media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, authorization: str | None = AUTHORIZATION) -> p.ModelCard:

@@ -67,6 +67,7 @@ class FakeStore:
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     reports: dict[str, dict] = field(default_factory=lambda: {"r1": {"age_s": 0.2}})
     fail: Exception | None = None  # raised by every call
+    listings_sent: int = 0
 
     def __getattr__(self, name: str) -> _Method:
         return _Method(getattr(self, f"_{name}"))
@@ -75,9 +76,14 @@ class FakeStore:
         if self.fail is not None:
             raise self.fail
 
-    def _list(self) -> list[AdapterInfo]:
+    def _listing(self, known: Any = None) -> tuple[Any, list[AdapterInfo] | None]:
+        """AdapterStore.listing: the list only when the registry changed since `known`."""
         self._check()
-        return sorted(self.adapters.values(), key=lambda a: a.name)
+        tag = tuple(sorted((a.name, a.version) for a in self.adapters.values()))
+        if known == tag:
+            return tag, None
+        self.listings_sent += 1
+        return tag, sorted(self.adapters.values(), key=lambda a: a.name)
 
     def _resolve(self, name: str) -> AdapterInfo:
         self._check()
@@ -509,6 +515,22 @@ def test_generation_still_answers(client, replicas, tokenizer):
     assert body["choices"][0]["stop_reason"] is None
     assert body["created"] >= int(started) - 1
     assert replicas.requests[0].prompt_ids == tokenizer("hello there")["input_ids"]
+
+
+def test_models_lists_10000_adapters_and_renders_them_once_per_change(client, store):
+    for i in range(10_000):
+        store.adapters[f"customer-{i:05d}"] = AdapterInfo(f"customer-{i:05d}", 1, f"/a/{i}")
+    first = client.get("/v1/models")
+    assert first.status_code == 200 and first.headers["content-type"] == "application/json"
+    data = first.json()["data"]
+    assert [m["id"] for m in data] == [BASE, *sorted(store.adapters)]  # the fixture's ad-1 too
+    assert len(data) == 1 + 10_001
+    assert {m["parent"] for m in data[1:]} == {BASE} and data[0]["parent"] is None
+    assert client.get("/v1/models").content == first.content
+    assert store.listings_sent == 1  # the second GET got the tag back, not 10,000 entries
+    del store.adapters["customer-00000"]
+    assert len(client.get("/v1/models").json()["data"]) == 1 + 10_000
+    assert store.listings_sent == 2
 
 
 def test_an_unknown_model_404_names_it_not_every_adapter(client, store):
