@@ -354,8 +354,8 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
         names = showcase.model_names(url, key)
     else:
         names = showcase.show(url, prompt, notes=notes, api_key=key)
-    key_env = serving.api_key_env(config) if key is not None else None
-    print(showcase.try_it(url, names[-1], prompt, key_env), flush=True)
+    key_env, exported = serving.key_for_commands(config)
+    print(showcase.try_it(url, names[-1], prompt, key_env, exported), flush=True)
 
 
 def _deploy(args: argparse.Namespace) -> int:

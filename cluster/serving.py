@@ -185,6 +185,17 @@ def client_api_key(config: dict[str, Any]) -> str | None:
     return runtime.get(env) or os.environ.get(env) or None
 
 
+def key_for_commands(config: dict[str, Any]) -> tuple[str | None, bool]:
+    """The variable commands printed for users read the API key from (None: no key is
+    required), and whether this process's environment holds the key there: not when the
+    key comes from the config's api_key or its runtime_env."""
+    key = client_api_key(config)
+    if key is None:
+        return None, True
+    env = api_key_env(config)
+    return env, os.environ.get(env) == key
+
+
 def api_key_env(config: dict[str, Any]) -> str:
     """The environment variable the first application's Ingress reads its key from."""
     args = config["applications"][0].get("args") or {}
@@ -232,10 +243,10 @@ def connect(address: str | None, num_cpus: int | None = None, log_to_driver: boo
     """Join the cluster at `address` ('auto': the local one), or start a fresh local Ray
     (never a leftover one that RAY_ADDRESS or Ray's last-cluster file points at).
     log_to_driver=False keeps the actors' logs in Ray's log files only."""
+    if address and num_cpus is not None:  # refused even when this process has a Ray
+        raise ServeConfigError("--num-cpus sizes a Ray started here: leave it out with --address")
     if ray.is_initialized():
         return
-    if address and num_cpus is not None:
-        raise ServeConfigError("--num-cpus sizes a Ray started here: leave it out with --address")
     if address:
         try:
             ray.init(address=address, namespace="serve", log_to_driver=log_to_driver)

@@ -71,14 +71,25 @@ def show(
     return [m for m, _ in results]
 
 
-def try_it(url: str, model: str, prompt: str = PROMPT, key_env: str | None = None) -> str:
+def try_it(
+    url: str,
+    model: str,
+    prompt: str = PROMPT,
+    key_env: str | None = None,
+    key_exported: bool = True,
+) -> str:
     """How to send requests yourself; on a secured server the commands read the key from
-    the environment variable `key_env` (the key itself is never printed)."""
+    the environment variable `key_env` (the key itself is never printed), and say to set
+    it first when the shell does not hold it (`key_exported` False: the key is the
+    config's api_key or its runtime_env's)."""
     auth = f' -H "Authorization: Bearer ${key_env}"' if key_env else ""
+    first = ""
+    if key_env and not key_exported:
+        first = f"\n  (the key is set in the Serve config, not here: export {key_env}=<key> first)"
     key = f"os.environ['{key_env}']" if key_env else "'none'"
     imports = "import openai, os" if key_env else "import openai"
     return f"""
-try it:
+try it:{first}
   curl {url}/v1/models{auth}
   curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{model}", "prompt": "{prompt}", "max_tokens": 16, "temperature": 0}}'

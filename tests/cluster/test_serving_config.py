@@ -157,3 +157,34 @@ def test_routing_switch_selects_the_request_router(tiny, routing):
     router = _router_class(app)
     name = router if isinstance(router, str) else f"{router.__module__}.{router.__qualname__}"
     assert ("AdapterAffinityRouter" in name) == (routing == "affinity")
+
+
+def test_printed_commands_say_where_the_key_must_come_from(monkeypatch):
+    """The `try it` commands read the key from $LORAFLEET_API_KEY: when the key is the
+    config's api_key (or its runtime_env's), the user's shell does not hold it, and the
+    commands say to export it first rather than fail with 401."""
+    from cluster.demo import showcase
+
+    monkeypatch.delenv("LORAFLEET_API_KEY", raising=False)
+    config = serving.load_config(serving.DEFAULT_CONFIG)
+    args = config["applications"][0]["args"]
+    args.pop("api_key", None)
+    assert serving.key_for_commands(config) == (None, True)
+    args["api_key"] = "in-the-config"
+    assert serving.key_for_commands(config) == ("LORAFLEET_API_KEY", False)
+    monkeypatch.setenv("LORAFLEET_API_KEY", "in-the-config")
+    assert serving.key_for_commands(config) == ("LORAFLEET_API_KEY", True)
+    monkeypatch.setenv("LORAFLEET_API_KEY", "another")  # the config's key wins
+    assert serving.key_for_commands(config) == ("LORAFLEET_API_KEY", False)
+
+    told = showcase.try_it("http://h", "m", "p", "LORAFLEET_API_KEY", key_exported=False)
+    assert "export LORAFLEET_API_KEY=<key> first" in told and "in-the-config" not in told
+    assert "$LORAFLEET_API_KEY" in told
+    assert "export" not in showcase.try_it("http://h", "m", "p", "LORAFLEET_API_KEY")
+
+
+def test_num_cpus_with_an_address_is_refused_even_with_ray_running(monkeypatch):
+    monkeypatch.setattr(serving.ray, "is_initialized", lambda: True)
+    with pytest.raises(serving.ServeConfigError, match="--num-cpus"):
+        serving.connect("auto", num_cpus=2)
+    serving.connect("auto")  # joined already: nothing to do
