@@ -12,11 +12,13 @@ configured resolvers (cluster/resolvers.py), allow-list first; one resolution pe
 at a time, and what it finds is checked and registered exactly as an explicit load.
 
 Every mutation checkpoints what it changed in Ray's GCS key-value store, which outlives
-actors: one key per adapter (name -> path, version, source) and one meta key (preload
-list, versions reserved), so a change writes one key however many adapters there are. A
-store that Serve restarts after a crash re-registers the same adapters under the same
-versions (replicas keep their copies). A checkpoint made under another preload list (the
-config changed) is dropped: the config wins.
+actors: one key per adapter (name -> path, version, source, and what the registry lists:
+rank, modules, bytes) and one meta key (preload list, versions reserved), so a change
+writes one key however many adapters there are. A store that Serve restarts after a
+crash lists the same adapters under the same versions at once, reading no adapter file:
+each is read, checked and put again on its first get_ref (replicas keep the copies they
+hold), and one that no longer checks out is dropped then, with the reason. A checkpoint
+made under another preload list (the config changed) is dropped: the config wins.
 
 Replicas report every stats period with the registry epoch they have seen; the answer
 carries only the versions removed since (unloads, in-place replacements), or the whole
@@ -113,12 +115,13 @@ class AdapterStore:
         self.max_adapter_bytes = max_adapter_bytes
         self.resolvers = list(resolvers)
         self.resolve_allow = tuple(resolve_allow)
-        self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef]] = {}
+        # name -> (info, weights); weights None: restored, not read again yet (get_ref does)
+        self._adapters: dict[str, tuple[AdapterInfo, ray.ObjectRef | None]] = {}
         self._listing: list[AdapterInfo] | None = None  # list()'s answer until a change
         self._changes = 0  # registry changes so far: listing()'s tag
         self._versions = itertools.count(1)
         # (name, version) -> (weights, when retired, rank)
-        self._retired: dict[tuple[str, int], tuple[ray.ObjectRef, float, int]] = {}
+        self._retired: dict[tuple[str, int], tuple[ray.ObjectRef | None, float, int]] = {}
         self._name_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # lock, holders+waiters
         self._loads = asyncio.Semaphore(MAX_CONCURRENT_LOADS)
         self._resolving: dict[str, asyncio.Future[AdapterInfo]] = {}
@@ -199,10 +202,12 @@ class AdapterStore:
         self.num_ref_requests += 1
         entry = self._adapters.get(name)
         if entry is not None and entry[0].version == version:
+            if entry[1] is None:
+                entry = await self._reload(name, version)
             return [entry[1], entry[0].rank]
         self._prune_retired()
         retired = self._retired.get((name, version))
-        if retired is None:
+        if retired is None or retired[0] is None:  # None: restored, unloaded before any use
             raise NotFoundError(f"adapter {name!r} version {version} is no longer registered")
         return [retired[0], retired[2]]
 
@@ -300,19 +305,53 @@ class AdapterStore:
         async with self._loads:
             return await asyncio.to_thread(self._load, name, path, source)
 
-    def _insert(self, loaded: _Loaded, version: int | None = None) -> AdapterInfo:
-        """Register a loaded adapter under a new version (or `version`, restoring),
-        retiring the one it replaces. Synchronous: no request sees a half-done change."""
-        info = AdapterInfo(
+    async def _reload(self, name: str, version: int) -> tuple[AdapterInfo, ray.ObjectRef]:
+        """Read, check and put a restored adapter on its first use (one read however many
+        replicas ask at once); one that no longer checks out is dropped, with the reason."""
+        async with self._name_lock(name):
+            entry = self._adapters.get(name)
+            if entry is None or entry[0].version != version:  # unloaded or replaced meanwhile
+                raise NotFoundError(f"adapter {name!r} version {version} is no longer registered")
+            if entry[1] is not None:  # another caller read it meanwhile
+                return entry
+            info = entry[0]
+            try:
+                async with self._loads:
+                    loaded = await asyncio.to_thread(
+                        self._restore_one, name, info.path, info.source
+                    )
+            except Exception as e:  # gone or changed on disk since it was registered
+                log.warning("adapter %r not restored from %s: %s", name, info.path, e)
+                del self._adapters[name]
+                self._changed()
+                self._kv_delete(name)
+                raise NotFoundError(
+                    f"adapter {name!r} was registered, but after the store's restart its "
+                    f"files no longer check out: {getattr(e, 'message', e)}"
+                ) from None
+            self._adapters[name] = (self._info(loaded, version, info.created), loaded.ref)
+            self.num_puts += 1
+            if self._adapters[name][0] != info:  # the same directory, other weights now
+                self._changed()
+                self._kv_put(self._adapters[name][0])
+            return self._adapters[name]
+
+    def _info(self, loaded: _Loaded, version: int, created: int | None = None) -> AdapterInfo:
+        return AdapterInfo(
             name=loaded.name,
-            version=next(self._versions) if version is None else version,
+            version=version,
             path=loaded.path,
             rank=loaded.rank,
             target_modules=loaded.target_modules,
             nbytes=loaded.nbytes,
-            created=int(time.time()),
+            created=int(time.time()) if created is None else created,
             source=loaded.source,
         )
+
+    def _insert(self, loaded: _Loaded, version: int | None = None) -> AdapterInfo:
+        """Register a loaded adapter under a new version (or `version`, restoring),
+        retiring the one it replaces. Synchronous: no request sees a half-done change."""
+        info = self._info(loaded, next(self._versions) if version is None else version)
         old = self._adapters.get(info.name)
         self._adapters[info.name] = (info, loaded.ref)
         self.num_puts += 1  # counted here, in the event loop: loads run on threads
@@ -416,7 +455,7 @@ class AdapterStore:
     def _not_found(self, name: str) -> str:
         return f"adapter {name!r} is not registered"  # not every name: there may be thousands
 
-    def _retire(self, info: AdapterInfo, ref: ray.ObjectRef) -> None:
+    def _retire(self, info: AdapterInfo, ref: ray.ObjectRef | None) -> None:
         """Keep a version that left the registry fetchable for RETIRED_TTL_S, and tell
         replicas (next report) to drop their copies once unused."""
         self._prune_retired()
@@ -448,7 +487,15 @@ class AdapterStore:
 
         if info.version >= self._reserved:  # reserved before it is handed out: no reuse
             self._kv_put_meta(info.version + VERSION_BLOCK)
-        entry = {"name": info.name, "path": info.path, "version": info.version}
+        entry = {
+            "name": info.name,
+            "path": info.path,
+            "version": info.version,
+            "rank": info.rank,
+            "target_modules": list(info.target_modules),
+            "nbytes": info.nbytes,
+            "created": info.created,
+        }
         if info.source is not None:
             entry["source"] = info.source
         internal_kv._internal_kv_put(
@@ -508,12 +555,24 @@ class AdapterStore:
         for entry in sorted(entries, key=lambda e: e["version"]):
             name, path, version = entry["name"], entry["path"], entry["version"]
             last = max(last, version)
-            try:
-                self._insert(self._restore_one(name, path, entry.get("source")), version)
-                self.num_restored += 1
-            except Exception as e:  # gone or changed on disk since: drop it, keep the rest
-                log.warning("adapter %r not restored from %s: %s", name, path, e)
+            source = entry.get("source")
+            if source is not None and not any(r.kind == source for r in self.resolvers):
+                log.warning("adapter %r not restored: the %s resolver is gone", name, source)
                 self._kv_delete(name)
+                continue
+            try:
+                info = _listed(entry)
+            except (KeyError, TypeError, ValueError):  # an older checkpoint: read it now
+                try:
+                    self._kv_put(self._insert(self._restore_one(name, path, source), version))
+                    self.num_restored += 1
+                except Exception as e:  # gone or changed on disk since: drop it
+                    log.warning("adapter %r not restored from %s: %s", name, path, e)
+                    self._kv_delete(name)
+                continue
+            self._adapters[name] = (info, None)  # read again on first use (_reload)
+            self.num_restored += 1
+        self._changed()
         # past every version handed out before (some were unloaded since: not in `last`)
         self._versions = itertools.count(max(meta["next"], last + 1))
         return True
@@ -537,6 +596,20 @@ class AdapterStore:
         nxt = next(self._versions)
         self._versions = itertools.count(nxt)
         return nxt
+
+
+def _listed(entry: dict[str, Any]) -> AdapterInfo:
+    """The AdapterInfo a checkpoint entry records (KeyError: one from before it did)."""
+    return AdapterInfo(
+        name=entry["name"],
+        version=int(entry["version"]),
+        path=entry["path"],
+        rank=int(entry["rank"]),
+        target_modules=tuple(entry["target_modules"]),
+        nbytes=int(entry["nbytes"]),
+        created=int(entry["created"]),
+        source=entry.get("source"),
+    )
 
 
 def _kv_multi_get(keys: list[bytes]) -> dict[bytes, bytes | None]:

@@ -279,21 +279,37 @@ def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, ro
         await store.unregister("last")
 
     asyncio.run(main())
-    before = {i.name: (i.version, i.path, i.source) for i in run(store.list())}
+    before = run(store.list())
     again = local_store(tiny, root, checkpoint=True, preload=preload)
-    assert {i.name: (i.version, i.path, i.source) for i in run(again.list())} == before
-    assert set(before) == {"pre", "loaded", "adapter-01"} and again.num_restored == 3
+    assert run(again.list()) == before  # versions, paths, sources, ranks, modules, bytes
+    assert {i.name for i in before} == {"pre", "loaded", "adapter-01"}
+    assert again.num_restored == 3 and again.num_puts == 0  # no adapter file read yet
     assert again._peek_version() >= store._peek_version()  # no version is handed out twice
+
+    # each is read and put once, on its first get_ref, however many replicas ask at once
+    loaded = next(i for i in before if i.name == "loaded")
+
+    async def fetch_all():
+        return await asyncio.gather(*(again.get_ref("loaded", loaded.version) for _ in range(5)))
+
+    refs = asyncio.run(fetch_all())
+    assert again.num_puts == 1 and {rank for _, rank in refs} == {loaded.rank}
+    assert len({ref for ref, _ in refs}) == 1 and ray.get(refs[0][0]) is not None
 
     # versions unloaded before the restart are not handed out again either
     assert asyncio.run(again.register("new", str(root / "adapter-00"))).version > 6
 
-    # a checkpoint entry that no longer checks out is dropped, its key too
+    # an entry whose files no longer check out is dropped on first use, its key too
     shutil.rmtree(root / "adapter-01")
     third = local_store(tiny, root, checkpoint=True, preload=preload)
+    gone = next(i for i in run(third.list()) if i.name == "adapter-01")
+    with pytest.raises(NotFoundError, match="no longer check out"):
+        run(third.get_ref("adapter-01", gone.version))
     assert {i.name for i in run(third.list())} == {"pre", "loaded", "new"}
     keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
     assert sorted(keys) == [f"{prefix}adapter/{n}".encode() for n in ("loaded", "new", "pre")]
+    with pytest.raises(NotFoundError):
+        run(third.resolve("adapter-01"))  # its resolver no longer finds it either
 
 
 def test_a_checkpoint_of_another_preload_list_is_dropped(tiny, root, prefix):
@@ -380,7 +396,8 @@ def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, prefi
     """A change writes two checkpoint keys and a replica's report carries that change
     alone, with 4,096 adapters registered; the store's own memory grows by under 4 KiB per
     adapter registered (the weights live in the object store: measured over the last
-    1,024, 3,072 already there), and the listing moves only when the registry changed."""
+    1,024, 3,072 already there), the listing moves only when the registry changed, and a
+    restarted store lists them all without reading an adapter file."""
     store = local_store(tiny, root, checkpoint=True)
     path = str(tiny.adapters["adapter-02"])  # the smallest: q and v only
     store.roots.append(Path(path).parent.resolve())
@@ -425,3 +442,6 @@ def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, prefi
 
     keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
     assert len(keys) == NUM_MANY - 2  # what a restart reads back
+    restarted = local_store(tiny, root, checkpoint=True)  # lists them all, reads no file
+    assert restarted.num_restored == NUM_MANY - 2 and restarted.num_puts == 0
+    assert run(restarted.list()) == run(store.list())
