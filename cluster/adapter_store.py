@@ -324,6 +324,7 @@ class AdapterStore:
                 log.warning("adapter %r not restored from %s: %s", name, info.path, e)
                 del self._adapters[name]
                 self._changed()
+                self._retire(info, None)  # replicas still holding a copy drop it
                 self._kv_delete(name)
                 raise NotFoundError(
                     f"adapter {name!r} was registered, but after the store's restart its "

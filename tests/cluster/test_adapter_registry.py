@@ -303,8 +303,11 @@ def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, ro
     shutil.rmtree(root / "adapter-01")
     third = local_store(tiny, root, checkpoint=True, preload=preload)
     gone = next(i for i in run(third.list()) if i.name == "adapter-01")
+    epoch = run(third.report_replica("r1", {}))["epoch"]
     with pytest.raises(NotFoundError, match="no longer check out"):
         run(third.get_ref("adapter-01", gone.version))
+    # a replica that kept its copy from before the restart is told to drop it
+    assert run(third.report_replica("r1", {}, epoch))["removed"] == [("adapter-01", gone.version)]
     assert {i.name for i in run(third.list())} == {"pre", "loaded", "new"}
     keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
     assert sorted(keys) == [f"{prefix}adapter/{n}".encode() for n in ("loaded", "new", "pre")]
