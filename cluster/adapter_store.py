@@ -330,12 +330,12 @@ class AdapterStore:
                     f"adapter {name!r} was registered, but after the store's restart its "
                     f"files no longer check out: {getattr(e, 'message', e)}"
                 ) from None
-            self._adapters[name] = (self._info(loaded, version, info.created), loaded.ref)
+            entry = self._adapters[name] = (self._info(loaded, version, info.created), loaded.ref)
             self.num_puts += 1
-            if self._adapters[name][0] != info:  # the same directory, other weights now
+            if entry[0] != info:  # the same directory, other weights now
                 self._changed()
-                self._kv_put(self._adapters[name][0])
-            return self._adapters[name]
+                self._kv_put(entry[0])
+            return entry
 
     def _info(self, loaded: _Loaded, version: int, created: int | None = None) -> AdapterInfo:
         return AdapterInfo(
@@ -561,19 +561,17 @@ class AdapterStore:
                 log.warning("adapter %r not restored: the %s resolver is gone", name, source)
                 self._kv_delete(name)
                 continue
-            try:
-                info = _listed(entry)
-            except (KeyError, TypeError, ValueError):  # an older checkpoint: read it now
-                try:
-                    self._kv_put(self._insert(self._restore_one(name, path, source), version))
-                    self.num_restored += 1
-                except Exception as e:  # gone or changed on disk since: drop it
-                    log.warning("adapter %r not restored from %s: %s", name, path, e)
-                    self._kv_delete(name)
+            info = _listed(entry)
+            if info is not None:
+                self._adapters[name] = (info, None)  # read again on first use (_reload)
+                self.num_restored += 1
                 continue
-            self._adapters[name] = (info, None)  # read again on first use (_reload)
-            self.num_restored += 1
-        self._changed()
+            try:  # an entry from before checkpoints recorded the listing: read it now
+                self._kv_put(self._insert(self._restore_one(name, path, source), version))
+                self.num_restored += 1
+            except Exception as e:  # gone or changed on disk since: drop it
+                log.warning("adapter %r not restored from %s: %s", name, path, e)
+                self._kv_delete(name)
         # past every version handed out before (some were unloaded since: not in `last`)
         self._versions = itertools.count(max(meta["next"], last + 1))
         return True
@@ -599,8 +597,10 @@ class AdapterStore:
         return nxt
 
 
-def _listed(entry: dict[str, Any]) -> AdapterInfo:
-    """The AdapterInfo a checkpoint entry records (KeyError: one from before it did)."""
+def _listed(entry: dict[str, Any]) -> AdapterInfo | None:
+    """The AdapterInfo a checkpoint entry records; None for an entry from before it did."""
+    if not {"rank", "target_modules", "nbytes", "created"} <= entry.keys():
+        return None
     return AdapterInfo(
         name=entry["name"],
         version=int(entry["version"]),

@@ -315,6 +315,22 @@ def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, ro
         run(third.resolve("adapter-01"))  # its resolver no longer finds it either
 
 
+def test_a_checkpoint_entry_from_before_the_listing_was_recorded_is_read_at_once(
+    tiny, root, prefix
+):
+    store = local_store(tiny, root, checkpoint=True)
+    info = asyncio.run(store.register("old", str(root / "adapter-01")))
+    key = f"{prefix}adapter/old"
+    old_form = {"name": "old", "path": info.path, "version": info.version}
+    internal_kv._internal_kv_put(key, json.dumps(old_form), namespace=KV_NAMESPACE)
+    again = local_store(tiny, root, checkpoint=True)
+    assert again.num_restored == 1 and again.num_puts == 1  # read, checked and put now
+    [restored] = run(again.list())
+    assert (restored.version, restored.rank) == (info.version, 16)
+    rewritten = json.loads(internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE))
+    assert rewritten["rank"] == 16  # in the new form: the next restart reads no file
+
+
 def test_a_checkpoint_of_another_preload_list_is_dropped(tiny, root, prefix):
     store = local_store(tiny, root, checkpoint=True)
     asyncio.run(store.register("loaded", str(root / "adapter-00")))

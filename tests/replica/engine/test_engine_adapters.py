@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -44,10 +43,6 @@ def engine(assets, source=None, **kw) -> LLMEngine:
     kw.setdefault("num_slots", 3)
     cfg = EngineConfig(model=str(assets.model_dir), device="cpu", **kw)
     return LLMEngine(cfg, source or SlowSource(assets))
-
-
-def rank(assets, name: str) -> int:
-    return json.loads((assets.adapters[name] / "adapter_config.json").read_text())["r"]
 
 
 def prompt(i: int, n: int = 8) -> list[int]:
@@ -196,8 +191,9 @@ def test_a_batch_ending_at_once_hands_its_slots_to_the_next_adapters(tiny):
     layer behind the forward; the tokens stay each request's solo tokens. Adapters of
     rank 64 in two rank-64 blocks: each batch's blocks are what the next batch needs."""
     many = tiny_assets("llama", num_adapters=16)
-    names = [n for n in many.adapters if rank(many, n) == 64]
-    eng = engine(many, num_slots=3, max_loras_per_batch=2)
+    source = SlowSource(many)
+    names = [n for n in many.adapters if source.rank_of(n) == 64]
+    eng = engine(many, source, num_slots=3, max_loras_per_batch=2)
     seqs = [eng.add_request(prompt(i), GREEDY, names[i % len(names)]) for i in range(8)]
     run(eng, check=eng.adapters.pool.check_integrity)
     assert eng.adapters.prefetcher.handovers >= 2
