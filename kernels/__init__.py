@@ -7,7 +7,7 @@
     a = lora_a_buffer(num_slices, rows, in, device, dtype)  # an A arena, the fastest layout
     b = lora_b_buffer(out, rows, device, dtype)      # a B arena, the fastest layout
     o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                               block_size, scale, sliding_window)  # [D, H, hd]
+                               block_size, scale, sliding_window, soft_cap=cap)  # [D, H, hd]
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -30,6 +30,7 @@ oracles they are tested against; `lorafleet bench kernels` times the LoRA ops.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -227,30 +228,39 @@ def paged_decode_attention(
     block_size: int,  # host int
     scale: float,  # host float: softmax scale
     sliding_window: int | None = None,  # attend only to positions >= ctx - sliding_window
+    soft_cap: float | None = None,  # host float > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd] q.dtype, written in place and returned
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """Decode attention straight from the paged KV cache. Per sequence i with
     ctx = context_lens[i] (tokens in cache, the newest included: it is already written),
-    for each query head h with kv head k = h // (H // KVH):
+    for each query head h with kv head k = h // (H // KVH), over positions p in [lo, ctx):
 
-        out[i, h] = softmax(scale * q[i, h] · K[k, p]) @ V[k, p]   over p in [lo, ctx)
+        s[p] = scale * q[i, h] · K[k, p]
+        s[p] = soft_cap * tanh(s[p] / soft_cap)      (only when soft_cap is not None)
+        out[i, h] = softmax(s) @ V[k, p]
 
     where lo = max(0, ctx - sliding_window) (0 without a window) and position p lives in
-    cache slot block_tables[i, p // block_size] * block_size + p % block_size. Softmax and
-    accumulation in fp32, rounded once into q.dtype (fp32, fp16 or bf16; the caches share
-    it). Entries of block_tables past a sequence's ceil(ctx / block_size) blocks may be any
-    valid block id: no slot outside [lo, ctx) is read, so whatever those slots hold (NaN
-    included) never reaches an output. D may be 0. Grids and code paths depend on host
-    values only (shapes, block_size, scale, sliding_window): nothing here or in a backend
-    reads a device value, so a call never syncs and replays as a CUDA graph.
+    cache slot block_tables[i, p // block_size] * block_size + p % block_size. The cap is
+    Gemma 2's attention-logit soft-capping: every scaled score is squashed to at most
+    soft_cap in magnitude before the softmax (and its running max) sees it; soft_cap=None
+    leaves the scores uncapped (the same code path, bit for bit, as before the option).
+    Scores, cap, softmax and accumulation in fp32, rounded once into q.dtype (fp32, fp16
+    or bf16; the caches share it). Entries of block_tables past a sequence's
+    ceil(ctx / block_size) blocks may be any valid block id: no slot outside [lo, ctx) is
+    read, so whatever those slots hold (NaN included) never reaches an output. D may be 0.
+    Grids and code paths depend on host values only (shapes, block_size, scale,
+    sliding_window, soft_cap): nothing here or in a backend reads a device value, so a
+    call never syncs and replays as a CUDA graph.
     See kernels.paged_attention_reference.paged_decode_attention_reference.
     """
     _check_paged_attention(
-        q, k_cache, v_cache, block_tables, context_lens, block_size, sliding_window, out
-    )
+        q, k_cache, v_cache, block_tables, context_lens, block_size, sliding_window, soft_cap,
+        out,
+    )  # fmt: skip
     return implementation(q, "paged_attention").paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, block_size, scale, sliding_window, out
-    )
+        q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+    )  # fmt: skip
 
 
 def _check_paged_attention(
@@ -261,6 +271,7 @@ def _check_paged_attention(
     context_lens: torch.Tensor,
     block_size: int,
     sliding_window: int | None,
+    soft_cap: float | None,
     out: torch.Tensor | None,
 ) -> None:
     name = "paged_decode_attention"
@@ -288,6 +299,11 @@ def _check_paged_attention(
         )
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"{name}: sliding_window {sliding_window!r} must be None or an int >= 1")
+    if soft_cap is not None and (
+        not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool)
+        or not math.isfinite(soft_cap) or soft_cap <= 0
+    ):  # fmt: skip
+        raise ValueError(f"{name}: soft_cap {soft_cap!r} must be None or a finite float > 0")
     if block_tables.dim() != 2 or block_tables.shape[0] != d or context_lens.shape != (d,):
         raise ValueError(
             f"{name}: block_tables {tuple(block_tables.shape)} must be [{d}, W] and "

@@ -18,12 +18,15 @@ def paged_decode_attention_reference(
     block_size: int,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """Per sequence i with ctx = context_lens[i], attending positions p in
     [max(0, ctx - sliding_window), ctx) (all of [0, ctx) without a window), each held in
     cache slot block_tables[i, p // block_size] * block_size + p % block_size:
 
-        out[i, h] = softmax(scale * q[i, h] · K[h // (H // KVH), p]) @ V[h // (H // KVH), p]
+        s[p] = scale * q[i, h] · K[h // (H // KVH), p]
+        s[p] = soft_cap * tanh(s[p] / soft_cap)      (only when soft_cap is not None)
+        out[i, h] = softmax(s) @ V[h // (H // KVH), p]
 
     in float32, rounded once into q.dtype. Only the attended slots are read.
     """
@@ -37,5 +40,7 @@ def paged_decode_attention_reference(
         keys = k_cache[:, slots].float().repeat_interleave(group, 0)  # [H, n, hd]
         values = v_cache[:, slots].float().repeat_interleave(group, 0)  # [H, n, hd]
         scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * scale  # [H, n]
+        if soft_cap is not None:  # Gemma 2: cap * tanh(s / cap), in fp32, before softmax
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         out[i] = torch.einsum("hn,hnd->hd", scores.softmax(-1), values).to(q.dtype)
     return out

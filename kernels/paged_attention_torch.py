@@ -1,13 +1,14 @@
 """Fast torch path of paged decode attention: the CPU backend (and CUDA when forced).
 
 Vectorized over sequences: every row's W * block_size table positions become cache
-slots, one index_select per cache gathers them all, and a masked fp32 softmax drops
-the positions outside [max(0, ctx - window), ctx). Every shape follows the table width
-W, never the values in context_lens, and no device value is read on the host (no
-sync on CUDA). Masked positions are redirected to the row's newest slot before the
-gather, so a slot the contract says is never read (the tail of the last block, blocks
-past the context, blocks before the window) is never read here either: its contents,
-NaN included, can't reach an output through a zero weight (0 * NaN = NaN).
+slots, one index_select per cache gathers them all, the fp32 scores are soft-capped
+when asked (cap * tanh(s / cap)), and a masked fp32 softmax drops the positions outside
+[max(0, ctx - window), ctx). Every shape follows the table width W, never the values
+in context_lens, and no device value is read on the host (no sync on CUDA). Masked
+positions are redirected to the row's newest slot before the gather, so a slot the
+contract says is never read (the tail of the last block, blocks past the context, blocks
+before the window) is never read here either: its contents, NaN included, can't reach
+an output through a zero weight (0 * NaN = NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd], q.dtype
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """See kernels.paged_decode_attention (arguments are checked there) and
@@ -48,6 +50,8 @@ def paged_decode_attention(
     values = v_cache.index_select(1, slots.view(-1)).view(kvh, d, length, hd).float()
     qg = q.float().reshape(d, kvh, h // kvh, hd).transpose(0, 1)  # [KVH, D, G, hd]
     scores = qg @ keys.transpose(2, 3) * scale  # [KVH, D, G, L]
+    if soft_cap is not None:  # cap * tanh(s / cap), on every score before the mask
+        scores.div_(soft_cap).tanh_().mul_(soft_cap)
     scores.masked_fill_(~attended[None, :, None, :], float("-inf"))
     o = scores.softmax(-1) @ values  # [KVH, D, G, hd]
     o = o.transpose(0, 1).reshape(d, h, hd)  # [D, H, hd], query head = kv head * G + g

@@ -18,6 +18,13 @@ the tail of the last block, no block before the window is read. Online softmax i
 fp32 (base 2, scale * log2(e) applied to the fp32 scores); every tile the loop visits
 holds at least one attended position, so the running max is finite after the first.
 
+Soft-capping (Gemma 2: s = cap * tanh(s / cap)) is a constexpr branch, SOFT_CAP: without
+a cap the kernel compiles to exactly the uncapped code. With one, each tile's scores are
+capped right after the Q·K dot, before the mask, the tile max and the running max, so
+the online softmax only ever sees capped scores: qk_scale is then scale / cap and
+cap_scale is cap * log2(e), i.e. s2 = cap * log2(e) * tanh(scale * q·k / cap). tanh is
+_tanh below: libdevice's tanh does not run in the interpreter (it returns None there).
+
 Tiles are widened to fp32 before tl.dot (as in kernels.sgmv_triton: one code path for
 every dtype, and the interpreter's bf16 dot is never used). Q·K in tf32 is exact for
 fp16/bf16 data; P·V has fp32 probabilities, which tf32 rounds by 2^-11 (about one fp16
@@ -35,6 +42,26 @@ from triton.runtime.interpreter import InterpretedFunction
 
 # Attending back this far is attending to everything: no context reaches it (int32).
 _NO_WINDOW = 2**31 - 1
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp2 alone, so it runs compiled and interpreted alike. Odd:
+    tanh(|x|) with x's sign. |x| >= 1/8: (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 0.78],
+    no overflow (e -> 0 gives 1) and no cancellation (1 - e >= 0.22). |x| < 1/8, where
+    1 - e would cancel: the Taylor series to x^7, whose next term is below 2^-29 |x|.
+    NaN stays NaN."""
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2a): -2 * log2(e)
+    big = (1.0 - e) / (1.0 + e)
+    b = tl.minimum(a, 0.125)  # the series only where it is used: no overflow past it
+    b2 = b * b
+    c = b2 * -0.05396825396825397 + 0.13333333333333333  # -17/315, 2/15
+    c = b2 * c - 0.3333333333333333  # -1/3
+    small = b + b * b2 * c  # b - b^3/3 + 2b^5/15 - 17b^7/315
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -45,7 +72,8 @@ def _paged_decode_kernel(
     out_ptr,  # [D, H, hd]
     tables_ptr,  # [D, W] int32
     lens_ptr,  # [D] int32
-    qk_scale,  # fp32: softmax scale * log2(e)
+    qk_scale,  # fp32: softmax scale * log2(e); with SOFT_CAP, scale / cap
+    cap_scale,  # fp32: cap * log2(e) with SOFT_CAP (unused without)
     window,  # int32: positions attended back from the newest, inclusive
     head_dim,
     stride_qd,
@@ -64,6 +92,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # positions per tile
     QK_PRECISION: tl.constexpr,
     PV_PRECISION: tl.constexpr,
+    SOFT_CAP: tl.constexpr,  # apply s = cap * tanh(s / cap) to every score
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,6 +121,8 @@ def _paged_decode_kernel(
         kv_mask = mask_d[:, None] & attended[None, :]  # [BLOCK_D, BLOCK_N]
         k = tl.load(k_head + slot[None, :] * stride_kt + offs_d[:, None], mask=kv_mask, other=0.0)
         s = tl.dot(q, k.to(tl.float32), input_precision=QK_PRECISION) * qk_scale  # [BG, BN]
+        if SOFT_CAP:  # before the mask and every max: the softmax sees capped scores only
+            s = _tanh(s) * cap_scale
         s = tl.where(attended[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile holds an attended pos
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile
@@ -154,6 +185,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd], q.dtype
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """See kernels.paged_decode_attention (arguments are checked there) and
@@ -166,11 +198,16 @@ def paged_decode_attention(
     if d == 0:
         return out
     window = _NO_WINDOW if sliding_window is None else min(sliding_window, _NO_WINDOW)
+    if soft_cap is None:
+        qk_scale, cap_scale = scale * _LOG2E, 1.0
+    else:
+        qk_scale, cap_scale = scale / soft_cap, soft_cap * _LOG2E
     cfg = decode_config(hd, h // kvh, q.dtype)
     _paged_decode_kernel[(d, kvh)](
-        q, k_cache, v_cache, out, block_tables, context_lens, scale * math.log2(math.e),
+        q, k_cache, v_cache, out, block_tables, context_lens, qk_scale, cap_scale,
         window, hd, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), GROUP=h // kvh, BLOCK_SIZE=block_size, **cfg,
+        block_tables.stride(0), GROUP=h // kvh, BLOCK_SIZE=block_size,
+        SOFT_CAP=soft_cap is not None, **cfg,
     )  # fmt: skip
     return out

@@ -8,8 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
-def hf_model(model_dir: Path, adapter_dir: Path | None = None):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def hf_model(model_dir: Path, adapter_dir: Path | None = None, eager: bool = False):
+    """The reference model (with `eager`: transformers' eager attention, which applies
+    every family's soft-caps and windows as written)."""
+    kw = {"attn_implementation": "eager"} if eager else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
     if adapter_dir is not None:
         from peft import PeftModel
 
@@ -34,3 +37,23 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def peft_adapter(
+    model_dir: Path, out: Path, targets: list[str], r: int, alpha: int, seed: int, **lora
+) -> Path:
+    """A LoRA adapter written by peft itself, with random A and B (not PEFT's zero B)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **lora
+    )
+    model = get_peft_model(base, config)
+    with torch.no_grad():  # B of std ~1/sqrt(r): deltas that change greedy tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) / r**0.5)
+    model.save_pretrained(out)
+    return out

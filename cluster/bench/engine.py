@@ -400,7 +400,7 @@ def _decode_step(assets, n_adapters: int, args: argparse.Namespace) -> dict:
             base_runs.append(_steady_decode_step(eng, prompts, [None] * len(names)))
             lora_runs.append(_steady_decode_step(eng, prompts, names))
         base_s, lora_s = statistics.median(base_runs), statistics.median(lora_runs)
-        base_bytes = sum(t.nbytes for t in _base_weights(eng))
+        base_bytes = sum(t.nbytes for t in eng.executor.model.step_weights())
         lora_bytes = sum(eng.adapters.host_cache.get(n).nbytes for n in names)
     finally:
         eng.shutdown()
@@ -565,21 +565,6 @@ def _decode_step_bytes(eng: LLMEngine, prompts, adapters) -> dict[str, int]:
     for s in seqs:
         eng.abort(s)
     return {tag: n - before.get(tag, 0) for tag, n in comm.bytes.items() if n > before.get(tag, 0)}
-
-
-def _base_weights(eng: LLMEngine) -> list[torch.Tensor]:
-    m = eng.executor.model
-    tensors = [m.lm_head, m.norm.weight]
-    for layer in m.layers:
-        tensors += [
-            layer.qkv_proj.weight,
-            layer.o_proj.weight,
-            layer.gate_up_proj.weight,
-            layer.down_proj.weight,
-            layer.input_norm.weight,
-            layer.post_attn_norm.weight,
-        ]
-    return tensors  # the embedding table is gathered by row, not read whole
 
 
 # -- printing and helpers -----------------------------------------------------------------------

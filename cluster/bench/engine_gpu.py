@@ -138,12 +138,7 @@ def _decode_step(
 
 def _weight_bytes(eng: LLMEngine) -> int:
     """Bytes a decode step reads of the base weights (the embedding is read by row)."""
-    model = eng.executor.model
-    weights = [model.lm_head, model.norm.weight]
-    for layer in model.layers:
-        weights += [layer.qkv_proj.weight, layer.o_proj.weight, layer.gate_up_proj.weight,
-                    layer.down_proj.weight, layer.input_norm.weight,
-                    layer.post_attn_norm.weight]  # fmt: skip
+    weights = eng.executor.model.step_weights()
     return sum(w.numel() * w.element_size() for w in weights)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from replica.engine.sequence import Sequence
 from replica.executor.batch import BatchPlan, build_batch
-from replica.model.llama import ForwardBatch
+from replica.model.decoder import ForwardBatch
 from replica.model.lora_slots import SlotTable
 
 

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from replica.executor.batch import BatchPlan
-from replica.model.llama import LlamaForCausalLM
+from replica.model.decoder import CausalLM
 from replica.model.lora_slots import LoRASlotBuffers, SlotTable
 
 
 class Executor(ABC):
-    model: LlamaForCausalLM  # rank 0's model (its shard under tensor parallelism)
+    model: CausalLM  # rank 0's model (its shard under tensor parallelism)
     lora: LoRASlotBuffers  # rank 0's slot buffers: their host slot table holds for every rank
     num_blocks: int  # KV cache blocks the engine allocates (the same on every rank)
     max_model_len: int  # longest prompt + output: the config's, the model's and the cache's

@@ -13,7 +13,7 @@ import torch
 from kernels import make_segment_infos
 from replica.device import to_device, to_device_packed
 from replica.model.attention import AttentionMetadata
-from replica.model.llama import ForwardBatch
+from replica.model.decoder import ForwardBatch
 from replica.model.lora_slots import SlotTable
 
 

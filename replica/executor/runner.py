@@ -16,8 +16,8 @@ from replica.config import EngineConfig
 from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan, build_batch
 from replica.executor.static_decode import StaticDecode
+from replica.model.decoder import CausalLM
 from replica.model.kv_cache import KVCache
-from replica.model.llama import LlamaForCausalLM
 from replica.model.lora_slots import LoRASlotBuffers, SlotTable, SlotTensors
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import TPRank
@@ -39,7 +39,7 @@ class ModelRunner(Executor):
         local = spec if tp is None else tp.shard.local_spec  # this rank's heads and KV heads
         shapes = None if tp is None else tp.shard.lora_shapes()
         self.lora = LoRASlotBuffers(spec, c.num_slots, c.max_lora_rank, device, dtype, shapes)
-        self.model = LlamaForCausalLM(c.model, device, dtype, self.lora, spec, tp)
+        self.model = CausalLM(c.model, device, dtype, self.lora, spec, tp)
         per_block = KVCache.bytes_per_block(local, c.block_size, dtype)
         self.num_blocks = c.kv_cache_bytes // per_block
         if self.num_blocks < 1:

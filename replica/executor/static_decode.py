@@ -26,8 +26,8 @@ from kernels import SegmentInfo
 from replica.device import StagedBuffer
 from replica.executor.batch import BatchPlan
 from replica.model.attention import AttentionMetadata
+from replica.model.decoder import CausalLM, ForwardBatch
 from replica.model.kv_cache import KVCache
-from replica.model.llama import ForwardBatch, LlamaForCausalLM
 from replica.model.lora import MODULE_GROUPS
 from replica.model.lora_slots import SlotTensors
 
@@ -107,7 +107,7 @@ class StaticDecode:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv: KVCache,
         slot_tensors: SlotTensors,
         max_num_seqs: int,

@@ -1,4 +1,11 @@
-"""The model's shape, read from a Hugging Face config.json (Llama family only)."""
+"""The model's shape and its family's differences, read once from a Hugging Face config.json.
+
+One decoder (model/decoder.py) serves every family; what differs between Llama, Mistral,
+Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 is data on ModelSpec, filled in by
+model/families.py from the config: norm style and count, q/k norms, attention scale and
+soft-caps, which layers slide and their rope, fused checkpoint projections, the MLP's
+activation, the embedding scale.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
 class ModelConfigError(ValueError):
     """The model directory cannot be served by this implementation."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    scaling: dict[str, Any] | None  # None: default rope; else rope_type and its parameters
 
 
 @dataclass(frozen=True)
@@ -30,10 +43,25 @@ class ModelSpec:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 layout: q/k/v projections carry a bias, o does not
-    sliding_window: int | None
+    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2), o does not
+    sliding_window: int | None  # the window of the layers layer_types marks sliding
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # --- family differences; the defaults are Llama's ---
+    layer_types: tuple[str, ...] = ()  # SLIDING or FULL per layer; () = every layer FULL
+    local_rope: RopeSpec | None = None  # the sliding layers' rope when it differs (Gemma 3)
+    partial_rotary_factor: float = 1.0  # rotate only the first head_dim * this dims (Phi-3)
+    gemma_norm: bool = False  # RMSNorm as x̂·(1+w) in fp32 (Gemma), not w·x̂ (Llama)
+    sandwich_norms: bool = False  # norms after attention and MLP too: four per layer (Gemma)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3, Gemma 3)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_soft_cap: float | None = None  # scores -> cap·tanh(scores/cap) (Gemma 2)
+    final_soft_cap: float | None = None  # logits -> cap·tanh(logits/cap) (Gemma 2)
+    hidden_act: str = "silu"  # MLP activation: "silu" or "gelu_tanh"
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    fused_qkv: bool = False  # the checkpoint holds one qkv_proj / gate_up_proj (Phi-3)
+    fused_gate_up: bool = False
+    weight_prefixes: tuple[str, ...] = ("model.",)  # where the decoder's tensors may live
 
     @property
     def q_size(self) -> int:
@@ -43,12 +71,37 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: it attends to the whole context)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def rope(self, layer: int) -> RopeSpec:
+        if self.local_rope is not None and self.is_sliding(layer):
+            return self.local_rope
+        return RopeSpec(self.rope_theta, self.rope_scaling)
+
     def num_parameters(self) -> int:
         """Weights the model holds (projections, embeddings, head, norms; biases aside)."""
         projections = sum(i * o for i, o in self.module_shapes().values())
-        norms = (2 * self.num_layers + 1) * self.hidden_size
+        per_layer = (4 if self.sandwich_norms else 2) * self.hidden_size
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * projections + heads * self.vocab_size * self.hidden_size + norms
+        return (
+            self.num_layers * (projections + per_layer)
+            + heads * self.vocab_size * self.hidden_size
+            + self.hidden_size
+        )
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""
@@ -63,12 +116,25 @@ class ModelSpec:
             "down_proj": (i, h),
         }
 
+    def fused_modules(self) -> dict[str, tuple[str, ...]]:
+        """The checkpoint's fused projections (name -> its parts, in row order)."""
+        fused = {}
+        if self.fused_qkv:
+            fused["qkv_proj"] = ("q_proj", "k_proj", "v_proj")
+        if self.fused_gate_up:
+            fused["gate_up_proj"] = ("gate_proj", "up_proj")
+        return fused
+
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    spec = spec_from_dict(json.loads(path.read_text()), source=str(path))
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:
+        raise ModelConfigError(f"{path}: not a JSON config ({e})") from None
+    spec = spec_from_dict(cfg, source=str(path))
     # generation_config.json may name more end-of-turn ids (Llama-3 Instruct's <|eot_id|>
     # lives only there): they end generation too
     extra = _as_tuple(read_generation_config(model_dir).get("eos_token_id"))
@@ -88,16 +154,15 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
+    """The spec of a config.json's contents; ModelConfigError names what cannot be served."""
+    from replica.model.families import family_spec  # the families build on this module
+
+    return family_spec(cfg, source)
+
+
+def base_spec(cfg: dict[str, Any], source: str, **family: Any) -> ModelSpec:
+    """The fields every family reads the same way, plus the family's own ones."""
     arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelConfigError(
-            f"{source}: unsupported architecture model_type={arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHS)}"
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"{source}: unsupported hidden_act={cfg['hidden_act']!r}")
-    if cfg.get("mlp_bias"):
-        raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         spec = ModelSpec(
@@ -110,14 +175,15 @@ def spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg, source),
+            rope_theta=rope_theta(cfg),
+            rope_scaling=family.pop("rope_scaling", None) or rope_scaling(cfg, source),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            sliding_window=_sliding_window(cfg),
+            qkv_bias=family.pop("qkv_bias", False),
+            sliding_window=family.pop("sliding_window", None),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+            **family,
         )
     except KeyError as e:
         raise ModelConfigError(f"{source}: missing required field {e.args[0]!r}") from None
@@ -126,44 +192,58 @@ def spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
             f"{source}: num_attention_heads={spec.num_heads} is not a multiple of "
             f"num_key_value_heads={spec.num_kv_heads}"
         )
-    if cfg.get("attention_bias") and arch != "qwen2":
-        raise ModelConfigError(f"{source}: attention_bias=true (o_proj bias) is not supported")
+    if len(spec.layer_types) not in (0, spec.num_layers):
+        raise ModelConfigError(
+            f"{source}: layer_types has {len(spec.layer_types)} entries for "
+            f"{spec.num_layers} layers"
+        )
+    if spec.rotary_dim % 2 or spec.rotary_dim <= 0:
+        raise ModelConfigError(
+            f"{source}: partial_rotary_factor={spec.partial_rotary_factor} gives an odd or "
+            f"empty rotary dimension for head_dim={spec.head_dim}"
+        )
     return spec
 
 
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    # transformers >= 5 writes rope_parameters; older files write rope_theta + rope_scaling.
+def rope_params(cfg: dict[str, Any], layer_type: str = FULL) -> dict[str, Any]:
+    # transformers >= 5 writes rope_parameters (per layer type for Gemma 3); older files
+    # write rope_theta + rope_scaling.
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        params = params["full_attention"]
+    if isinstance(params, dict) and FULL in params:
+        params = params.get(layer_type) or {}
     return params or {}
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    return float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def rope_theta(cfg: dict[str, Any]) -> float:
+    return float(rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def _rope_scaling(cfg: dict[str, Any], source: str) -> dict[str, Any] | None:
-    scaling = dict(_rope_params(cfg) or cfg.get("rope_scaling") or {})
+def rope_scaling(cfg: dict[str, Any], source: str) -> dict[str, Any] | None:
+    scaling = dict(rope_params(cfg) or cfg.get("rope_scaling") or {})
     scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)  # a spec field of its own
+    scaling = check_rope_type(scaling, source)
+    if scaling is not None and scaling["rope_type"] in ("yarn", "longrope"):
+        # their tables depend on the context lengths, which configs keep at the top level
+        scaling.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")),
+        )
+        scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
+    return scaling
+
+
+def check_rope_type(scaling: dict[str, Any], source: str) -> dict[str, Any] | None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"{source}: unsupported rope_type={rope_type!r}; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         return None
+    scaling = {k: v for k, v in scaling.items() if k != "type"}
     return {**scaling, "rope_type": rope_type}
-
-
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
-        return None
-    window = cfg.get("sliding_window")
-    return int(window) if window else None
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -21,14 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-import torch
-
 from replica.model.spec import ModelConfigError, ModelSpec
-from replica.model.weights import Checkpoint
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
-VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 Array = TypeVar("Array")  # a torch tensor or a numpy array: only basic slicing is used
 
@@ -130,40 +126,6 @@ class TPShard:
         h0, h1 = self.hidden_range
         return a[:, i0:i1], b[h0:h1]
 
-    def weight_part(self, name: str) -> tuple[int, int, int, int] | None:
-        """(dim, start, stop, whole length along dim) of checkpoint tensor `name` on this
-        rank, or None when every rank holds all of it."""
-        if name in VOCAB_PARALLEL:
-            return (0, *self.vocab_range, self.spec.vocab_size)
-        *_, module, kind = name.split(".")
-        whole = self.spec.module_shapes()
-        if module in COLUMN_PARALLEL:
-            return (0, *self.out_range(module), whole[module][1])
-        if module in ROW_PARALLEL and kind == "weight":
-            return (1, *self.in_range(module), whole[module][0])
-        return None
-
     def _split(self, total: int) -> tuple[int, int]:
         part = total // self.size
         return self.rank * part, (self.rank + 1) * part
-
-
-class ShardedCheckpoint:
-    """A Checkpoint that reads only this rank's part of each tensor from disk.
-
-    get() takes the shape of the rank's part, as the model asks for it; the whole
-    tensor's shape is checked against the model config like Checkpoint does."""
-
-    def __init__(self, ckpt: Checkpoint, shard: TPShard) -> None:
-        self.ckpt, self.shard = ckpt, shard
-
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        part = self.shard.weight_part(name)
-        if part is None:
-            return self.ckpt.get(name, shape)
-        dim, start, stop, whole = part
-        whole_shape = tuple(whole if d == dim else n for d, n in enumerate(shape))
-        t = self.ckpt.get_part(name, whole_shape, dim, min(start, whole), min(stop, whole))
-        if stop > whole:  # the last vocab shard: zero rows up to the padded size
-            t = torch.cat([t, t.new_zeros(stop - max(start, whole), *t.shape[1:])])
-        return t

@@ -21,6 +21,9 @@ class Checkpoint:
         self._files = _tensor_files(self.dir)  # name -> shard file
         self._handles: dict[Path, object] = {}
 
+    def has(self, name: str) -> bool:
+        return name in self._files
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name`, checked against the shape the model config implies."""
         tensor = self._handle(name, shape).get_tensor(name)

@@ -27,6 +27,8 @@ from kernels.paged_attention_reference import paged_decode_attention_reference
 from tests.conftest import CUDA, TEST_DEVICE
 
 try:
+    import triton
+    import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     from kernels import paged_attention_triton
@@ -64,6 +66,7 @@ class Case:
     keys: list[torch.Tensor | None]  # per row: dense [KVH, ctx, hd] fp32 (None: padding row)
     values: list[torch.Tensor | None]
     real: torch.Tensor  # [D] bool: rows that are not padding
+    soft_cap: float | None = None
 
     @property
     def scale(self) -> float:
@@ -79,6 +82,7 @@ class Case:
             self.block_size,
             self.scale,
             self.window,
+            self.soft_cap,
         )
 
 
@@ -90,6 +94,7 @@ def make_case(
     window: int | None = None,
     seed: int = 0,
     hd: int = HD,
+    soft_cap: float | None = None,
 ) -> Case:
     rnd = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -137,6 +142,7 @@ def make_case(
         keys=keys,
         values=values,
         real=torch.tensor([c is not None for c in ctx_lens], device=TEST_DEVICE),
+        soft_cap=soft_cap,
     )
 
 
@@ -156,6 +162,28 @@ def dense_oracle(case: Case, i: int) -> torch.Tensor:  # [H, hd] fp32
         queries, k, v, attn_mask=mask, scale=case.scale, enable_gqa=True
     )  # [H, ctx, hd]
     return o[:, -1]
+
+
+def dense_soft_cap_oracle(case: Case, i: int) -> torch.Tensor:  # [H, hd] fp32
+    """Row i as the last query of a causal (windowed) prefill over its contiguous K/V, by
+    hand as Gemma 2's eager attention does it: scaled scores, then cap * tanh(s / cap),
+    then the additive mask, an fp32 softmax and the values. No table, no cache."""
+    k, v = case.keys[i].to(TEST_DEVICE), case.values[i].to(TEST_DEVICE)  # [KVH, ctx, hd]
+    ctx, h, kvh = k.shape[1], case.q.shape[1], k.shape[0]
+    k, v = k.repeat_interleave(h // kvh, 0), v.repeat_interleave(h // kvh, 0)  # [H, ctx, hd]
+    queries = torch.randn(h, ctx, k.shape[2], device=TEST_DEVICE)  # earlier rows: anything
+    queries[:, -1] = case.q[i].float()
+    scores = queries @ k.transpose(1, 2) * case.scale  # [H, ctx, ctx]
+    scores = scores / case.soft_cap
+    scores = torch.tanh(scores)
+    scores = scores * case.soft_cap
+    q_pos = torch.arange(ctx, device=TEST_DEVICE)[:, None]  # [ctx, 1]
+    k_pos = torch.arange(ctx, device=TEST_DEVICE)[None, :]  # [1, ctx]
+    mask = k_pos <= q_pos
+    if case.window is not None:
+        mask &= k_pos > q_pos - case.window
+    scores = scores + torch.zeros(ctx, ctx, device=TEST_DEVICE).masked_fill(~mask, -torch.inf)
+    return (scores.softmax(-1) @ v)[:, -1]
 
 
 def check(backend: str, case: Case) -> torch.Tensor:
@@ -226,6 +254,129 @@ def test_paged_triton_online_softmax_over_many_tiles(monkeypatch):
     )
     check("triton", make_case(mixed_lens(4), 4, (6, 2), seed=5, hd=24))
     check("triton", make_case(mixed_lens(4), 4, (6, 2), window=21, seed=6, hd=24))
+
+
+# Soft-capping (Gemma 2). The scaled scores here are about N(0, 1) (hd 16, scale 1/4):
+# cap 0.5 squashes nearly every score, cap 3 mostly the tails.
+CAPS = [0.5, 3.0]
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_reference_soft_cap_matches_dense_oracle(block_size, window, cap):
+    case = make_case(mixed_lens(block_size), block_size, window=window, seed=11, soft_cap=cap)
+    ref = paged_decode_attention_reference(*case.args())
+    for i in range(len(case.keys)):
+        if case.keys[i] is not None:
+            want = dense_soft_cap_oracle(case, i)
+            torch.testing.assert_close(ref[i], want, rtol=1e-5, atol=1e-5)
+    # the cap is not a no-op on this data: the test above compares something
+    uncapped = paged_decode_attention_reference(*case.args()[:-1])
+    assert (ref[case.real] - uncapped[case.real]).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_paged_soft_cap_matches_reference(backend, dtype, window, cap):
+    case = make_case(mixed_lens(4), 4, (8, 2), dtype, window=window, seed=12, soft_cap=cap)
+    check(backend, case)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 21])
+def test_paged_triton_soft_cap_over_many_tiles(monkeypatch, window):
+    """Capped scores through the online softmax over up to 5 tiles of 16 positions (the
+    window's start inside a tile, head dim 24): with q scaled up, uncapped scores reach
+    ~+-16 and the cap (2) squashes most of them, so a tile whose scores reach the running
+    max or the sum uncapped shows."""
+    real = paged_attention_triton.decode_config
+    monkeypatch.setattr(
+        paged_attention_triton,
+        "decode_config",
+        lambda *a: real(*a) | {"BLOCK_N": 16},
+    )
+    case = make_case(mixed_lens(4), 4, (6, 2), window=window, seed=13, hd=24, soft_cap=2.0)
+    case.q.mul_(4.0)
+    check("triton", case)
+
+
+IMPLS = ["reference"] + list(BACKENDS)
+
+
+def impl(name: str):
+    if name == "reference":
+        return paged_decode_attention_reference
+    return BACKENDS[name].paged_decode_attention
+
+
+@pytest.mark.parametrize("name", IMPLS)
+def test_paged_soft_cap_so_large_it_is_inert(name):
+    """cap 1e6 over scores of a few units: cap * tanh(s / cap) = s to within 1e-12."""
+    case = make_case(mixed_lens(4), 4, (8, 2), window=9, seed=14)
+    uncapped = impl(name)(*case.args()[:-1])
+    capped = impl(name)(*case.args()[:-1], 1e6)
+    real = case.real
+    assert torch.isfinite(capped[real]).all()
+    torch.testing.assert_close(capped[real], uncapped[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_paged_soft_cap_none_is_bit_identical(backend):
+    """soft_cap=None, positional or by keyword, through the backend or the public op, is
+    the uncapped op: the same bits as a call that never names it."""
+    case = make_case(mixed_lens(4), 4, (8, 2), torch.bfloat16, window=9, seed=15)
+    base = case.args()[:-1]
+    real = case.real
+    plain = BACKENDS[backend].paged_decode_attention(*base)[real]
+    assert torch.equal(BACKENDS[backend].paged_decode_attention(*base, None)[real], plain)
+    with kernels.forced_backend(backend):
+        public = kernels.paged_decode_attention(*base, soft_cap=None)
+    assert torch.equal(public[real], plain)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_paged_public_op_soft_cap_by_keyword_with_out(backend):
+    """The model's call: positional window, soft_cap= and out= by keyword."""
+    case = make_case(mixed_lens(16), 16, (8, 1), torch.bfloat16, window=20, seed=16)
+    q, kc, vc, bt, cl, bs, scale, window = case.args()[:-1]
+    out = torch.full_like(q, NAN)
+    with kernels.forced_backend(backend):
+        got = kernels.paged_decode_attention(
+            q, kc, vc, bt, cl, bs, scale, window, soft_cap=1.5, out=out
+        )
+    assert got is out
+    ref = paged_decode_attention_reference(q, kc, vc, bt, cl, bs, scale, window, soft_cap=1.5)
+    torch.testing.assert_close(out[case.real], ref[case.real], rtol=1.6e-2, atol=1.6e-2)
+
+
+if paged_attention_triton is not None:
+
+    @triton.jit
+    def _tanh_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n)
+        tl.store(out_ptr + offs, paged_attention_triton._tanh(x), mask=offs < n)
+
+
+@needs_triton
+def test_paged_triton_tanh_is_accurate():
+    """The kernel's tanh (exp2 and a series near 0) against torch's in float64: a few
+    fp32 ulps everywhere, on both sides of its 1/8 switch, near 0, saturated, at +-inf;
+    odd; NaN stays NaN."""
+    small = torch.logspace(-30, 0, 301)
+    x = torch.cat([
+        torch.linspace(-20, 20, 4001), small, -small,
+        torch.tensor([0.125, 0.125 - 2**-26, 0.125 + 2**-26, 0.0, 88.0, 1e30]),
+        torch.tensor([float("inf"), -float("inf"), float("nan")]),
+    ]).to(TEST_DEVICE)  # fmt: skip
+    out = torch.empty_like(x)
+    _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    want = torch.tanh(x.double()).float()
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=0.0, equal_nan=True)
+    assert (out[~x.isnan()].abs() <= 1).all()
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -332,6 +483,26 @@ def test_paged_public_op_validates_arguments():
             op(q, kc, vc, bt.to("meta"), cl, 4, 0.25)
 
 
+@pytest.mark.parametrize(
+    "bad", [0, 0.0, -1.0, -1e-9, NAN, float("inf"), -float("inf"), True, "1.0", torch.tensor(2.0)],
+    ids=["0", "0.0", "neg", "tiny-neg", "nan", "inf", "-inf", "bool", "str", "tensor"],
+)  # fmt: skip
+def test_paged_public_op_validates_soft_cap(bad):
+    case = make_case([5, 9], 4, (8, 2))
+    args = case.args()[:-1]
+    with pytest.raises(ValueError, match="soft_cap"):
+        kernels.paged_decode_attention(*args, soft_cap=bad)
+    with pytest.raises(ValueError, match="soft_cap"):
+        kernels.paged_decode_attention(*args, bad)  # positional, after the window
+
+
+@pytest.mark.parametrize("good", [1, 50.0, 1e-3])
+def test_paged_public_op_accepts_soft_cap(good):
+    case = make_case([5, 9], 4, (8, 2))
+    out = kernels.paged_decode_attention(*case.args()[:-1], soft_cap=good)
+    assert torch.isfinite(out).all()
+
+
 @needs_triton
 def test_paged_triton_rejects_strided_last_dim():
     case = make_case([5, 9], 4, (8, 2))
@@ -369,7 +540,8 @@ def test_paged_triton_on_cpu_without_interpreter_is_refused():
 @needs_triton
 def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
     """No GPU here: lower the kernel to sm_90 cubins (ptxas ships with triton) for each
-    dtype at the demo model's shapes, to catch what the interpreter can't."""
+    dtype at the demo model's shapes, and soft-capped in bf16 (Gemma 2's dtype), to
+    catch what the interpreter can't."""
     code = textwrap.dedent(
         """
         import torch
@@ -381,12 +553,16 @@ def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
         ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
         fn = pa._paged_decode_kernel
         for dtype, p in ptr.items():
-            for hd, group, block_size in ((64, 4, 16), (128, 8, 1)):
+            shapes = [(64, 4, 16, False), (128, 8, 1, False)]
+            if dtype == torch.bfloat16:  # soft-capped (fp32 scores: one dtype is enough)
+                shapes.append((64, 4, 16, True))
+            for hd, group, block_size, cap in shapes:
                 cfg = pa.decode_config(hd, group, dtype)
                 opts = {"num_warps": cfg.pop("num_warps")}
-                cfg |= {"GROUP": group, "BLOCK_SIZE": block_size}
+                cfg |= {"GROUP": group, "BLOCK_SIZE": block_size, "SOFT_CAP": cap}
                 ptrs = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "out_ptr": p,
-                        "tables_ptr": "*i32", "lens_ptr": "*i32", "qk_scale": "fp32"}
+                        "tables_ptr": "*i32", "lens_ptr": "*i32", "qk_scale": "fp32",
+                        "cap_scale": "fp32"}
                 sig = {n: "constexpr" if n in cfg else ptrs.get(n, "i32") for n in fn.arg_names}
                 kernel = compile(ASTSource(fn, sig, constexprs=cfg), target=target, options=opts)
                 assert "mma" in kernel.asm["ptx"] or "fma" in kernel.asm["ptx"]

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
-from replica.model.llama import LlamaForCausalLM
+from replica.model.decoder import CausalLM
 from replica.model.spec import ModelConfigError, load_model_spec
 from replica.model.weights import WeightLoadError
 
@@ -29,13 +29,15 @@ def edit_config(model_dir, **changes) -> None:
 
 def test_unsupported_architecture_is_named(model_copy):
     edit_config(model_copy, model_type="gpt2")
-    with pytest.raises(ModelConfigError, match="model_type='gpt2'.*llama, mistral, qwen2"):
+    with pytest.raises(
+        ModelConfigError, match="model_type='gpt2'.*llama, mistral, qwen2, qwen3, gemma2, gemma3"
+    ):
         load_model_spec(model_copy)
 
 
 def test_unsupported_rope_type_is_named(model_copy):
-    edit_config(model_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2})
-    with pytest.raises(ModelConfigError, match="rope_type='yarn'"):
+    edit_config(model_copy, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ModelConfigError, match="rope_type='dynamic'"):
         load_model_spec(model_copy)
 
 
@@ -52,13 +54,13 @@ def test_missing_weight_is_named(model_copy):
     with pytest.raises(
         WeightLoadError, match="missing weight 'model.layers.1.mlp.down_proj.weight'"
     ):
-        LlamaForCausalLM(model_copy)
+        CausalLM(model_copy)
 
 
 def test_mismatched_shape_is_named(model_copy):
     edit_config(model_copy, intermediate_size=96)
     with pytest.raises(WeightLoadError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape"):
-        LlamaForCausalLM(model_copy)
+        CausalLM(model_copy)
 
 
 def test_adapter_rank_over_limit(tiny):

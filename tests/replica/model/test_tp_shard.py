@@ -8,8 +8,9 @@ import torch
 
 from replica.adapters.packing import pack_adapter, unpack_adapter
 from replica.model.adapter_weights import load_peft_adapter
+from replica.model.layout import CheckpointLayout
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
-from replica.model.tp_shard import COLUMN_PARALLEL, ROW_PARALLEL, ShardedCheckpoint, TPShard
+from replica.model.tp_shard import COLUMN_PARALLEL, ROW_PARALLEL, TPShard
 from replica.model.weights import Checkpoint
 from tests.conftest import tiny_assets
 
@@ -87,21 +88,21 @@ def test_sharded_checkpoint_reads_each_ranks_part_and_pads_the_vocab():
     s = load_model_spec(assets.model_dir)
     full = Checkpoint(assets.model_dir)
     for sh in shards(s, 2):
-        ckpt, local = ShardedCheckpoint(full, sh), sh.local_spec
+        layout = CheckpointLayout(full, s, sh)
         q0, q1 = sh.out_range("q_proj")
-        q = ckpt.get("model.layers.0.self_attn.q_proj.weight", (local.q_size, s.hidden_size))
+        q = layout.projection(0, "q_proj")
         assert torch.equal(q, full.get("model.layers.0.self_attn.q_proj.weight",
                                        (s.q_size, s.hidden_size))[q0:q1])  # fmt: skip
         i0, i1 = sh.in_range("down_proj")
-        down = ckpt.get("model.layers.0.mlp.down_proj.weight", (s.hidden_size, i1 - i0))
+        down = layout.projection(0, "down_proj")
         whole = full.get(
             "model.layers.0.mlp.down_proj.weight", (s.hidden_size, s.intermediate_size)
         )
         assert torch.equal(down, whole[:, i0:i1])
-        norm = ckpt.get("model.norm.weight", (s.hidden_size,))
+        norm = layout.norm(None, "norm.weight", s.hidden_size)
         assert torch.equal(norm, full.get("model.norm.weight", (s.hidden_size,)))
         v0, v1 = sh.vocab_range
-        embed = ckpt.get("model.embed_tokens.weight", (sh.vocab_rows, s.hidden_size))
+        embed = layout.vocab(lm_head=False)
         whole = full.get("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))
         assert embed.shape == (256, s.hidden_size)
         real = min(v1, s.vocab_size) - v0

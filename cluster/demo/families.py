@@ -1,0 +1,122 @@
+"""Random-weight models of every supported family, built by transformers from a config.
+
+For the family oracle tests and `lorafleet bench engine --family`: a real Hugging Face
+directory (config.json, model.safetensors) whose quirks all bite: norm weights moved away
+from their init, heads × head_dim ≠ hidden, a short sliding window, q/k norms, soft-caps
+that change scores, partial rotary. Weights are drawn so that logits are peaky (greedy
+decoding is stable across kernels), at the demo model's scales.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Per family: the transformers config class and the fields that make its quirks bite at a
+# tiny size. "demo" sizes scale hidden/intermediate/layers up to the demo model's.
+TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 256}  # fmt: skip
+DEMO = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 2048,
+        "max_position_embeddings": 2048}  # fmt: skip
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # head_dim 24: heads × head_dim (96) ≠ hidden (64); a window on layer 1 only
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False,
+                              "use_sliding_window": True, "sliding_window": 8,
+                              "max_window_layers": 1}),
+    "qwen3-tied": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True}),
+    # query_pre_attn_scalar ≠ head_dim; caps low enough that scores and logits hit them
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 20,
+                                "sliding_window": 8, "attn_logit_softcapping": 2.0,
+                                "final_logit_softcapping": 15.0}),
+    # local layers: window 8, rope base 100; global: base 1e4 with linear scaling
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "query_pre_attn_scalar": 20,
+                                    "sliding_window": 8, "sliding_window_pattern": 2,
+                                    "rope_local_base_freq": 100.0, "rope_theta": 10000.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # the multimodal layout of Gemma 3 >= 4B: text_config nested, a (tiny) vision tower
+    "gemma3-mm": ("Gemma3Config", {"head_dim": 32, "query_pre_attn_scalar": 20,
+                                   "sliding_window": 8, "sliding_window_pattern": 2}),
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": 12,
+                            "tie_word_embeddings": False}),
+}  # fmt: skip
+
+
+def family_model_dir(
+    family: str, size: str = "tiny", overrides: dict[str, Any] | None = None, seed: int = 0
+) -> Path:
+    """Build once (cached under $LORAFLEET_CACHE or ~/.cache/lorafleet) and return the
+    model directory of `family` at `size` ("tiny" or "demo")."""
+    cls_name, quirks = FAMILY_CONFIGS[family]
+    fields = {**(TINY if size == "tiny" else DEMO), **quirks, **(overrides or {})}
+    key = json.dumps([cls_name, fields, seed, 3], sort_keys=True)  # 3: the draw's version
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    root = os.environ.get("LORAFLEET_CACHE") or Path.home() / ".cache/lorafleet"
+    out = Path(root) / f"family-{family}-{size}-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        build_family_model(tmp, cls_name, fields, seed)
+        try:
+            os.rename(tmp, out)  # atomic: readers never see half a directory
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: int) -> None:
+    import transformers
+
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    if cls_name == "Gemma3Config":  # multimodal: the text model nested, a tiny vision tower
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+        config = transformers.Gemma3Config(
+            text_config={**fields, **ids}, vision_config=vision, mm_tokens_per_image=4, **ids
+        )
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    else:
+        config = getattr(transformers, cls_name)(**fields, **ids)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    gemma = cls_name.startswith("Gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_draw(name, tuple(p.shape), gen, gemma, fields["num_hidden_layers"]))
+    model.save_pretrained(out)
+
+
+def _draw(
+    name: str, shape: tuple[int, ...], gen: torch.Generator, gemma: bool, layers: int
+) -> torch.Tensor:
+    """The demo model's scales (cluster/demo/assets.py explains them): logits of std ~6,
+    residual branches that write ~6/sqrt(2·layers) each, so every layer matters."""
+    noise = torch.randn(shape, generator=gen)
+    logit_std = 6.0
+    if gemma and ("post_attention" in name or "post_feedforward" in name):
+        # Gemma norms each branch's output to unit rms, and its embedding writes ~6 (std
+        # 6/sqrt(h) times sqrt(h)): branches of 2·6 keep the tied head from echoing the input
+        return 2 * logit_std - 1 + 0.2 * noise
+    if "norm" in name:  # Gemma stores w of x̂·(1+w): both land near identity
+        return (0.0 if gemma else 1.0) + 0.2 * noise
+    if name.endswith("bias"):
+        return 0.1 * noise
+    if "embed_tokens" in name or "lm_head" in name:
+        return noise * logit_std / math.sqrt(shape[-1])
+    if "o_proj" in name or "down_proj" in name:
+        return noise * logit_std / math.sqrt(2 * layers * shape[-1])
+    return noise / math.sqrt(shape[-1])

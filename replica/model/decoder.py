@@ -1,0 +1,235 @@
+"""Our serving implementation of every supported family: one decoder, read from the spec.
+
+transformers supplies nothing here: weights come from safetensors, the forward is ours.
+One forward runs a flattened batch of variable-length sequences, prefill and decode
+mixed, over the engine's paged KV cache. What differs between families (norm style and
+count, q/k norms, attention scale and soft-caps, sliding layers and their rope, MLP
+activation, embedding scale) is a field of ModelSpec (model/spec.py), chosen once at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import SegmentInfo
+from replica.model.attention import AttentionMetadata, paged_attention
+from replica.model.kv_cache import KVCache
+from replica.model.layout import CheckpointLayout
+from replica.model.lora import LoRALinear, LoRAWorkspace
+from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.rope import RotaryEmbedding
+from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
+from replica.model.tp_layers import TPRank
+from replica.model.weights import Checkpoint
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64: new tokens of every sequence, segment by segment
+    positions: torch.Tensor  # [T] int64: absolute position of each token
+    attn: AttentionMetadata
+    lora: dict[str, SegmentInfo]  # per projection group: one segment per sequence, token order
+
+
+class RMSNorm:
+    """x̂ = x / rms(x) in fp32; then w·x̂ rounded first (Llama, Qwen), or x̂·(1+w) in fp32
+    rounded last (Gemma: `gemma=True`)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, gemma: bool = False) -> None:
+        self.weight = 1.0 + weight.float() if gemma else weight
+        self.eps, self.gemma = eps, gemma
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * self.weight).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu
+
+
+class DecoderLayer:
+    def __init__(
+        self,
+        spec: ModelSpec,  # this rank's shapes (a tensor-parallel rank's share of heads, MLP)
+        layout: CheckpointLayout,
+        index: int,
+        rope: RotaryEmbedding,
+        lora: LoRASlotBuffers | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPRank | None = None,
+    ) -> None:
+        self.spec, self.index, self.rope = spec, index, rope
+        self.window, self.soft_cap = spec.window(index), spec.attn_soft_cap
+
+        def proj(module: str, kind: str = "weight") -> torch.Tensor:
+            return layout.projection(index, module, kind).to(device=device, dtype=dtype)
+
+        def norm(name: str, size: int) -> RMSNorm:
+            w = layout.norm(index, name, size).to(device=device, dtype=dtype)
+            return RMSNorm(w, spec.rms_norm_eps, spec.gemma_norm)
+
+        qkv_w = torch.cat([proj("q_proj"), proj("k_proj"), proj("v_proj")])
+        qkv_b = None
+        if spec.qkv_bias:
+            qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
+                               proj("v_proj", "bias")])  # fmt: skip
+        gate_up_w = torch.cat([proj("gate_proj"), proj("up_proj")])
+        bufs = lora.layers[index] if lora is not None else {}
+        self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
+        self.gate_up_proj = LoRALinear(gate_up_w, None, bufs.get("gate_up_proj"))
+        o_w, down_w = proj("o_proj"), proj("down_proj")
+        if tp is None:
+            self.o_proj = LoRALinear(o_w, None, bufs.get("o_proj"))
+            self.down_proj = LoRALinear(down_w, None, bufs.get("down_proj"))
+        else:  # input-split: partial outputs summed across ranks
+            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"))
+            self.down_proj = tp.row_linear(down_w, bufs.get("down_proj"))
+        self.act = _activation(spec.hidden_act)
+        h = spec.hidden_size
+        self.input_norm = norm("input_layernorm.weight", h)
+        self.q_norm = self.k_norm = self.post_attn_out_norm = self.post_mlp_norm = None
+        if spec.qk_norm:
+            self.q_norm = norm("self_attn.q_norm.weight", spec.head_dim)
+            self.k_norm = norm("self_attn.k_norm.weight", spec.head_dim)
+        if spec.sandwich_norms:  # Gemma: attention and MLP outputs normed, then MLP input
+            self.post_attn_out_norm = norm("post_attention_layernorm.weight", h)
+            self.pre_mlp_norm = norm("pre_feedforward_layernorm.weight", h)
+            self.post_mlp_norm = norm("post_feedforward_layernorm.weight", h)
+        else:
+            self.pre_mlp_norm = norm("post_attention_layernorm.weight", h)
+
+    def weights(self) -> list[torch.Tensor]:
+        """Every tensor a step reads in full (bench: bytes per decode step)."""
+        norms = (self.input_norm, self.q_norm, self.k_norm, self.post_attn_out_norm,
+                 self.pre_mlp_norm, self.post_mlp_norm)  # fmt: skip
+        return [self.qkv_proj.weight, self.o_proj.weight, self.gate_up_proj.weight,
+                self.down_proj.weight] + [n.weight for n in norms if n is not None]  # fmt: skip
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        ws: LoRAWorkspace | None,
+    ) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"], ws)
+        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope.apply(q, k, batch.positions)
+        attn = paged_attention(
+            q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
+            s.scale, self.window, self.soft_cap,
+        )  # fmt: skip
+        out = self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"], ws)
+        if self.post_attn_out_norm is not None:
+            out = self.post_attn_out_norm(out)
+        x = x + out
+        gate_up = self.gate_up_proj(self.pre_mlp_norm(x), batch.lora["gate_up_proj"], ws)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = self.down_proj(self.act(gate) * up, batch.lora["down_proj"], ws)
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        return x + out
+
+
+class CausalLM:
+    """Weights and forward of one model replica, or of one rank's shard of it when `tp`
+    is given (tensor parallelism: see model/tp_shard.py for who holds what)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lora: LoRASlotBuffers | None = None,
+        spec: ModelSpec | None = None,
+        tp: TPRank | None = None,
+    ) -> None:
+        self.spec = spec = spec or load_model_spec(model_dir)
+        self.device, self.dtype, self.tp = torch.device(device), dtype, tp
+        self.lora_cols = 0 if lora is None else lora.workspace_cols
+        layer_spec = spec if tp is None else tp.shard.local_spec
+        layout = CheckpointLayout(Checkpoint(model_dir), spec, None if tp is None else tp.shard)
+        self.embed = layout.vocab(lm_head=False).to(self.device, dtype)
+        self.embed_scale = None
+        if spec.embed_scale is not None:  # Gemma rounds sqrt(hidden) to the weights' dtype
+            self.embed_scale = torch.tensor(spec.embed_scale).to(self.device, dtype)
+        ropes: list[tuple[RopeSpec, RotaryEmbedding]] = []
+        self.layers = []
+        for i in range(spec.num_layers):
+            rope = next((r for key, r in ropes if key == spec.rope(i)), None)
+            if rope is None:  # one table per distinct rope (Gemma 3: local and global)
+                rope = self._rope(spec.rope(i))
+                ropes.append((spec.rope(i), rope))
+            self.layers.append(
+                DecoderLayer(layer_spec, layout, i, rope, lora, self.device, dtype, tp)
+            )
+        norm = layout.norm(None, "norm.weight", spec.hidden_size).to(self.device, dtype)
+        self.norm = RMSNorm(norm, spec.rms_norm_eps, spec.gemma_norm)
+        if spec.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = layout.vocab(lm_head=True).to(self.device, dtype)
+
+    def step_weights(self) -> list[torch.Tensor]:
+        """The tensors a decode step reads in full (the embedding is gathered by row)."""
+        return [self.lm_head, self.norm.weight] + [w for lay in self.layers for w in lay.weights()]
+
+    def _rope(self, rope: RopeSpec) -> RotaryEmbedding:
+        s = self.spec
+        return RotaryEmbedding(
+            s.head_dim, s.max_position_embeddings, rope.theta, rope.scaling,
+            self.device, self.dtype, rotary_dim=s.rotary_dim,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        logit_rows: torch.Tensor | None = None,
+        layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run the batch; returns float32 logits [len(logit_rows), vocab] (all rows if None).
+        `layer_done(i)` is called once layer i's work is issued (replica.device.StepProgress)."""
+        tp = self.tp
+        if tp is None:
+            x = F.embedding(batch.input_ids, self.embed)
+        else:  # vocab-parallel: each rank embeds its ids, an all-reduce sums the parts
+            x = tp.embed(batch.input_ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ws = None  # one zeroed intermediate for every LoRA projection of the step
+        if self.lora_cols and any(seg.has_lora for seg in batch.lora.values()):
+            ws = LoRAWorkspace(x.shape[0], self.lora_cols, x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, kv, ws)
+            if layer_done is not None:
+                layer_done(i)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
+        logits = F.linear(self.norm(x), self.lm_head)
+        if tp is not None:
+            logits = tp.gather_logits(logits)
+        cap = self.spec.final_soft_cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -1,0 +1,223 @@
+"""Model families: what each one changes on ModelSpec, read from its config.json.
+
+A family is a function from the config to the ModelSpec fields that differ from Llama's
+(see spec.py for what each field means), chosen once by `model_type`. The decoder reads
+those fields; nothing here holds a tensor. To add a family: write its function, add it to
+FAMILIES, and add an oracle test in tests/replica/model/test_families.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from replica.model.spec import (
+    FULL,
+    SLIDING,
+    ModelConfigError,
+    ModelSpec,
+    RopeSpec,
+    base_spec,
+    check_rope_type,
+    rope_params,
+    rope_scaling,
+)
+
+Config = dict[str, Any]
+FamilyFields = dict[str, Any]
+
+# Gemma 3's text config as transformers fills it in: the multimodal checkpoints' config.json
+# writes only the values that differ from these (Gemma3TextConfig's defaults).
+GEMMA3_TEXT_DEFAULTS: Config = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+# Config values a family's config.json may leave out, as transformers fills them in.
+CONFIG_DEFAULTS: dict[str, Config] = {
+    "gemma2": {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3": GEMMA3_TEXT_DEFAULTS,
+    "gemma3_text": GEMMA3_TEXT_DEFAULTS,
+    "phi3": {"original_max_position_embeddings": 4096},
+}
+# Where a multimodal Gemma 3 checkpoint keeps its language model: transformers 5 saves
+# model.language_model.*, the Hub's 4.x-era files hold language_model.model.*.
+GEMMA3_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+def family_spec(cfg: Config, source: str) -> ModelSpec:
+    arch = cfg.get("model_type")
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise ModelConfigError(
+            f"{source}: unsupported architecture model_type={arch!r}; "
+            f"supported: {', '.join(FAMILIES)}"
+        )
+    cfg = _text_config(cfg) if "text_config" in cfg else cfg
+    cfg = {**CONFIG_DEFAULTS.get(arch, {}), **cfg}
+    if cfg.get("mlp_bias"):
+        raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
+    return base_spec(cfg, source, **family(cfg, source))
+
+
+def _llama(cfg: Config, source: str) -> FamilyFields:
+    _check_act(cfg, source, "silu")
+    _no_o_bias(cfg, source)
+    return {}
+
+
+def _mistral(cfg: Config, source: str) -> FamilyFields:
+    return {**_llama(cfg, source), **_every_layer_window(cfg)}
+
+
+def _qwen2(cfg: Config, source: str) -> FamilyFields:
+    _check_act(cfg, source, "silu")
+    return {"qkv_bias": True, **_qwen_windows(cfg)}
+
+
+def _qwen3(cfg: Config, source: str) -> FamilyFields:
+    _check_act(cfg, source, "silu")
+    _no_o_bias(cfg, source)
+    return {"qk_norm": True, **_qwen_windows(cfg)}
+
+
+def _gemma2(cfg: Config, source: str) -> FamilyFields:
+    return {
+        **_gemma_common(cfg, source),
+        **_layer_windows(cfg, [SLIDING if (i + 1) % 2 else FULL for i in _layers(cfg)]),
+        "attn_soft_cap": _positive(cfg, "attn_logit_softcapping", source, default=50.0),
+        "final_soft_cap": _positive(cfg, "final_logit_softcapping", source, default=30.0),
+    }
+
+
+def _gemma3(cfg: Config, source: str) -> FamilyFields:
+    pattern = int(cfg["sliding_window_pattern"])
+    local = rope_params(cfg, SLIDING)
+    local_theta = float(local.get("rope_theta", cfg["rope_local_base_freq"]))
+    local_scaling = {k: v for k, v in local.items() if k != "rope_theta"}
+    return {
+        **_gemma_common(cfg, source),
+        **_layer_windows(cfg, [SLIDING if (i + 1) % pattern else FULL for i in _layers(cfg)]),
+        "qk_norm": True,
+        "local_rope": RopeSpec(local_theta, check_rope_type(local_scaling, source)),
+        "attn_soft_cap": _positive(cfg, "attn_logit_softcapping", source, default=None),
+        "final_soft_cap": _positive(cfg, "final_logit_softcapping", source, default=None),
+        "weight_prefixes": GEMMA3_PREFIXES,
+    }
+
+
+def _phi3(cfg: Config, source: str) -> FamilyFields:
+    _check_act(cfg, source, "silu")
+    _no_o_bias(cfg, source)
+    params = rope_params(cfg) or cfg.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if params.get("rope_type", params.get("type")) in ("su", "yarn"):  # Phi-3's old names
+        cfg = {**cfg, "rope_scaling": {**params, "rope_type": "longrope", "type": "longrope"}}
+        cfg.pop("rope_parameters", None)
+    return {
+        "rope_scaling": rope_scaling(cfg, source),
+        "fused_qkv": True,
+        "fused_gate_up": True,
+        "partial_rotary_factor": float(factor),
+        **_every_layer_window(cfg),
+    }
+
+
+FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "gemma3_text": _gemma3,
+    "phi3": _phi3,
+}
+
+
+def _text_config(cfg: Config) -> Config:
+    """A multimodal checkpoint's language model (Gemma 3 >= 4B): its text_config, with
+    the token ids and tying that only the top level states. Images are not served."""
+    text = dict(cfg["text_config"])
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    text["model_type"] = cfg["model_type"]
+    return text
+
+
+def _layers(cfg: Config) -> range:
+    return range(int(cfg.get("num_hidden_layers", 0)))
+
+
+def _layer_windows(cfg: Config, default_types: list[str]) -> FamilyFields:
+    """Sliding layers and their window: the config's layer_types, else the family's rule."""
+    types = tuple(cfg.get("layer_types") or default_types)
+    window = cfg.get("sliding_window")
+    if not window or SLIDING not in types:
+        return {}
+    return {"layer_types": types, "sliding_window": int(window)}
+
+
+def _every_layer_window(cfg: Config) -> FamilyFields:
+    return _layer_windows(cfg, [SLIDING] * len(_layers(cfg)))
+
+
+def _qwen_windows(cfg: Config) -> FamilyFields:
+    # Qwen's window exists only with use_sliding_window, on layers >= max_window_layers
+    if not cfg.get("use_sliding_window", False):
+        return {}
+    first = int(cfg.get("max_window_layers", 28))
+    return _layer_windows(cfg, [SLIDING if i >= first else FULL for i in _layers(cfg)])
+
+
+def _gemma_common(cfg: Config, source: str) -> FamilyFields:
+    _check_act(cfg, source, "gelu_pytorch_tanh")
+    _no_o_bias(cfg, source)
+    scalar = _positive(cfg, "query_pre_attn_scalar", source, default=None)
+    return {
+        "gemma_norm": True,
+        "sandwich_norms": True,
+        "hidden_act": "gelu_tanh",
+        "embed_scale": math.sqrt(int(cfg["hidden_size"])),
+        "attn_scale": None if scalar is None else scalar**-0.5,
+    }
+
+
+def _check_act(cfg: Config, source: str, expected: str) -> None:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or expected
+    if act != expected:
+        raise ModelConfigError(
+            f"{source}: unsupported activation {act!r} for model_type={cfg.get('model_type')!r}"
+            f" (expected {expected!r})"
+        )
+
+
+def _no_o_bias(cfg: Config, source: str) -> None:
+    if cfg.get("attention_bias"):
+        raise ModelConfigError(f"{source}: attention_bias=true (o_proj bias) is not supported")
+
+
+def _positive(cfg: Config, key: str, source: str, default: float | None) -> float | None:
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ModelConfigError(f"{source}: {key}={value!r} must be a positive number")
+    return float(value)

@@ -1,0 +1,83 @@
+"""Where a family's checkpoint keeps each tensor, and reading this rank's part of it.
+
+The decoder asks for a projection by its module name (q_proj, gate_proj, ...); this module
+knows the checkpoint's prefix (model., or a multimodal checkpoint's language model) and
+whether the module is stored alone or as rows of a fused tensor (Phi-3's qkv_proj and
+gate_up_proj), and under tensor parallelism reads only the rows or columns the rank holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.model.spec import ModelSpec
+from replica.model.tp_shard import TPShard
+from replica.model.weights import Checkpoint, WeightLoadError
+
+LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+
+
+class CheckpointLayout:
+    def __init__(self, ckpt: Checkpoint, spec: ModelSpec, shard: TPShard | None = None) -> None:
+        self.ckpt, self.spec, self.shard = ckpt, spec, shard
+        self.prefix = _find_prefix(ckpt, spec)
+        self._fused = {part: (name, parts) for name, parts in spec.fused_modules().items()
+                       for part in parts}  # fmt: skip
+
+    def projection(self, layer: int, module: str, kind: str = "weight") -> torch.Tensor:
+        """This rank's part of `module`'s weight [out, in] (or bias [out]) in `layer`."""
+        whole = self.spec.module_shapes()
+        in_f, out_f = whole[module]
+        rows, cols = (0, out_f), (0, in_f)
+        if self.shard is not None:
+            if module in ("o_proj", "down_proj"):
+                cols = self.shard.in_range(module)
+            else:
+                rows = self.shard.out_range(module)
+        if module in self._fused:
+            fused, parts = self._fused[module]
+            offset = sum(whole[p][1] for p in parts[: parts.index(module)])
+            total = sum(whole[p][1] for p in parts)
+            name = self._name(layer, fused, kind)
+            shape = (total, in_f) if kind == "weight" else (total,)
+            return self.ckpt.get_part(name, shape, 0, offset + rows[0], offset + rows[1])
+        name = self._name(layer, module, kind)
+        shape = (out_f, in_f) if kind == "weight" else (out_f,)
+        if rows != (0, out_f):
+            return self.ckpt.get_part(name, shape, 0, *rows)
+        if kind == "weight" and cols != (0, in_f):
+            return self.ckpt.get_part(name, shape, 1, *cols)
+        return self.ckpt.get(name, shape)
+
+    def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
+        """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""
+        where = self.prefix if layer is None else f"{self.prefix}layers.{layer}."
+        return self.ckpt.get(where + name, (size,))
+
+    def vocab(self, lm_head: bool) -> torch.Tensor:
+        """The embedding (or untied lm_head): this rank's vocab rows, zero-padded."""
+        name = self.prefix + "embed_tokens.weight"
+        if lm_head:
+            name = next((n for n in LM_HEADS if self.ckpt.has(n)), LM_HEADS[0])
+        shape = (self.spec.vocab_size, self.spec.hidden_size)
+        if self.shard is None:
+            return self.ckpt.get(name, shape)
+        start, stop = self.shard.vocab_range
+        vocab = self.spec.vocab_size
+        t = self.ckpt.get_part(name, shape, 0, min(start, vocab), min(stop, vocab))
+        if stop > vocab:  # the last vocab shard: zero rows up to the padded size
+            t = torch.cat([t, t.new_zeros(stop - max(start, vocab), *t.shape[1:])])
+        return t
+
+    def _name(self, layer: int, module: str, kind: str) -> str:
+        group = "self_attn" if module in ATTENTION else "mlp"
+        return f"{self.prefix}layers.{layer}.{group}.{module}.{kind}"
+
+
+def _find_prefix(ckpt: Checkpoint, spec: ModelSpec) -> str:
+    for prefix in spec.weight_prefixes:
+        if ckpt.has(prefix + "embed_tokens.weight"):
+            return prefix
+    tried = ", ".join(p + "embed_tokens.weight" for p in spec.weight_prefixes)
+    raise WeightLoadError(f"{ckpt.dir}: missing weight {tried!r} (the token embedding)")
