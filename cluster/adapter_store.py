@@ -44,7 +44,12 @@ import ray
 
 from cluster.resolvers import AdapterResolver, ResolveError, allowed
 from replica.adapters.packing import pack_adapter
-from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
+from replica.model.adapter_weights import (
+    WEIGHTS_FILES,
+    AdapterFormatError,
+    adapter_weights_file,
+    load_peft_adapter,
+)
 from replica.model.spec import load_model_spec
 from router.errors import BadRequestError, NotFoundError
 
@@ -432,7 +437,7 @@ class AdapterStore:
             resolved = Path(path).resolve(strict=True)
         except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the path
             raise BadRequestError(f"adapter path {path!r} does not exist") from None
-        files = [resolved / "adapter_config.json", resolved / "adapter_model.safetensors"]
+        files = [resolved / "adapter_config.json", *(resolved / f for f in WEIGHTS_FILES)]
         for p in [resolved, *(f.resolve() for f in files if f.exists())]:
             if not any(p.is_relative_to(root) for root in roots):
                 shown = ", ".join(str(r) for r in roots)
@@ -443,13 +448,13 @@ class AdapterStore:
 
     def _check_size(self, path: Path) -> None:
         """Refuse weights over max_adapter_bytes before reading them."""
-        weights = path / "adapter_model.safetensors"
-        if self.max_adapter_bytes is None or not weights.is_file():
+        weights = adapter_weights_file(path)
+        if self.max_adapter_bytes is None or weights is None:
             return  # the format check names a missing file
         size = weights.stat().st_size
         if size > self.max_adapter_bytes:
             raise BadRequestError(
-                f"adapter {path.name!r}: adapter_model.safetensors is {size} bytes, over the "
+                f"adapter {path.name!r}: {weights.name} is {size} bytes, over the "
                 f"limit of {self.max_adapter_bytes} (max_adapter_bytes)"
             )
 

@@ -75,7 +75,10 @@ class AppConfig(IngressOptions):
         "are refused with 429 and Retry-After (-1: unbounded).",
     )
     max_adapter_bytes: int = Field(
-        4 * 2**30, gt=0, description="Largest adapter_model.safetensors the store accepts."
+        4 * 2**30,
+        gt=0,
+        description="Largest adapter weights file (adapter_model.safetensors or .bin) the "
+        "store accepts.",
     )
     adapter_resolvers: list[Literal["local", "hf_cache"]] = Field(
         default_factory=list,

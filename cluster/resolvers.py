@@ -11,7 +11,7 @@ confinement, size and rank checks as an explicit `POST /v1/load_lora_adapter`.
   cache (huggingface_hub's cache layout); downloaded first only if allowed.
 
 Other sources (an object store through fsspec, say) are one more class with the same
-`find`: copy the adapter's two files into a local staging directory and return that
+`find`: copy the adapter's files (ADAPTER_FILES) into a local staging directory and return that
 directory with the staging directory as its root; the store does the rest.
 """
 
@@ -27,8 +27,9 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-# A PEFT adapter's files: all a resolver ever fetches or reads.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# A PEFT adapter's files: all a resolver ever fetches or reads (weights as safetensors, or
+# the .bin older trainers write).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 # A local adapter's name is one directory name: no separator, no "..", nothing hidden.
 _LOCAL_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 

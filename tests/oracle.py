@@ -57,3 +57,18 @@ def peft_adapter(
                 p.copy_(torch.randn_like(p) / r**0.5)
     model.save_pretrained(out)
     return out
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EVERYTHING = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+PHI3 = {"attn": ["qkv_proj", "o_proj"], "all": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+
+
+def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]:
+    """Two peft adapters of a family's model: rank 8 on attention, rank 16 on everything
+    (Phi-3's adapters target its fused qkv_proj and gate_up_proj)."""
+    targets = PHI3 if family.startswith("phi3") else {"attn": ATTENTION, "all": EVERYTHING}
+    return {
+        "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),
+        "all": peft_adapter(model_dir, root / "all", targets["all"], r=16, alpha=8, seed=2),
+    }

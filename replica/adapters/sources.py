@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from replica.model.adapter_weights import LoRAAdapterWeights, SelectLoRA, load_peft_adapter
+from replica.model.peft_config import peft_config_rank
 from replica.model.spec import ModelSpec
 
 
@@ -87,11 +88,12 @@ class PeftDirectorySource:
         return load_peft_adapter(self.paths[name], self.spec, self.max_lora_rank, name)
 
     def rank_of(self, name: str) -> int | None:
-        """`r` of the directory's adapter_config.json (a small read, no weights)."""
+        """The largest rank the directory's adapter_config.json gives a module (`r`, or a
+        larger rank_pattern value; a small read, no weights), at most max_lora_rank."""
         try:
             config = json.loads((Path(self.paths[name]) / "adapter_config.json").read_text())
-            return int(config["r"])
-        except (KeyError, OSError, ValueError, TypeError):
+            return min(peft_config_rank(config), self.max_lora_rank)
+        except (KeyError, OSError, ValueError, TypeError, AttributeError):
             return None
 
     def locate(self, name: str) -> PeftDirectoryLocator:

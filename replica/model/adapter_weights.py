@@ -1,14 +1,43 @@
 """PEFT LoRA directory -> engine layout. The one conversion every adapter source uses.
 
-Engine layout: per layer, per target module, A `[r, in]` and B `[out, r]`,
-plus one scaling per adapter (alpha/r, or alpha/sqrt(r) for rsLoRA).
+Engine layout: per layer, per target module, A `[rank, in]` and B `[out, rank]`, plus one
+rank and one scaling per adapter: the engine holds an adapter in `rank` arena rows and
+multiplies every module's delta by `scaling`.
+
+PEFT is more general: `rank_pattern` and `alpha_pattern` give a module its own rank r_m and
+alpha_m, so its own scaling s_m = alpha_m / r_m (alpha_m / sqrt(r_m) with rsLoRA). Such an
+adapter is converted exactly into the one-rank layout:
+
+- its rank is the largest module rank; a smaller module's A gets zero rows and its B zero
+  columns up to it (zeros add nothing to B·A). Memory: every module takes max-rank rows,
+  so a pattern with one rank-64 module among rank-8 ones costs as much as rank 64
+  everywhere (the arena reserves the adapter's rank for every module group anyway);
+- its scaling is the default one (lora_alpha / r) when a module uses it, else the one most
+  modules use; a module whose scaling differs has the ratio folded into its B
+  (B_m · s_m / scaling), in fp32 and stored back in B's dtype (one extra rounding for a
+  16-bit adapter, none in effect for fp32).
+
+A module's rank is its lora_A's row count, checked against what `r` / `rank_pattern` say
+for it. Pattern keys are matched as PEFT does (peft.utils.other.get_pattern_key): against
+the module's name in the base model ("model.layers.1.mlp.down_proj", the tensor name less
+"base_model.model." and ".lora_A.weight"), the first key in the file's order for which
+`re.match(rf"(.*\\.)?({key})$", name)` matches wins; no match: `r` / `lora_alpha`.
+
+Weights come from adapter_model.safetensors or, from older trainers (PEFT's
+save_pretrained(safe_serialization=False)), adapter_model.bin, read with
+torch.load(weights_only=True); safetensors wins when both are there.
+
+What adapter_config.json may hold is model/peft_config.py's; refused here: LoRA on
+embed_tokens / lm_head, and tensors of modules the family does not have.
+layers_to_transform / layers_pattern are served as written: the file must hold weights
+only for the layers they select.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,22 +46,35 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from replica.model.peft_config import (
+    PEFT_DEFAULT_ALPHA,
+    AdapterFormatError,
+    check_config,
+    check_number,
+    layer_filter,
+    pattern,
+    pattern_key,
+    read_config,
+)
 from replica.model.spec import ModelSpec
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# An adapter directory's weights file, in order of preference (the .bin: older trainers)
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# base_model.model.<the decoder's prefix>layers.N.(self_attn|mlp).<module>.lora_(A|B).weight;
+# a multimodal Gemma 3 keeps its decoder under language_model (transformers 4 or 5 naming)
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$"
+    r"^base_model\.model\.(?:model\.language_model\.|language_model\.model\.|model\.)"
+    r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
-
-
+_PEFT_PREFIX = "base_model.model."
+# LoRA on a multimodal checkpoint's vision side: images are not served, so it never applies
+_VISION = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+# LoRA (or a saved copy) of the input embedding or the output head
+_EMBED_HEAD = re.compile(r"^base_model\.model\.(?:.*\.)?(?:embed_tokens|lm_head)\.")
 # (module, A [r, in], B [out, r]) -> the part of (A, B) to keep, as views: how a
 # tensor-parallel rank keeps only its shard (TPShard.slice_lora).
 SelectLoRA = Callable[[str, Any, Any], tuple[Any, Any]]
-
-
-class AdapterFormatError(ValueError):
-    """An adapter directory is malformed or does not fit the base model."""
 
 
 @dataclass
@@ -64,20 +106,57 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def adapter_weights_file(path: str | Path) -> Path | None:
+    """The weights file of adapter directory `path` (WEIGHTS_FILES order), None if none."""
+    for file_name in WEIGHTS_FILES:
+        f = Path(path) / file_name
+        if f.is_file():
+            return f
+    return None
+
+
 def load_peft_adapter(
     path: str | Path, spec: ModelSpec, max_lora_rank: int, name: str | None = None
 ) -> LoRAAdapterWeights:
     """Read and validate a PEFT LoRA directory against `spec`; raise AdapterFormatError."""
     path = Path(path)
-    config = _read_config(path)
-    weights_file = path / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        raise AdapterFormatError(f"{path}: missing adapter_model.safetensors")
-    try:
-        tensors = load_file(str(weights_file))
-    except Exception as e:  # safetensors raises several types for corrupt files
-        raise AdapterFormatError(f"{weights_file}: unreadable safetensors file ({e})") from None
+    config = read_config(path)
+    weights_file = adapter_weights_file(path)
+    if weights_file is None:
+        raise AdapterFormatError(
+            f"{path}: missing adapter_model.safetensors (or adapter_model.bin)"
+        )
+    tensors = _read_tensors(weights_file)
     return convert_peft_tensors(name or path.name, config, tensors, spec, max_lora_rank)
+
+
+def _read_tensors(weights_file: Path) -> dict[str, torch.Tensor]:
+    if weights_file.suffix == ".safetensors":
+        try:
+            return load_file(str(weights_file))
+        except Exception as e:  # safetensors raises several types for corrupt files
+            raise AdapterFormatError(f"{weights_file}: unreadable safetensors file ({e})") from None
+    try:
+        # weights_only: tensors and plain containers only, never arbitrary pickled code
+        loaded = torch.load(weights_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and torch errors for corrupt or unsafe files
+        raise AdapterFormatError(f"{weights_file}: unreadable PyTorch .bin file ({e})") from None
+    if not isinstance(loaded, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
+    ):
+        raise AdapterFormatError(f"{weights_file}: expected a state dict (names -> tensors)")
+    # a tensor saved as a view keeps its whole storage alive: own just its elements
+    return {
+        k: v if v.untyped_storage().nbytes() == v.nbytes else _own(v) for k, v in loaded.items()
+    }
+
+
+@dataclass
+class _Module:
+    """One PEFT LoRA module of the file: (layer, module) and its name in the base model."""
+
+    path: str  # e.g. "model.layers.1.mlp.down_proj": what rank/alpha patterns match
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # "A" / "B"
 
 
 def convert_peft_tensors(
@@ -88,85 +167,127 @@ def convert_peft_tensors(
     max_lora_rank: int,
 ) -> LoRAAdapterWeights:
     """Validate PEFT config + tensors and regroup them per (layer, module)."""
-    _check_config(name, config)
-    rank = int(config["r"])
-    if rank > max_lora_rank:
-        raise AdapterFormatError(f"{name}: rank {rank} exceeds max_lora_rank {max_lora_rank}")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    check_config(name, config)
+    r = config["r"]
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    check_number(name, "lora_alpha", alpha)
+    rank_pattern = pattern(name, config, "rank_pattern")
+    alpha_pattern = pattern(name, config, "alpha_pattern")
+    in_layers = layer_filter(name, config)
+    rslora = bool(config.get("use_rslora"))
+
+    pairs: dict[tuple[int, str], _Module] = {}
+    multimodal = len(spec.weight_prefixes) > 1
+    shapes, fused = spec.module_shapes(), spec.fused_modules()
     for key, tensor in tensors.items():
+        if multimodal and _VISION.match(key):
+            continue
         m = _KEY.match(key)
         if m is None:
+            if _EMBED_HEAD.match(key):
+                raise AdapterFormatError(
+                    f"{name}: unsupported tensor {key!r}: LoRA on embed_tokens/lm_head is "
+                    "not served yet"
+                )
             raise AdapterFormatError(f"{name}: unsupported tensor {key!r}")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in shapes and module not in fused or module in _split_parts(fused):
+            have = ", ".join(fused) + ", " if fused else ""
+            have += ", ".join(m for m in shapes if m not in _split_parts(fused))
+            raise AdapterFormatError(
+                f"{name}: tensor {key!r} targets {module!r}, which model_type={spec.arch!r} "
+                f"does not have (its projections: {have})"
+            )
         if layer >= spec.num_layers:
             raise AdapterFormatError(
                 f"{name}: tensor {key!r} targets layer {layer}, model has {spec.num_layers}"
             )
-        pairs.setdefault((layer, module), {})[which] = tensor
+        path = key.removeprefix(_PEFT_PREFIX).removesuffix(f".lora_{which}.weight")
+        if in_layers is not None and not in_layers(path):
+            shown = f"layers_to_transform={config['layers_to_transform']!r}"
+            if config.get("layers_pattern"):
+                shown += f", layers_pattern={config['layers_pattern']!r}"
+            raise AdapterFormatError(f"{name}: tensor {key!r} is in a layer outside {shown}")
+        pairs.setdefault((layer, module), _Module(path)).tensors[which] = tensor
     if not pairs:
-        raise AdapterFormatError(f"{name}: adapter_model.safetensors holds no LoRA weights")
-    shapes = spec.module_shapes()
-    weights = {}
-    for (layer, module), ab in sorted(pairs.items()):
+        raise AdapterFormatError(f"{name}: the adapter holds no LoRA weights")
+
+    # (layer, module, A [r_m, in], B [out, r_m], r_m, s_m), validated
+    modules = []
+    for (layer, module), entry in sorted(pairs.items()):
+        ab = entry.tensors
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
             raise AdapterFormatError(f"{name}: layer {layer} {module} lacks lora_{missing}")
-        in_f, out_f = shapes[module]
+        parts = fused.get(module, (module,))
+        in_f, out_f = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+        r_key = pattern_key(rank_pattern, entry.path)
+        r_m = rank_pattern.get(r_key, r)
         a, b = ab["A"], ab["B"]
-        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f:
             raise AdapterFormatError(
                 f"{name}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B "
-                f"{tuple(b.shape)}, expected ({rank}, {in_f}) / ({out_f}, {rank}) "
+                f"{tuple(b.shape)}, expected ({r_m}, {in_f}) / ({out_f}, {r_m}) "
                 "for this base model"
+            )
+        if a.shape[0] != r_m or b.shape[1] != r_m:
+            said = f"rank_pattern[{r_key!r}]" if r_key in rank_pattern else "r"
+            raise AdapterFormatError(
+                f"{name}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B "
+                f"{tuple(b.shape)} have rank {a.shape[0]}, but adapter_config.json "
+                f"{said}={r_m} for {entry.path!r}"
             )
         if not (a.is_floating_point() and b.is_floating_point()):
             raise AdapterFormatError(f"{name}: layer {layer} {module}: non-float weights")
         if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
             # one NaN would poison every sequence batched with this adapter's slot row
             raise AdapterFormatError(f"{name}: layer {layer} {module}: NaN or infinite weights")
-        weights[(layer, module)] = (a.contiguous(), b.contiguous())
-    alpha = config.get("lora_alpha", rank)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterFormatError(f"{name}: lora_alpha={alpha!r} is not a finite number")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    modules = tuple(m for m in TARGETABLE if any(k[1] == m for k in weights))
-    return LoRAAdapterWeights(name, rank, scaling, modules, weights)
+        alpha_m = alpha_pattern.get(pattern_key(alpha_pattern, entry.path), alpha)
+        s_m = alpha_m / math.sqrt(r_m) if rslora else alpha_m / r_m
+        modules.append((layer, module, parts, a, b, r_m, s_m))
+
+    rank = max(m[5] for m in modules)
+    if rank > max_lora_rank:
+        where = ""
+        if rank_pattern:
+            layer, module = next((m[0], m[1]) for m in modules if m[5] == rank)
+            where = f" (layer {layer} {module})"
+        raise AdapterFormatError(
+            f"{name}: rank {rank}{where} exceeds max_lora_rank {max_lora_rank}"
+        )
+    default = alpha / math.sqrt(r) if rslora else alpha / r
+    scaling = _adapter_scaling(default, [m[6] for m in modules])
+
+    weights = {}
+    for layer, _module, parts, a, b, r_m, s_m in modules:
+        if s_m != scaling:  # only when modules' scalings differ (then scaling != 0)
+            b = (b.to(torch.promote_types(b.dtype, torch.float32)) * (s_m / scaling)).to(b.dtype)
+        if r_m < rank:  # zero rows of A / columns of B: nothing added to B·A
+            a = torch.cat([a, a.new_zeros(rank - r_m, a.shape[1])])
+            b = torch.cat([b, b.new_zeros(b.shape[0], rank - r_m)], dim=1)
+        # A fused module's delta is B·A with B's rows split among its parts: each part
+        # is the exact LoRA (A, its rows of B)
+        row = 0
+        for part in parts:
+            rows = shapes[part][1]
+            weights[(layer, part)] = (a.contiguous(), b[row : row + rows].contiguous())
+            row += rows
+    targets = tuple(m for m in TARGETABLE if any(k[1] == m for k in weights))
+    return LoRAAdapterWeights(name, rank, scaling, targets, weights)
 
 
-def _read_config(path: Path) -> dict:
-    cfg_file = path / "adapter_config.json"
-    if not path.is_dir():
-        raise AdapterFormatError(f"{path}: not a directory")
-    if not cfg_file.is_file():
-        raise AdapterFormatError(f"{path}: missing adapter_config.json")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except UnicodeDecodeError:
-        raise AdapterFormatError(f"{cfg_file}: not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise AdapterFormatError(f"{cfg_file}: invalid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise AdapterFormatError(f"{cfg_file}: expected a JSON object")
-    return config
+def _adapter_scaling(default: float, module_scalings: list[float]) -> float:
+    """The one scaling the engine multiplies by: `default` (lora_alpha / r) when a module
+    uses it, else the one most modules use; never 0 while a module's is not."""
+    counts = Counter(module_scalings)
+    if default in counts and default != 0:
+        return default
+    nonzero = [s for s in counts if s != 0]
+    if nonzero:
+        return max(nonzero, key=counts.__getitem__)  # ties: the first module's
+    return default  # every module's delta is zero
 
 
-def _check_config(name: str, config: dict) -> None:
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterFormatError(f"{name}: peft_type {config.get('peft_type')!r} is not LORA")
-    r = config.get("r")
-    if not isinstance(r, int) or r <= 0:
-        raise AdapterFormatError(f"{name}: adapter_config.json r={r!r} is not a positive integer")
-    unsupported = {
-        "use_dora": "DoRA",
-        "modules_to_save": "modules_to_save",
-        "rank_pattern": "rank_pattern",
-        "alpha_pattern": "alpha_pattern",
-        "layer_replication": "layer_replication",
-    }
-    for key, what in unsupported.items():
-        if config.get(key):
-            raise AdapterFormatError(f"{name}: {what} is not supported")
-    if config.get("bias", "none") != "none":
-        raise AdapterFormatError(f"{name}: bias={config['bias']!r} is not supported (only 'none')")
-    if config.get("fan_in_fan_out"):
-        raise AdapterFormatError(f"{name}: fan_in_fan_out=true is not supported")
+def _split_parts(fused: dict[str, tuple[str, ...]]) -> set[str]:
+    """Modules a family's checkpoint only holds inside a fused projection."""
+    return {part for parts in fused.values() for part in parts}

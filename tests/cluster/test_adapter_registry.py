@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 from ray.experimental import internal_kv
 
 from cluster import adapter_store
@@ -205,6 +206,38 @@ def test_resolved_adapters_meet_the_limits_of_explicit_loads(tiny, root, tmp_pat
 
     asyncio.run(main())
     assert [i.name for i in run(store.list())] == ["adapter-00"]
+
+
+def test_bin_weights_meet_the_same_confinement_and_size_limits(tiny, root, tmp_path, local_ray):
+    """An adapter_model.bin is read like the safetensors file, so the same checks hold: a
+    .bin linked out of the roots is refused, one over max_adapter_bytes too."""
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny.adapters["adapter-00"] / "adapter_model.safetensors")
+    outside = tmp_path / "outside.bin"
+    torch.save(weights, outside)
+    for name in ("linked", "big", "plain"):
+        (root / name).mkdir()
+        shutil.copy(tiny.adapters["adapter-00"] / "adapter_config.json", root / name)
+    (root / "linked" / "adapter_model.bin").symlink_to(outside)
+    shutil.copy(outside, root / "plain" / "adapter_model.bin")
+    size = outside.stat().st_size
+    shutil.copy(outside, root / "big" / "adapter_model.bin")
+    with open(root / "big" / "adapter_model.bin", "ab") as f:
+        f.write(b"\0" * 16)
+    store = local_store(tiny, root, max_adapter_bytes=size)
+
+    async def message(name: str) -> str:
+        with pytest.raises(NotFoundError) as e:
+            await store.resolve(name)
+        return e.value.message
+
+    async def main():
+        assert "outside the configured adapter roots" in await message("linked")
+        assert "adapter_model.bin is" in await message("big")
+        assert (await store.resolve("plain")).rank == 8
+
+    asyncio.run(main())
 
 
 def test_hf_cache_adapters_resolve_by_org_and_name(tiny, root, tmp_path, local_ray):

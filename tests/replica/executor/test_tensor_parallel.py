@@ -287,3 +287,38 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
         started = time.monotonic()
         two.shutdown()
         assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3"])
+def test_families_equal_tp1(family, tmp_path):
+    """Qwen3 (q/k norms, head_dim ≠ hidden / heads), Gemma 2 (soft-caps, windows, four
+    norms, scaled embedding) and Phi-3 (fused checkpoint projections, partial rotary) on 2
+    ranks: logits and a staggered mixed batch equal TP=1, adapters included."""
+    from cluster.demo.families import family_model_dir
+    from tests.oracle import family_adapters
+
+    model_dir = family_model_dir(family)
+    adapters = family_adapters(family, model_dir, tmp_path)
+
+    def build(tp_size: int) -> LLMEngine:
+        cfg = EngineConfig(model=str(model_dir), device="cpu", tp_size=tp_size,
+                           kv_cache_bytes=16 << 20, block_size=4)  # fmt: skip
+        eng = LLMEngine(cfg)
+        for name, path in adapters.items():
+            eng.load_adapter(name, path)
+        return eng
+
+    one = build(1)
+    two = build(2)
+    try:
+        ps = prompts(one.spec.vocab_size, (5, 23))
+        for adapter in (None, *adapters):
+            for p in ps:
+                diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
+                assert diff < LOGIT_ATOL, f"{family} {adapter}: max |TP2 - TP1 logit| {diff}"
+        names = [None, *adapters, None]
+        reqs = [(p, GREEDY, a) for p, a in zip(prompts(one.spec.vocab_size, (3, 17, 30, 9)), names)]
+        assert staggered(two, reqs) == staggered(one, reqs)
+    finally:
+        two.shutdown()
+        one.shutdown()

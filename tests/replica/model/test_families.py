@@ -1,0 +1,177 @@
+"""Every family against the outside oracle: transformers (eager attention) + PEFT, fp32.
+
+Each family's tiny model (cluster/demo/families.py) has its quirks set so they bite: a
+sliding window shorter than the prompts, heads × head_dim ≠ hidden, perturbed norm and
+q/k-norm weights, soft-caps that change scores and logits, query_pre_attn_scalar ≠
+head_dim, partial rotary. One engine per family serves the base and two adapters written
+by peft itself, in one mixed batch, with chunked prefill.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cluster.demo.families import family_model_dir
+from replica.config import EngineConfig
+from replica.engine.engine import LLMEngine
+from replica.wire import SamplingParams
+from tests.oracle import family_adapters, hf_greedy, hf_logits, hf_model, peft_adapter
+
+LOGIT_ATOL = 2e-4
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+FAMILIES = ["qwen3", "qwen3-tied", "gemma2", "gemma3", "gemma3-mm", "phi3"]
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 23, 40)]
+
+
+def engine_for(model_dir, adapters: dict, **kw) -> LLMEngine:
+    config = EngineConfig(
+        model=str(model_dir), device="cpu", kv_cache_bytes=16 << 20, block_size=4,
+        max_num_batched_tokens=16, **kw,
+    )  # fmt: skip  # 16-token steps: the 23- and 40-token prompts prefill in chunks
+    eng = LLMEngine(config)
+    for name, path in adapters.items():
+        eng.load_adapter(name, path)
+    return eng
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    model_dir = family_model_dir(request.param)
+    adapters = family_adapters(request.param, model_dir, tmp_path_factory.mktemp(request.param))
+    return request.param, model_dir, adapters
+
+
+def test_family_matches_transformers_and_peft_in_one_mixed_batch(family):
+    name, model_dir, adapters = family
+    eng = engine_for(model_dir, adapters)
+    refs = {None: hf_model(model_dir, eager=True)}
+    refs |= {a: hf_model(model_dir, path, eager=True) for a, path in adapters.items()}
+    ps = prompts(eng.spec.vocab_size)
+    for adapter, ref in refs.items():
+        for p in ps:
+            diff = (eng.score(p, adapter) - hf_logits(ref, p)).abs().max().item()
+            assert diff < LOGIT_ATOL, f"{name} {adapter}: max |logit diff| {diff}"
+    batch = [(p, adapter) for p in ps for adapter in refs]
+    outputs = eng.generate([(p, GREEDY, adapter) for p, adapter in batch])
+    for (p, adapter), seq in zip(batch, outputs):
+        assert seq.output_ids == hf_greedy(refs[adapter], p, NEW_TOKENS), (name, adapter, len(p))
+    base = [s.output_ids for s, (_, a) in zip(outputs, batch) if a is None]
+    tuned = [s.output_ids for s, (_, a) in zip(outputs, batch) if a == "all"]
+    assert base != tuned, "the adapter should change the greedy continuation"
+
+
+def test_gemma3_multimodal_checkpoint_in_transformers5_layout(tmp_path):
+    """transformers 5 keeps the language model under model.language_model.*; the Hub's
+    files (and save_pretrained) under language_model.model.*: both serve the same."""
+    src = family_model_dir("gemma3-mm")
+    dst = tmp_path / "gemma3-mm-v5"
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    renamed = {k.replace("language_model.model.", "model.language_model."): v
+               for k, v in tensors.items()}  # fmt: skip
+    assert renamed != tensors
+    save_file(renamed, dst / "model.safetensors", metadata={"format": "pt"})
+    ours, theirs = engine_for(dst, {}), engine_for(src, {})
+    p = prompts(ours.spec.vocab_size)[2]
+    assert torch.equal(ours.score(p), theirs.score(p))
+
+
+def test_gemma3_multimodal_ignores_vision_lora(tmp_path):
+    """A PEFT config naming q_proj also adapts the vision tower's attention; images are not
+    served, so those weights are skipped and the text output equals PEFT's."""
+    model_dir = family_model_dir("gemma3-mm")
+    path = peft_adapter(model_dir, tmp_path / "a", ["q_proj", "v_proj"], r=8, alpha=8, seed=3)
+    assert any("vision_tower" in k for k in load_file(path / "adapter_model.safetensors"))
+    eng = engine_for(model_dir, {"a": path})
+    ref = hf_model(model_dir, path, eager=True)
+    p = prompts(eng.spec.vocab_size)[1]
+    assert (eng.score(p, "a") - hf_logits(ref, p)).abs().max().item() < LOGIT_ATOL
+
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
+            "long_factor": [1.0, 3.0, 8.0, 16.0]}  # fmt: skip
+ROPE_VARIANTS = {
+    # Qwen long-context configs: yarn over a 64-token original context
+    "qwen3-yarn": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 64}}),
+    # Phi-3 128k's longrope (the original context at the config's top level); every prompt
+    # and continuation stays inside it, where transformers uses the short factors too
+    "phi3-longrope": ("phi3", {"rope_scaling": LONGROPE, "original_max_position_embeddings": 64}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_types_of_real_checkpoints_match_transformers(variant, tmp_path):
+    family, overrides = ROPE_VARIANTS[variant]
+    model_dir = family_model_dir(family, overrides=overrides)
+    adapter = family_adapters(family, model_dir, tmp_path)["attn"]
+    eng = engine_for(model_dir, {"attn": adapter})
+    assert eng.spec.rope_scaling["rope_type"] == overrides["rope_scaling"]["rope_type"]
+    refs = {None: hf_model(model_dir, eager=True), "attn": hf_model(model_dir, adapter, True)}
+    ps = prompts(eng.spec.vocab_size)
+    for name, ref in refs.items():
+        for p in ps:
+            assert (eng.score(p, name) - hf_logits(ref, p)).abs().max().item() < LOGIT_ATOL
+    outputs = eng.generate([(p, GREEDY, name) for p in ps for name in refs])
+    want = [hf_greedy(ref, p, NEW_TOKENS) for p in ps for ref in refs.values()]
+    assert [s.output_ids for s in outputs] == want
+
+
+def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(family):
+    """Prompts that extend an earlier one start after its cached blocks (which sliding
+    and global layers alike read): each equals transformers' output for the whole prompt."""
+    name, model_dir, adapters = family
+    eng = engine_for(model_dir, adapters, enable_prefix_caching=True)
+    refs = {
+        None: hf_model(model_dir, eager=True),
+        "all": hf_model(model_dir, adapters["all"], True),
+    }
+    first = prompts(eng.spec.vocab_size)[2]  # 40 tokens: ten 4-token blocks
+    for adapter, ref in refs.items():
+        eng.generate([(first, GREEDY, adapter)])
+        longer = first + [5, 6, 7, 8, 9, 10]
+        (seq,) = eng.generate([(longer, GREEDY, adapter)])
+        assert seq.num_cached_tokens >= 36, (name, adapter, seq.num_cached_tokens)
+        assert seq.output_ids == hf_greedy(ref, longer, NEW_TOKENS), (name, adapter)
+
+
+def test_static_decode_path_equals_eager(family):
+    """The fixed-shape decode step that CUDA graphs replay, on every family: the eager
+    engine's tokens, and no device value read inside the step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    name, model_dir, adapters = family
+    ps = prompts(256)
+    requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
+    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
+    eng = engine_for(model_dir, adapters)
+    runner = eng.executor
+    runner.static_decode = runner.make_static_decode(eng.config.max_num_seqs)
+    reads: list[str] = []
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket) in ("aten._local_scalar_dense", "aten.item"):
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    real_run, used = runner.static_decode.run, []
+
+    def traced(*a):
+        used.append(1)
+        with ScalarReads():
+            return real_run(*a)
+
+    runner.static_decode.run = traced
+    assert [s.output_ids for s in eng.generate(requests)] == want, name
+    assert used, "no step took the static decode path"
+    assert not reads, f"{name}: the static step read device values: {reads[:3]}"
