@@ -1,14 +1,18 @@
-"""Tensors: our Llama-family model (Llama, Mistral, Qwen2 layouts) and what it runs on.
+"""Tensors: one decoder for every served family and what it runs on.
 
-llama.py            the model and its forward over a flattened mixed batch
+decoder.py          the model and its forward over a flattened mixed batch
+families.py         config.json -> what a family changes on ModelSpec (norms, caps, windows...)
+layout.py           where a checkpoint keeps each tensor (prefixes, fused rows, a rank's part)
 attention.py        paged attention over the KV cache (prefill and decode)
-rope.py             rotary embeddings (with llama3 scaling)
-spec.py             ModelSpec: the shapes read from config.json
+rope.py             rotary embeddings (linear, llama3, yarn, longrope; partial rotary)
+spec.py             ModelSpec: the shapes and the family's differences
+hf_config.py        config.json values several modules read (rope parameters, layer types)
 weights.py          safetensors checkpoints
 kv_cache.py         the paged KV cache's tensors
 lora.py             LoRA-aware projections (base GEMM, shrink, expand) and their buffers
 lora_slots.py       the slot-stacked A/B buffers of every layer, and copies into them
-adapter_weights.py  a PEFT adapter converted to the engine layout
+adapter_weights.py  a PEFT adapter's tensors converted to the engine layout
+peft_config.py      adapter_config.json: what is refused, PEFT's pattern and layer rules
 sampler.py          greedy / temperature / top-k / top-p sampling, one device read
 tp_shard.py         what a tensor-parallel rank holds of every weight and adapter
 tp_comm.py          the collectives (NCCL on CUDA, gloo on CPU)

@@ -1,7 +1,7 @@
 """Model families: what each one changes on ModelSpec, read from its config.json.
 
 A family is a function from the config to the ModelSpec fields that differ from Llama's
-(see spec.py for what each field means), chosen once by `model_type`. The decoder reads
+(see spec.py's ModelSpec for what each field means), chosen once by `model_type`. The decoder reads
 those fields; nothing here holds a tensor. To add a family: write its function, add it to
 FAMILIES, and add an oracle test in tests/replica/model/test_families.py.
 """
@@ -12,13 +12,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from replica.model.spec import (
+from replica.model.hf_config import (
     FULL,
     SLIDING,
     ModelConfigError,
-    ModelSpec,
     RopeSpec,
-    base_spec,
     check_rope_type,
     rope_params,
     rope_scaling,
@@ -61,7 +59,9 @@ CONFIG_DEFAULTS: dict[str, Config] = {
 GEMMA3_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 
 
-def family_spec(cfg: Config, source: str) -> ModelSpec:
+def family_config(cfg: Config, source: str) -> tuple[Config, FamilyFields]:
+    """The config as the family reads it (a multimodal checkpoint's text_config, defaults
+    filled in) and the ModelSpec fields the family sets."""
     arch = cfg.get("model_type")
     family = FAMILIES.get(arch)
     if family is None:
@@ -73,7 +73,7 @@ def family_spec(cfg: Config, source: str) -> ModelSpec:
     cfg = {**CONFIG_DEFAULTS.get(arch, {}), **cfg}
     if cfg.get("mlp_bias"):
         raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
-    return base_spec(cfg, source, **family(cfg, source))
+    return cfg, family(cfg, source)
 
 
 def _llama(cfg: Config, source: str) -> FamilyFields:
