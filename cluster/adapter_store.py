@@ -109,12 +109,14 @@ class AdapterStore:
         checkpoint: bool = False,
         resolvers: Sequence[AdapterResolver] = (),
         resolve_allow: Sequence[str] = ("*",),
+        lora_embeddings: bool = False,
     ) -> None:
         """`checkpoint`: keep the registry in Ray's GCS key-value store, under the Serve
         application's name (off: a restart loses runtime loads). `resolvers`, tried in
         order for names nobody registered whose name matches a `resolve_allow` glob."""
         self.spec = load_model_spec(model)
         self.max_lora_rank = max_lora_rank
+        self.lora_embeddings = lora_embeddings  # the engine's: refuse what it cannot serve
         self.roots = [Path(r).resolve() for r in adapter_roots]
         self.reserved = set(reserved_names)
         self.max_adapter_bytes = max_adapter_bytes
@@ -298,7 +300,9 @@ class AdapterStore:
             raise BadRequestError(f"adapter name {name!r} is reserved (the base model's name)")
         self._check_size(Path(path))
         try:
-            weights = load_peft_adapter(path, self.spec, self.max_lora_rank, name)
+            weights = load_peft_adapter(
+                path, self.spec, self.max_lora_rank, name, self.lora_embeddings
+            )
         except AdapterFormatError as e:
             raise BadRequestError(str(e)) from None
         ref = ray.put(pack_adapter(weights))

@@ -55,6 +55,7 @@ def build_app(args: dict[str, Any]) -> Application:
                 config.hf_allow_download,
             ),
             config.resolve_allow,
+            engine.lora_embeddings,
         )
     )
     routing: dict[str, Any] = {

@@ -4,6 +4,7 @@
     segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, scalings, offsets, device)
     inter = lora_shrink(x, a, seg, max_rank[, out])  # [T, num_slices*R] float32
     lora_expand(y, inter, b, seg, slice_offsets)     # y += LoRA delta, in place
+    inter = lora_embedding_shrink(ids, a, seg, max_rank)  # an embedding LoRA's x·Aᵀ
     a = lora_a_buffer(num_slices, rows, in, device, dtype)  # an A arena, the fastest layout
     b = lora_b_buffer(out, rows, device, dtype)      # a B arena, the fastest layout
     o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
@@ -35,6 +36,7 @@ import math
 import torch
 
 from kernels.backend import backend_for, force_backend, forced_backend, implementation
+from kernels.lora_embedding import lora_embedding_shrink as _embedding_shrink
 from kernels.segments import SegmentInfo, make_segment_info, make_segment_infos
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "make_segment_infos",
     "lora_shrink",
     "lora_expand",
+    "lora_embedding_shrink",
     "backend_for",
     "force_backend",
     "forced_backend",
@@ -124,6 +127,36 @@ def lora_expand(
     """
     _check_expand(y, inter, b, seg, slice_offsets)
     return implementation(y, "sgmv").lora_expand(y, inter, b, seg, slice_offsets)
+
+
+def lora_embedding_shrink(
+    ids: torch.Tensor,  # [T] int64 token ids
+    a: torch.Tensor,  # [1, P, vocab]: the embedding A arena (lora_a_buffer(1, P, vocab))
+    seg: SegmentInfo,
+    max_rank: int,  # R: the intermediate's columns
+) -> torch.Tensor:  # [T, R] float32
+    """Semantics, per segment g with slot s = seg_slots[g] != 0, r = slot_ranks[s] <= R,
+    o = slot_offsets[s]:
+
+        out[rows_g, :r] = a[0, o : o+r, ids[rows_g]]ᵀ   (float32)
+
+    zero everywhere else: x·Aᵀ for one-hot x, PEFT's embedding LoRA before its B (then
+    lora_expand adds scaling·inter·Bᵀ). One torch implementation on every device (a gather;
+    host values only decide shapes, so it replays as a CUDA graph). See
+    kernels.reference.lora_embedding_shrink_reference.
+    """
+    if ids.dim() != 1 or ids.dtype != torch.int64 or a.dim() != 3 or a.shape[0] != 1:
+        raise ValueError(
+            f"lora_embedding_shrink: ids {tuple(ids.shape)} {ids.dtype} must be [T] int64, "
+            f"a {tuple(a.shape)} [1, P, vocab]"
+        )
+    if not isinstance(max_rank, int) or max_rank < 1 or a.device != ids.device:
+        raise ValueError(
+            f"lora_embedding_shrink: max_rank {max_rank!r} must be >= 1, ids on {ids.device} "
+            f"and a on {a.device} on one device"
+        )
+    _check_seg(seg, ids.device)
+    return _embedding_shrink(ids, a, seg, max_rank)
 
 
 _SEG_DTYPES = (torch.int32, torch.int32, torch.int32, torch.float32, torch.int32)

@@ -70,3 +70,27 @@ def lora_expand_reference(
             acc[:, c0:c1] += scalings[slot] * part
         y[lo:hi] = acc.to(y.dtype)
     return y
+
+
+def lora_embedding_shrink_reference(
+    ids: torch.Tensor, a: torch.Tensor, seg: SegmentInfo, max_rank: int
+) -> torch.Tensor:
+    """Semantics, per segment g with slot s = seg_slots[g] != 0, r = slot_ranks[s],
+    o = slot_offsets[s]:
+
+        out[t, :r] = a[0, o : o + r, ids[t]]   for each row t of segment g   (float32)
+
+    ids: [T] token ids; a: [1, P, vocab], the embedding A arena (PEFT's
+    lora_embedding_A [r, vocab] in rows [o, o + r)). Returns [T, max_rank] float32, zero
+    where no adapter applies and past each slot's rank: x·Aᵀ for one-hot x.
+    """
+    out = torch.zeros(ids.shape[0], max_rank, dtype=torch.float32, device=ids.device)
+    indptr = seg.seg_indptr.tolist()
+    ranks, offsets = seg.slot_ranks.tolist(), seg.slot_offsets.tolist()
+    for g, slot in enumerate(seg.seg_slots.tolist()):
+        if slot == 0:
+            continue
+        r, o = ranks[slot], offsets[slot]
+        for t in range(indptr[g], indptr[g + 1]):
+            out[t, :r] = a[0, o : o + r, int(ids[t])].float()
+    return out

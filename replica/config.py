@@ -18,6 +18,13 @@ class EngineConfig(BaseModel):
     max_lora_rank: int = Field(
         64, ge=1, description="Largest adapter rank a replica accepts (sizes no adapter's memory)."
     )
+    lora_embeddings: bool = Field(
+        False,
+        description="Serve LoRA on embed_tokens and lm_head (PEFT's embedding and head "
+        "modules, same vocabulary as the base). Every adapter row of the arenas then also "
+        "holds a vocabulary-sized A and B: fewer adapters in the same memory (about 10% on "
+        "Llama-3-8B, 15% on Gemma-2-9B). Off: such adapters are refused at load.",
+    )
     adapter_memory_bytes: int | None = Field(
         None,
         ge=1,

@@ -28,15 +28,15 @@ def hf_logits(model, prompt: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(
-        input_ids=torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    """n argmax tokens, end-of-sequence included (what an engine with ignore_eos emits;
+    generate's min_new_tokens would instead forbid EOS until n tokens)."""
+    out, past, step = [], None, torch.tensor([prompt])
+    for _ in range(n):
+        res = model(input_ids=step, past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        out.append(int(res.logits[0, -1].argmax()))
+        step = torch.tensor([[out[-1]]])
+    return out
 
 
 def peft_adapter(
@@ -55,6 +55,8 @@ def peft_adapter(
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn_like(p) / r**0.5)
+            elif "lora_embedding" in name:  # PEFT's embedding LoRA: A [r, vocab], B [h, r]
+                p.copy_(torch.randn_like(p) * (0.3 if "_B" in name else 1.0))
     model.save_pretrained(out)
     return out
 

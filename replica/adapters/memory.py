@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from replica.config import EngineConfig
-from replica.model.lora import MODULE_GROUPS
+from replica.model.lora import MODULE_GROUPS, VOCAB_GROUPS
 from replica.model.lora_slots import block_rows
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
@@ -27,17 +27,24 @@ CUDA_FREE_SHARE = 0.25  # the rest stays for activations, CUDA graphs and the al
 MAX_DEFAULT_SLOTS = 256
 
 
-def slot_bytes(spec: ModelSpec, max_rank: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+def slot_bytes(
+    spec: ModelSpec, max_rank: int, dtype: torch.dtype, tp_size: int = 1, vocab: bool = False
+) -> int:
     """Device bytes of `max_rank` arena rows on one rank: [num_slices, R, in] of A and
-    [out, R] of B per projection group and layer, what LoRASlotBuffers allocates per
-    max_rank rows (with max_rank 1: the bytes of one rank row)."""
-    shapes = spec.module_shapes() if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes()
+    [out, R] of B per projection group and layer (and, with `vocab`, of embed_tokens and
+    lm_head once), what LoRASlotBuffers allocates per max_rank rows (with max_rank 1: the
+    bytes of one rank row)."""
+    if tp_size == 1:
+        shapes = spec.module_shapes() | spec.vocab_module_shapes()
+    else:
+        shapes = TPShard(spec, 0, tp_size).lora_shapes()
     per_layer = 0
     for names in MODULE_GROUPS.values():
         in_features = shapes[names[0]][0]
         out_total = sum(shapes[n][1] for n in names)
         per_layer += (len(names) * in_features + out_total) * max_rank
-    return per_layer * spec.num_layers * dtype.itemsize
+    once = sum(sum(shapes[g]) * max_rank for g in VOCAB_GROUPS) if vocab else 0
+    return (per_layer * spec.num_layers + once) * dtype.itemsize
 
 
 def default_budget(
@@ -57,7 +64,9 @@ def size_adapter_slots(
 ) -> EngineConfig:
     """`config` with num_slots and max_loras_per_batch set (what every rank then builds).
     Raises ValueError when the budget cannot hold one adapter of max_lora_rank."""
-    per_block = slot_bytes(spec, block_rows(config.max_lora_rank), dtype, config.tp_size)
+    per_block = slot_bytes(
+        spec, block_rows(config.max_lora_rank), dtype, config.tp_size, config.lora_embeddings
+    )
     num_slots = config.num_slots
     if num_slots is None:
         budget = config.adapter_memory_bytes

@@ -56,17 +56,27 @@ class PeftDirectoryLocator:
     spec: ModelSpec
     max_lora_rank: int
     generation: int  # changes when the name is registered again: other ranks re-read it
+    lora_embeddings: bool = False
 
     def fetch(self, name: str, select: SelectLoRA | None = None) -> LoRAAdapterWeights:
-        adapter = load_peft_adapter(self.path, self.spec, self.max_lora_rank, name)
+        adapter = load_peft_adapter(
+            self.path, self.spec, self.max_lora_rank, name, self.lora_embeddings
+        )
         return adapter if select is None else adapter.select(select)
 
 
 class PeftDirectorySource:
     """Adapters read from PEFT directories through the one conversion function."""
 
-    def __init__(self, spec: ModelSpec, max_lora_rank: int, paths: dict[str, str | Path]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_lora_rank: int,
+        paths: dict[str, str | Path],
+        lora_embeddings: bool = False,
+    ) -> None:
         self.spec, self.max_lora_rank = spec, max_lora_rank
+        self.lora_embeddings = lora_embeddings
         self.paths = dict(paths)
         self._generations = itertools.count(1)
         self._generation: dict[str, int] = {}
@@ -85,7 +95,9 @@ class PeftDirectorySource:
         return name in self.paths
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
-        return load_peft_adapter(self.paths[name], self.spec, self.max_lora_rank, name)
+        return load_peft_adapter(
+            self.paths[name], self.spec, self.max_lora_rank, name, self.lora_embeddings
+        )
 
     def rank_of(self, name: str) -> int | None:
         """The largest rank the directory's adapter_config.json gives a module (`r`, or a
@@ -99,5 +111,6 @@ class PeftDirectorySource:
     def locate(self, name: str) -> PeftDirectoryLocator:
         path = str(self.paths[name])
         return PeftDirectoryLocator(
-            path, self.spec, self.max_lora_rank, self._generation.get(name, 0)
-        )
+            path, self.spec, self.max_lora_rank, self._generation.get(name, 0),
+            self.lora_embeddings,
+        )  # fmt: skip

@@ -60,7 +60,8 @@ class LLMEngine:
         self.spec = load_model_spec(config.model)
         # the slot count and per-batch limit, sized from memory unless set
         self.config = c = size_adapter_slots(config, self.spec, self.device, self.dtype)
-        rank, row = c.max_lora_rank, slot_bytes(self.spec, 1, self.dtype, c.tp_size)
+        rank = c.max_lora_rank
+        row = slot_bytes(self.spec, 1, self.dtype, c.tp_size, c.lora_embeddings)
         log.info(
             "adapter arenas: %d rank rows of %d bytes (%d adapters at rank %d, %d at rank 8); "
             "up to %d adapters per batch",
@@ -69,7 +70,7 @@ class LLMEngine:
         )  # fmt: skip
         self.executor = create_executor(c, self.spec, self.device, self.dtype)
         num_blocks, self.max_model_len = self.executor.num_blocks, self.executor.max_model_len
-        source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {})
+        source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {}, c.lora_embeddings)
         self.adapters = AdapterResidency(
             c, source, self.executor.lora, self.executor.adapter_staging, self.device
         )

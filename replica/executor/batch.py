@@ -6,11 +6,12 @@ from the scheduled sequences by the engine (engine/planner.py).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 
-from kernels import make_segment_infos
+from kernels import SegmentInfo, make_segment_infos
 from replica.device import to_device, to_device_packed
 from replica.model.attention import AttentionMetadata
 from replica.model.decoder import ForwardBatch
@@ -85,8 +86,40 @@ def build_batch(
         lengths, plan.seg_slots, slots.ranks, slots.scalings, slots.offsets, device,
         lambda t: to_device(t, device), (dev["seg_indptr"], dev["seg_slots"]), slot_tensors,
     )  # fmt: skip
-    batch = ForwardBatch(dev["input_ids"], dev["positions"], attn, lora)
+    logit_lora = None
+    if "lm_head" in slots.ranks:  # engine.lora_embeddings: the head's segments
+        logit_lora = _logit_segments(plan, slots, device, slot_tensors)
+    batch = ForwardBatch(dev["input_ids"], dev["positions"], attn, lora, logit_lora)
     return batch, dev["logit_rows"]
+
+
+def _logit_segments(
+    plan: BatchPlan,
+    slots: SlotTable,
+    device: torch.device,
+    slot_tensors: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor] | None,
+) -> SegmentInfo:
+    """lm_head LoRA's SegmentInfo over the logit rows: runs of rows of one sequence (rows
+    are ordered by sequence within each kind: sampled rows, then prompt-logprob rows)."""
+    lens: list[int] = []
+    seg_slots: list[int] = []
+    last = -1
+    for row in plan.logit_rows:
+        g = bisect.bisect_right(plan.seg_indptr, row) - 1
+        if g == last:
+            lens[-1] += 1
+        else:
+            lens.append(1)
+            seg_slots.append(plan.seg_slots[g])
+            last = g
+    on_device = None
+    if slot_tensors is not None:
+        on_device = ({"lm_head": slot_tensors[0]["lm_head"]}, slot_tensors[1], slot_tensors[2])
+    infos = make_segment_infos(
+        lens, seg_slots, {"lm_head": slots.ranks["lm_head"]}, slots.scalings, slots.offsets,
+        device, lambda t: to_device(t, device), None, on_device,
+    )  # fmt: skip
+    return infos["lm_head"]
 
 
 def _block_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -38,7 +38,9 @@ class ModelRunner(Executor):
         self.block_size, self.device = c.block_size, device
         local = spec if tp is None else tp.shard.local_spec  # this rank's heads and KV heads
         shapes = None if tp is None else tp.shard.lora_shapes()
-        self.lora = LoRASlotBuffers(spec, c.num_slots, c.max_lora_rank, device, dtype, shapes)
+        self.lora = LoRASlotBuffers(
+            spec, c.num_slots, c.max_lora_rank, device, dtype, shapes, c.lora_embeddings
+        )
         self.model = CausalLM(c.model, device, dtype, self.lora, spec, tp)
         per_block = KVCache.bytes_per_block(local, c.block_size, dtype)
         self.num_blocks = c.kv_cache_bytes // per_block
@@ -53,7 +55,7 @@ class ModelRunner(Executor):
         # steps write and read only there
         self.scratch_block = self.num_blocks
         self.kv = KVCache(local, self.num_blocks + 1, c.block_size, device, dtype)
-        self.slot_tensors = SlotTensors(self.lora.num_slots, device)
+        self.slot_tensors = SlotTensors(self.lora.num_slots, device, self.lora.groups)
         self.static_decode: StaticDecode | None = None
         if c.cuda_graphs and device.type == "cuda" and tp is None:
             self.static_decode = self.make_static_decode(c.max_num_seqs)

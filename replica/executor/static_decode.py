@@ -28,7 +28,6 @@ from replica.executor.batch import BatchPlan
 from replica.model.attention import AttentionMetadata
 from replica.model.decoder import CausalLM, ForwardBatch
 from replica.model.kv_cache import KVCache
-from replica.model.lora import MODULE_GROUPS
 from replica.model.lora_slots import SlotTensors
 
 log = logging.getLogger(__name__)
@@ -211,6 +210,6 @@ class StaticDecode:
                 has_lora=lora,
                 graph_safe=True,
             )
-            for group in MODULE_GROUPS
+            for group in self.slot_tensors.groups
         }
         return ForwardBatch(t["input_ids"][rows], t["positions"][rows], attn, segments)

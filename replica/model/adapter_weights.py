@@ -58,7 +58,8 @@ from replica.model.peft_config import (
 )
 from replica.model.spec import ModelSpec
 
-TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+              "embed_tokens", "lm_head")  # fmt: skip
 # An adapter directory's weights file, in order of preference (the .bin: older trainers)
 WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # base_model.model.<the decoder's prefix>layers.N.(self_attn|mlp).<module>.lora_(A|B).weight;
@@ -70,7 +71,20 @@ _KEY = re.compile(
 _PEFT_PREFIX = "base_model.model."
 # LoRA on a multimodal checkpoint's vision side: images are not served, so it never applies
 _VISION = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
-# LoRA (or a saved copy) of the input embedding or the output head
+# LoRA on the vocabulary modules: PEFT's embedding LoRA (lora_embedding_A [r, vocab],
+# lora_embedding_B [hidden, r]) and a head LoRA (lora_A [r, hidden], lora_B [vocab, r])
+_VOCAB_KEY = re.compile(
+    r"^base_model\.model\.(?:(?:model\.language_model\.|language_model\.model\.|model\.)"
+    r"(embed_tokens)\.lora_embedding_([AB])|(?:language_model\.)?(lm_head)\.lora_([AB])\.weight)$"
+)
+VOCAB_LAYER = -1  # the (layer, module) key of embed_tokens / lm_head weights
+# The copies of the base's embedding / head PEFT saves beside their LoRA
+# (save_embedding_layers="auto", for a resized vocabulary): with the base's vocabulary they
+# are the base's own weights, not read
+_VOCAB_COPY = re.compile(
+    r"^base_model\.model\.(?:.*\.)?(?:embed_tokens|lm_head)\.base_layer\.weight$"
+)
+# Anything else of the input embedding or the output head (a saved copy, a bias)
 _EMBED_HEAD = re.compile(r"^base_model\.model\.(?:.*\.)?(?:embed_tokens|lm_head)\.")
 # (module, A [r, in], B [out, r]) -> the part of (A, B) to keep, as views: how a
 # tensor-parallel rank keeps only its shard (TPShard.slice_lora).
@@ -116,7 +130,11 @@ def adapter_weights_file(path: str | Path) -> Path | None:
 
 
 def load_peft_adapter(
-    path: str | Path, spec: ModelSpec, max_lora_rank: int, name: str | None = None
+    path: str | Path,
+    spec: ModelSpec,
+    max_lora_rank: int,
+    name: str | None = None,
+    lora_embeddings: bool = False,
 ) -> LoRAAdapterWeights:
     """Read and validate a PEFT LoRA directory against `spec`; raise AdapterFormatError."""
     path = Path(path)
@@ -127,7 +145,9 @@ def load_peft_adapter(
             f"{path}: missing adapter_model.safetensors (or adapter_model.bin)"
         )
     tensors = _read_tensors(weights_file)
-    return convert_peft_tensors(name or path.name, config, tensors, spec, max_lora_rank)
+    return convert_peft_tensors(
+        name or path.name, config, tensors, spec, max_lora_rank, lora_embeddings
+    )
 
 
 def _read_tensors(weights_file: Path) -> dict[str, torch.Tensor]:
@@ -165,8 +185,10 @@ def convert_peft_tensors(
     tensors: dict[str, torch.Tensor],
     spec: ModelSpec,
     max_lora_rank: int,
+    lora_embeddings: bool = False,
 ) -> LoRAAdapterWeights:
-    """Validate PEFT config + tensors and regroup them per (layer, module)."""
+    """Validate PEFT config + tensors and regroup them per (layer, module); embed_tokens
+    and lm_head weights (allowed with `lora_embeddings`) under layer VOCAB_LAYER."""
     check_config(name, config)
     r = config["r"]
     alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
@@ -179,21 +201,42 @@ def convert_peft_tensors(
     pairs: dict[tuple[int, str], _Module] = {}
     multimodal = len(spec.weight_prefixes) > 1
     shapes, fused = spec.module_shapes(), spec.fused_modules()
+    shapes |= spec.vocab_module_shapes()
     for key, tensor in tensors.items():
         if multimodal and _VISION.match(key):
+            continue
+        if _VOCAB_COPY.match(key):
+            if tensor.dim() != 2 or tensor.shape[0] != spec.vocab_size:
+                raise AdapterFormatError(
+                    f"{name}: {key!r} {tuple(tensor.shape)} has a vocabulary other than "
+                    f"the base model's {spec.vocab_size} (an adapter for added tokens is "
+                    "not served)"
+                )
+            continue
+        v = _VOCAB_KEY.match(key)
+        if v is not None:
+            if not lora_embeddings:
+                raise AdapterFormatError(
+                    f"{name}: tensor {key!r} is LoRA on embed_tokens/lm_head, which this "
+                    "server does not serve (engine.lora_embeddings: true serves it)"
+                )
+            module, which = v.group(1) or v.group(3), v.group(2) or v.group(4)
+            path = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
+            pairs.setdefault((VOCAB_LAYER, module), _Module(path)).tensors[which] = tensor
             continue
         m = _KEY.match(key)
         if m is None:
             if _EMBED_HEAD.match(key):
                 raise AdapterFormatError(
-                    f"{name}: unsupported tensor {key!r}: LoRA on embed_tokens/lm_head is "
-                    "not served yet"
+                    f"{name}: unsupported tensor {key!r}: only LoRA A/B of embed_tokens "
+                    "and lm_head are served (no saved copies or biases)"
                 )
             raise AdapterFormatError(f"{name}: unsupported tensor {key!r}")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        if module not in shapes and module not in fused or module in _split_parts(fused):
+        layer_modules = spec.module_shapes()
+        if module not in layer_modules and module not in fused or module in _split_parts(fused):
             have = ", ".join(fused) + ", " if fused else ""
-            have += ", ".join(m for m in shapes if m not in _split_parts(fused))
+            have += ", ".join(m for m in layer_modules if m not in _split_parts(fused))
             raise AdapterFormatError(
                 f"{name}: tensor {key!r} targets {module!r}, which model_type={spec.arch!r} "
                 f"does not have (its projections: {have})"
@@ -224,6 +267,12 @@ def convert_peft_tensors(
         r_key = pattern_key(rank_pattern, entry.path)
         r_m = rank_pattern.get(r_key, r)
         a, b = ab["A"], ab["B"]
+        vocab = a.shape[1] if module == "embed_tokens" else b.shape[0]
+        if layer == VOCAB_LAYER and a.dim() == b.dim() == 2 and vocab != spec.vocab_size:
+            raise AdapterFormatError(
+                f"{name}: {module} LoRA has a vocabulary of {vocab}, the base model "
+                f"{spec.vocab_size} (an adapter for added tokens is not served)"
+            )
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f:
             raise AdapterFormatError(
                 f"{name}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B "

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import kernels
 from kernels import SegmentInfo
 from replica.model.attention import AttentionMetadata, paged_attention
 from replica.model.kv_cache import KVCache
 from replica.model.layout import CheckpointLayout
-from replica.model.lora import LoRALinear, LoRAWorkspace
+from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.rope import RotaryEmbedding
 from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
@@ -34,6 +35,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64: absolute position of each token
     attn: AttentionMetadata
     lora: dict[str, SegmentInfo]  # per projection group: one segment per sequence, token order
+    # lm_head LoRA's segments over the logit rows (None: the rows are every token, use
+    # lora["lm_head"]); only with engine.lora_embeddings
+    logit_lora: SegmentInfo | None = None
 
 
 class RMSNorm:
@@ -166,6 +170,7 @@ class CausalLM:
         self.spec = spec = spec or load_model_spec(model_dir)
         self.device, self.dtype, self.tp = torch.device(device), dtype, tp
         self.lora_cols = 0 if lora is None else lora.workspace_cols
+        self.vocab_lora: dict[str, LoRABuffers] = {} if lora is None else lora.vocab
         layer_spec = spec if tp is None else tp.shard.local_spec
         layout = CheckpointLayout(Checkpoint(model_dir), spec, None if tp is None else tp.shard)
         self.embed = layout.vocab(lm_head=False).to(self.device, dtype)
@@ -215,6 +220,14 @@ class CausalLM:
             x = F.embedding(batch.input_ids, self.embed)
         else:  # vocab-parallel: each rank embeds its ids, an all-reduce sums the parts
             x = tp.embed(batch.input_ids, self.embed)
+        embed_lora = self.vocab_lora.get("embed_tokens")
+        if embed_lora is not None and batch.lora["embed_tokens"].has_lora:
+            # PEFT adds the embedding LoRA before the embedding's scale (Gemma) applies
+            seg = batch.lora["embed_tokens"]
+            inter = kernels.lora_embedding_shrink(
+                batch.input_ids, embed_lora.a, seg, embed_lora.max_rank
+            )
+            kernels.lora_expand(x, inter, embed_lora.b, seg, embed_lora.slice_offsets)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ws = None  # one zeroed intermediate for every LoRA projection of the step
@@ -226,7 +239,17 @@ class CausalLM:
                 layer_done(i)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
-        logits = F.linear(self.norm(x), self.lm_head)
+        h = self.norm(x)
+        logits = F.linear(h, self.lm_head)
+        head_lora = self.vocab_lora.get("lm_head")
+        if head_lora is not None:
+            every_row = logit_rows is None or batch.logit_lora is None  # then: token order
+            seg = batch.lora["lm_head"] if every_row else batch.logit_lora
+            if seg.has_lora:  # this rank's vocabulary columns, before the gather
+                inter = kernels.lora_shrink(h, head_lora.a, seg, head_lora.max_rank)
+                kernels.lora_expand(logits, inter, head_lora.b, seg, head_lora.slice_offsets)
+        if layer_done is not None:
+            layer_done(len(self.layers))  # "past the head": its LoRA rows may be rewritten
         if tp is not None:
             logits = tp.gather_logits(logits)
         cap = self.spec.final_soft_cap

@@ -21,6 +21,13 @@ MODULE_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+# The vocabulary modules, model-level groups of one slice (with engine.lora_embeddings):
+# the embedding's A is read by token id (kernels.lora_embedding_shrink), the head's rows
+# are the logit rows.
+VOCAB_GROUPS: dict[str, tuple[str, ...]] = {
+    "embed_tokens": ("embed_tokens",),
+    "lm_head": ("lm_head",),
+}
 
 
 @dataclass

@@ -18,8 +18,8 @@ import torch
 
 import kernels
 from replica.device import StagedBuffer, StepProgress
-from replica.model.adapter_weights import LoRAAdapterWeights
-from replica.model.lora import MODULE_GROUPS, LoRABuffers
+from replica.model.adapter_weights import VOCAB_LAYER, LoRAAdapterWeights
+from replica.model.lora import MODULE_GROUPS, VOCAB_GROUPS, LoRABuffers
 from replica.model.spec import ModelSpec
 
 MIN_BLOCK_ROWS = 8  # ranks 1..8 take 8 rows: smaller blocks would only grow the slot tables
@@ -63,16 +63,18 @@ class LoRASlotBuffers:
         device: torch.device,
         dtype: torch.dtype,
         shapes: dict[str, tuple[int, int]] | None = None,
+        vocab: bool = False,
     ) -> None:
         """Arenas of arena_rows(num_slots, max_rank) rows. `shapes`: (in, out) of A [r, in]
         and B [out, r] per module, when not the whole model's (a tensor-parallel rank's
-        share, TPShard.lora_shapes())."""
+        share, TPShard.lora_shapes()). `vocab`: arenas for embed_tokens and lm_head too
+        (engine.lora_embeddings), read before the first layer and after the last."""
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2 (slot 0 is the base model)")
         self.spec, self.max_rank = spec, max_rank
         self.num_rows = arena_rows(num_slots, max_rank)
         self.num_slots = num_slot_handles(self.num_rows)
-        shapes = shapes or spec.module_shapes()
+        shapes = shapes or spec.module_shapes() | spec.vocab_module_shapes()
         # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
         self.layers: list[dict[str, LoRABuffers]] = []
         self.workspace_cols = 0
@@ -89,24 +91,33 @@ class LoRASlotBuffers:
                 groups[group] = buf
                 self.workspace_cols += buf.width
             self.layers.append(groups)
+        # embed_tokens, lm_head: one slice each, their own intermediates (not the
+        # workspace's: the head's rows are the logit rows, not the step's tokens)
+        self.vocab: dict[str, LoRABuffers] = {}
+        for group in VOCAB_GROUPS if vocab else ():
+            in_f, out_f = shapes[group]
+            a = kernels.lora_a_buffer(1, self.num_rows, in_f, device, dtype)
+            b = kernels.lora_b_buffer(out_f, self.num_rows, device, dtype)
+            self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)
+        self.groups = (*MODULE_GROUPS, *self.vocab)  # the slot table's rank columns
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         n = self.num_slots
-        self.table = SlotTable({g: [0] * n for g in MODULE_GROUPS}, [0.0] * n, [0] * n)
+        self.table = SlotTable({g: [0] * n for g in self.groups}, [0.0] * n, [0] * n)
         # What write() copies into, per layer and group: numpy views of the arenas on CPU
         # (a write is ~100 small copies, and numpy slicing costs a tenth of torch's: the
         # write took 1.3-2.9 ms, mostly indexing, for adapters of 0.85-18.6 MB); the
         # tensors themselves elsewhere. B as [P, out] (rank rows first) either way.
         self._targets = [
             {g: (_copy_target(buf.a), _copy_target(buf.b.t())) for g, buf in groups.items()}
-            for groups in self.layers
-        ]
+            for groups in [*self.layers, self.vocab]
+        ]  # the last entry: the vocabulary modules
 
     def nbytes(self) -> int:
         """Device bytes of every arena."""
         return sum(
             buf.a.numel() * buf.a.element_size() + buf.b.numel() * buf.b.element_size()
-            for groups in self.layers
+            for groups in [*self.layers, self.vocab]
             for buf in groups.values()
         )
 
@@ -126,7 +137,13 @@ class LoRASlotBuffers:
         The copies are issued on the current stream; callers choose it (the prefetcher
         runs this on a side stream and records an event after). No slot reads the rows
         until activate(). With `progress`, the rows are ones the running step still
-        reads: layer i is written only once that step is past layer i."""
+        reads: layer i is written only once that step is past layer i (the embedding
+        after layer 0, the head once the step is done with it: "layer" num_layers)."""
+        vocab = [g for g in VOCAB_GROUPS if (VOCAB_LAYER, g) in adapter.weights]
+        if vocab and not self.vocab:
+            raise ValueError(
+                f"{adapter.name}: LoRA on {'/'.join(vocab)} needs engine.lora_embeddings"
+            )
         if adapter.rank > self.max_rank:
             raise ValueError(f"{adapter.name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
         r = adapter.rank
@@ -145,13 +162,23 @@ class LoRASlotBuffers:
                     c0, c1 = buf.slice_offsets[j], buf.slice_offsets[j + 1]
                     _fill(a[j, rows], None if ab is None else ab[0])
                     _fill(b[rows, c0:c1], None if ab is None else ab[1].t())
+        for group in self.vocab:
+            ab = adapter.weights.get((VOCAB_LAYER, group))
+            if ab is None:
+                continue  # rank 0 for this group
+            if progress is not None:
+                progress.wait_layer(0 if group == "embed_tokens" else len(self.layers))
+            a, b = self._targets[-1][group]
+            _fill(a[0, rows], ab[0])
+            _fill(b[rows, : ab[1].shape[0]], ab[1].t())  # a TP rank's head B may be short
 
     def activate(self, slot: int, row0: int, adapter: LoRAAdapterWeights) -> None:
         """Make written rows visible to batches as `slot` (main thread, once the copies
         are done)."""
         if slot == 0:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
-        for group, names in MODULE_GROUPS.items():
+        for group in self.groups:
+            names = MODULE_GROUPS.get(group, (group,))
             targeted = any(n in adapter.target_modules for n in names)
             self.table.ranks[group][slot] = adapter.rank if targeted else 0
         self.table.scalings[slot] = adapter.scaling
@@ -171,14 +198,17 @@ class SlotTensors:
     last ones sent: after a slot is activated or cleared, or for the one step that runs
     with the view taken before a hand-over."""
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
-        layout = {g: (torch.int32, (num_slots,)) for g in MODULE_GROUPS}
+    def __init__(
+        self, num_slots: int, device: torch.device, groups: tuple[str, ...] = tuple(MODULE_GROUPS)
+    ) -> None:
+        self.groups = groups
+        layout = {g: (torch.int32, (num_slots,)) for g in groups}
         layout |= {
             "scalings": (torch.float32, (num_slots,)),
             "offsets": (torch.int32, (num_slots,)),
         }
         self._buffer = StagedBuffer(layout, device)
-        self.ranks = {g: self._buffer.device[g] for g in MODULE_GROUPS}
+        self.ranks = {g: self._buffer.device[g] for g in groups}
         self.scalings = self._buffer.device["scalings"]
         self.offsets = self._buffer.device["offsets"]
         self._sent: tuple | None = None
@@ -186,14 +216,14 @@ class SlotTensors:
 
     def update(self, table: SlotTable) -> None:
         values = (
-            tuple(tuple(table.ranks[g]) for g in MODULE_GROUPS),
+            tuple(tuple(table.ranks[g]) for g in self.groups),
             tuple(table.scalings),
             tuple(table.offsets),
         )
         if values == self._sent:
             return
         host = self._buffer.writable()
-        for g, group_ranks in zip(MODULE_GROUPS, values[0]):
+        for g, group_ranks in zip(self.groups, values[0]):
             host[g].copy_(torch.tensor(group_ranks, dtype=torch.int32))
         host["scalings"].copy_(torch.tensor(values[1], dtype=torch.float32))
         host["offsets"].copy_(torch.tensor(values[2], dtype=torch.int32))

@@ -114,6 +114,14 @@ class ModelSpec:
             "down_proj": (i, h),
         }
 
+    def vocab_module_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of the LoRA-targetable vocabulary modules: the
+        embedding (PEFT's lora_embedding_A [r, vocab], B [hidden, r]) and the head."""
+        return {
+            "embed_tokens": (self.vocab_size, self.hidden_size),
+            "lm_head": (self.hidden_size, self.vocab_size),
+        }
+
     def fused_modules(self) -> dict[str, tuple[str, ...]]:
         """The checkpoint's fused projections (name -> its parts, in row order)."""
         fused = {}

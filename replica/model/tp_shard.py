@@ -106,9 +106,12 @@ class TPShard:
         return self.rank * self.vocab_rows, (self.rank + 1) * self.vocab_rows
 
     def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of this rank's LoRA A [r, in] and B [out, r]."""
+        """(in_features, out_features) of this rank's LoRA A [r, in] and B [out, r]: the
+        layers' projections, then the vocabulary modules (the embedding LoRA whole on every
+        rank, added after the embedding's all-reduce; the head's B by vocab rows)."""
         whole = self.spec.module_shapes()
-        shapes = {}
+        h = self.spec.hidden_size
+        shapes = {"embed_tokens": (self.spec.vocab_size, h), "lm_head": (h, self.vocab_rows)}
         for m in COLUMN_PARALLEL:
             start, stop = self.out_range(m)
             shapes[m] = (whole[m][0], stop - start)
@@ -118,7 +121,14 @@ class TPShard:
         return shapes
 
     def slice_lora(self, module: str, a: Array, b: Array) -> tuple[Array, Array]:
-        """This rank's (A [r, in], B [out, r]) of one module's adapter weights: views."""
+        """This rank's (A [r, in], B [out, r]) of one module's adapter weights: views
+        (the head's B of the last rank may be short of vocab_rows: the arena's rows past
+        the vocabulary stay zero)."""
+        if module == "embed_tokens":
+            return a, b
+        if module == "lm_head":
+            start, stop = self.vocab_range
+            return a, b[start:stop]
         if module in COLUMN_PARALLEL:
             start, stop = self.out_range(module)
             return a, b[start:stop]

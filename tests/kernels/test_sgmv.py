@@ -481,3 +481,29 @@ def test_bench_quick_writes_every_figure(tmp_path):
     for shape in doc["shapes"]:
         assert shape["speedup_vs_loop"] > 0 and shape["lora_over_base_time"] > 0
         assert {"lora_gbps", "base_gbps", "lora_over_base_bytes"} <= set(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_shrink_matches_reference(dtype):
+    """Embedding LoRA's shrink (a gather of A's columns by token id) over ragged segments,
+    slot 0 interleaved, ranks 8/16/32 at their own arena offsets; NaN in every arena row
+    no adapter of the batch owns, so a read past a rank would show."""
+    from kernels import lora_embedding_shrink, make_segment_info
+    from kernels.reference import lora_embedding_shrink_reference
+
+    g = torch.Generator().manual_seed(5)
+    vocab, rows, r_max = 50, 96, 32
+    a = torch.full((1, rows, vocab), float("nan"), dtype=dtype)
+    ranks, offsets = [0, 16, 8, 32], [0, 0, 32, 64]
+    for s in (1, 2, 3):
+        a[0, offsets[s] : offsets[s] + ranks[s]] = torch.randn(ranks[s], vocab, generator=g)
+    lens, slots = [3, 0, 5, 1, 4], [1, 2, 0, 3, 2]
+    seg = make_segment_info(lens, slots, ranks, [1.0, 0.5, 2.0, 1.0], offsets)
+    ids = torch.randint(0, vocab, (sum(lens),), generator=g)
+    got = lora_embedding_shrink(ids, a, seg, r_max)
+    want = lora_embedding_shrink_reference(ids, a, seg, r_max)
+    assert got.dtype == torch.float32 and got.shape == (sum(lens), r_max)
+    assert torch.equal(got, want)
+    assert not got.isnan().any()
+    with pytest.raises(ValueError, match="lora_embedding_shrink"):
+        lora_embedding_shrink(ids.int(), a, seg, r_max)

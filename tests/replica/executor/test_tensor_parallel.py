@@ -322,3 +322,33 @@ def test_families_equal_tp1(family, tmp_path):
     finally:
         two.shutdown()
         one.shutdown()
+
+
+def test_embedding_and_head_lora_equal_tp1(tmp_path):
+    """engine.lora_embeddings on 2 ranks, a vocabulary of 511 (the last rank's head rows
+    padded): the embedding LoRA whole on each rank after the all-reduce, the head's B split
+    by vocabulary rows; logits and a staggered mixed batch equal TP=1."""
+    from tests.oracle import peft_adapter
+
+    assets = tiny_assets("llama", vocab_size=511)
+    targets = ["q_proj", "o_proj", "embed_tokens", "lm_head"]
+    adapter = peft_adapter(assets.model_dir, tmp_path / "v", targets, r=8, alpha=16, seed=4)
+
+    def build(tp_size: int) -> LLMEngine:
+        cfg = EngineConfig(model=str(assets.model_dir), device="cpu", tp_size=tp_size,
+                           kv_cache_bytes=16 << 20, lora_embeddings=True)  # fmt: skip
+        eng = LLMEngine(cfg)
+        eng.load_adapter("vocab", adapter)
+        return eng
+
+    one = build(1)
+    two = build(2)
+    try:
+        for p in prompts(one.spec.vocab_size, (5, 23)):
+            diff = (two.score(p, "vocab") - one.score(p, "vocab")).abs().max().item()
+            assert diff < LOGIT_ATOL, f"max |TP2 - TP1 logit| {diff}"
+        reqs = [(p, GREEDY, a) for p, a in zip(prompts(511, (3, 17, 9)), [None, "vocab", "vocab"])]
+        assert staggered(two, reqs) == staggered(one, reqs)
+    finally:
+        two.shutdown()
+        one.shutdown()

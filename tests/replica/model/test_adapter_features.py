@@ -302,7 +302,9 @@ def test_config_refusals_name_the_field(tiny, built, field, value, match):
         ("lm_head", "base_model.model.lm_head.lora_A.weight"),
     ],
 )
-def test_lora_on_embeddings_or_head_refused(tiny, tmp_path, target, key):
+def test_lora_on_embeddings_or_head_refused_unless_enabled(tiny, tmp_path, target, key):
+    """Served with engine.lora_embeddings (tests/replica/model/test_vocab_lora.py); off,
+    refused naming the tensor and the setting."""
     spec = load_model_spec(tiny.model_dir)
     path = build_peft_adapter(
         tiny.model_dir, tmp_path / target, 7, r=4, target_modules=["q_proj", target]
@@ -310,10 +312,11 @@ def test_lora_on_embeddings_or_head_refused(tiny, tmp_path, target, key):
     assert key in load_file(path / "adapter_model.safetensors")
     with pytest.raises(
         AdapterFormatError,
-        match=rf"unsupported tensor 'base_model\.model\.(model\.)?{target}\.[\w.]+': "
-        "LoRA on embed_tokens/lm_head is not served yet",
+        match=rf"tensor 'base_model\.model\.(model\.)?{target}\.[\w.]+' is LoRA on "
+        r"embed_tokens/lm_head, which this server does not serve \(engine.lora_embeddings",
     ):
         load_peft_adapter(path, spec, 64)
+    assert target in load_peft_adapter(path, spec, 64, lora_embeddings=True).target_modules
 
 
 def test_bad_patterns_are_named(tiny, built):
