@@ -190,6 +190,11 @@ def _qwen_windows(cfg: Config) -> FamilyFields:
 def _gemma_common(cfg: Config, source: str) -> FamilyFields:
     _check_act(cfg, source, "gelu_pytorch_tanh")
     _no_o_bias(cfg, source)
+    if cfg.get("use_bidirectional_attention"):  # EmbeddingGemma: an encoder, not causal
+        raise ModelConfigError(
+            f"{source}: use_bidirectional_attention=true (an embedding model) is not "
+            "served: this server generates text with causal attention"
+        )
     scalar = _positive(cfg, "query_pre_attn_scalar", source, default=None)
     return {
         "gemma_norm": True,

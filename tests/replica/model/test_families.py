@@ -175,3 +175,90 @@ def test_static_decode_path_equals_eager(family):
     assert [s.output_ids for s in eng.generate(requests)] == want, name
     assert used, "no step took the static decode path"
     assert not reads, f"{name}: the static step read device values: {reads[:3]}"
+
+
+# config.json as the Hub ships them (abridged to the fields the spec reads)
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "eos_token_id": [1, 106],
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {"model_type": "siglip_vision_model"},
+}
+PHI3_128K = {
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32064,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "sliding_window": 262144,
+    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+}
+QWEN25_YARN = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+               "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+               "vocab_size": 152064, "max_position_embeddings": 32768, "sliding_window": 131072,
+               "use_sliding_window": False, "rope_theta": 1e6,
+               "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768,
+                                "type": "yarn"}}  # fmt: skip
+
+
+def test_hub_configs_read_as_transformers_fills_them_in():
+    from replica.model.spec import spec_from_dict
+
+    g = spec_from_dict(GEMMA3_4B)  # sparse text_config: Gemma3TextConfig's defaults fill it
+    assert (g.num_heads, g.num_kv_heads, g.head_dim, g.vocab_size) == (8, 4, 256, 262_208)
+    assert g.eos_token_ids == (1, 106) and g.tie_word_embeddings and g.qk_norm
+    assert g.layer_types.count("full_attention") == 34 // 6 and g.sliding_window == 1024
+    assert g.rope(5).theta == 1e6 and g.rope(5).scaling["factor"] == 8.0  # global layer
+    assert g.rope(0).theta == 10_000.0 and g.rope(0).scaling is None  # local layer
+    assert g.attn_scale == 256**-0.5 and g.embed_scale == 2560**0.5
+    p = spec_from_dict(PHI3_128K)
+    assert p.rope_scaling["rope_type"] == "longrope" and p.fused_qkv and p.fused_gate_up
+    assert p.rope_scaling["original_max_position_embeddings"] == 4096
+    q = spec_from_dict(QWEN25_YARN)
+    assert q.rope_scaling["rope_type"] == "yarn" and q.sliding_window is None
+    assert q.window(27) is None  # use_sliding_window false: no layer slides
+
+
+def test_gemma3_defaults_are_transformers_own():
+    from transformers import Gemma3TextConfig
+
+    from replica.model.families import GEMMA3_TEXT_DEFAULTS
+
+    hf = Gemma3TextConfig()
+    for key, value in GEMMA3_TEXT_DEFAULTS.items():
+        if key in ("rope_theta", "rope_local_base_freq"):
+            theta = hf.rope_parameters["full_attention" if key == "rope_theta" else
+                                        "sliding_attention"]["rope_theta"]  # fmt: skip
+            assert theta == value, key
+        elif key == "sliding_window_pattern":
+            assert hf._sliding_window_pattern == value
+        else:
+            assert getattr(hf, key) == value, key
+
+
+def test_configs_we_cannot_serve_are_refused_by_name():
+    from replica.model.spec import ModelConfigError, spec_from_dict
+
+    text = {**GEMMA3_4B["text_config"], "model_type": "gemma3_text"}
+    with pytest.raises(ModelConfigError, match="use_bidirectional_attention"):
+        spec_from_dict({**text, "use_bidirectional_attention": True})
+    with pytest.raises(ModelConfigError, match="unsupported activation 'gelu'"):
+        spec_from_dict({**text, "hidden_activation": "gelu"})
+    with pytest.raises(ModelConfigError, match="attention_bias"):
+        spec_from_dict({**PHI3_128K, "attention_bias": True})
+    with pytest.raises(ModelConfigError, match="rope_type='dynamic'"):
+        spec_from_dict({**QWEN25_YARN, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ModelConfigError, match="model_type='qwen3_moe'"):
+        spec_from_dict({**QWEN25_YARN, "model_type": "qwen3_moe"})
