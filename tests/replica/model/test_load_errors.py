@@ -104,7 +104,7 @@ def test_adapter_unsupported_features(tiny, tmp_path):
         load_peft_adapter(dst, spec, 64)
     (dst / "adapter_config.json").write_text(json.dumps(cfg))
     tensors = load_file(dst / "adapter_model.safetensors")
-    tensors["base_model.model.lm_head.lora_magnitude_vector"] = tensors[next(iter(tensors))]
+    tensors["base_model.model.lm_head.lora_magnitude_vector"] = tensors[next(iter(tensors))].clone()
     save_file(tensors, dst / "adapter_model.safetensors")
     with pytest.raises(AdapterFormatError, match="unsupported tensor 'base_model.model.lm_head"):
         load_peft_adapter(dst, spec, 64)
