@@ -74,3 +74,25 @@ def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]
         "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),
         "all": peft_adapter(model_dir, root / "all", targets["all"], r=16, alpha=8, seed=2),
     }
+
+
+def check_mixed_batch(engine, model_dir: Path, adapters: dict, prompts, new_tokens: int):
+    """The engine against transformers (eager) + PEFT for the base and each adapter: logits
+    of every prompt position within 2e-4, then one mixed batch of every (prompt, model)
+    whose greedy tokens equal the reference's. Returns {adapter name or None: outputs}."""
+    from replica.wire import SamplingParams
+
+    refs = {None: hf_model(model_dir, eager=True)}
+    refs |= {name: hf_model(model_dir, path, eager=True) for name, path in adapters.items()}
+    for name, ref in refs.items():
+        for p in prompts:
+            diff = (engine.score(p, name) - hf_logits(ref, p)).abs().max().item()
+            assert diff < 2e-4, f"{name}: max |logit diff| {diff} (prompt of {len(p)})"
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    batch = [(p, name) for p in prompts for name in refs]
+    outputs = engine.generate([(p, greedy, name) for p, name in batch])
+    got: dict = {name: [] for name in refs}
+    for (p, name), seq in zip(batch, outputs):
+        assert seq.output_ids == hf_greedy(refs[name], p, new_tokens), (name, len(p))
+        got[name].append(seq.output_ids)
+    return got

@@ -19,7 +19,14 @@ from cluster.demo.families import family_model_dir
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
-from tests.oracle import family_adapters, hf_greedy, hf_logits, hf_model, peft_adapter
+from tests.oracle import (
+    check_mixed_batch,
+    family_adapters,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+    peft_adapter,
+)
 
 LOGIT_ATOL = 2e-4
 NEW_TOKENS = 16
@@ -53,20 +60,8 @@ def family(request, tmp_path_factory):
 def test_family_matches_transformers_and_peft_in_one_mixed_batch(family):
     name, model_dir, adapters = family
     eng = engine_for(model_dir, adapters)
-    refs = {None: hf_model(model_dir, eager=True)}
-    refs |= {a: hf_model(model_dir, path, eager=True) for a, path in adapters.items()}
-    ps = prompts(eng.spec.vocab_size)
-    for adapter, ref in refs.items():
-        for p in ps:
-            diff = (eng.score(p, adapter) - hf_logits(ref, p)).abs().max().item()
-            assert diff < LOGIT_ATOL, f"{name} {adapter}: max |logit diff| {diff}"
-    batch = [(p, adapter) for p in ps for adapter in refs]
-    outputs = eng.generate([(p, GREEDY, adapter) for p, adapter in batch])
-    for (p, adapter), seq in zip(batch, outputs):
-        assert seq.output_ids == hf_greedy(refs[adapter], p, NEW_TOKENS), (name, adapter, len(p))
-    base = [s.output_ids for s, (_, a) in zip(outputs, batch) if a is None]
-    tuned = [s.output_ids for s, (_, a) in zip(outputs, batch) if a == "all"]
-    assert base != tuned, "the adapter should change the greedy continuation"
+    got = check_mixed_batch(eng, model_dir, adapters, prompts(eng.spec.vocab_size), NEW_TOKENS)
+    assert got[None] != got["all"], f"{name}: the adapter should change the continuation"
 
 
 def test_gemma3_multimodal_checkpoint_in_transformers5_layout(tmp_path):
