@@ -1,25 +1,18 @@
 """The `lorafleet` command line."""
 
+# Only the standard library at module level: `lorafleet --help` answers at once, and each
+# command imports what it needs (torch, Ray) when it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-
-import pydantic
-
-from cluster.config import DEMO_TRAINED
-from cluster.demo import assets as demo_assets
-from cluster.demo.showcase import ShowcaseError
-from cluster.engine_args import add_engine_arguments, engine_config_from_args
-from cluster.serving import ServeConfigError
-from replica.errors import RequestError
-from replica.model.adapter_weights import AdapterFormatError
-from replica.model.spec import ModelConfigError
-from replica.model.weights import WeightLoadError
 
 
 class UsageError(ValueError):
@@ -27,33 +20,61 @@ class UsageError(ValueError):
 
 
 # Problems with what the user asked for: one line on stderr, exit code 2, no traceback.
+# (module, class): an error of one of them can only exist once its module is imported.
 USER_ERRORS = (
-    AdapterFormatError,
-    ModelConfigError,
-    RequestError,
-    WeightLoadError,
-    pydantic.ValidationError,
-    ServeConfigError,
-    ShowcaseError,
-    UsageError,
+    ("replica.model.peft_config", "AdapterFormatError"),
+    ("replica.model.hf_config", "ModelConfigError"),
+    ("replica.errors", "RequestError"),
+    ("replica.model.weights", "WeightLoadError"),
+    ("pydantic", "ValidationError"),
+    ("cluster.serving", "ServeConfigError"),
+    ("cluster.demo.showcase", "ShowcaseError"),
+    (__name__, "UsageError"),
 )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     try:
         return args.func(args) or 0
-    except USER_ERRORS as e:
-        print(f"lorafleet: error: {_one_line(e)}", file=sys.stderr)
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        for line in _lines(e):
+            print(f"lorafleet: error: {line}", file=sys.stderr)
         return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand and flag (tests check the README's commands against it)."""
+def _command(argv: list[str]) -> str:
+    """The subcommand that `argv` names ('' for none: `lorafleet --help`)."""
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
+def _is_user_error(error: Exception) -> bool:
+    for module, name in USER_ERRORS:
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(error, getattr(loaded, name)):
+            return True
+    return False
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand and flag (tests check the README's commands against it). `only`:
+    the flags of that subcommand alone (the others are listed without theirs), so that a
+    command imports only what its own flags need."""
     parser = argparse.ArgumentParser(prog="lorafleet", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if only is None or only == name:
+            add(p)
+    return parser
 
-    p = sub.add_parser("demo-assets", help="Build the demo model and PEFT adapters.")
+
+def _add_demo_assets(p: argparse.ArgumentParser) -> None:
+    from cluster.demo import assets as demo_assets
+
     p.add_argument("--out", default=None,
                    help="Output directory. Required for the random-weight demo; with "
                         "--trained a copy of the committed trained demo goes there (default: "
@@ -73,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=demo_assets.ARCHS, default="llama")
     p.set_defaults(func=_demo_assets)
 
-    p = sub.add_parser("generate", help="Offline generation through the engine.")
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    from cluster.engine_args import add_engine_arguments
+
     p.add_argument("--model", required=True, help="Hugging Face model directory.")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="Register a PEFT adapter directory under NAME (repeatable).")  # fmt: skip
@@ -90,11 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p, skip={"model"})
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("demo", help="The trained demo offline: every adapter in one batch.")
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help="Words and '->' (default: a fixed example).")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("up", help="Serve over HTTP on a local (or running) Ray cluster.")
+
+def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", default=None, help="Serve config file (default: configs/serve.yaml)."
     )
@@ -118,16 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-demo-requests", action="store_true",
                    help="Skip the one-request-per-adapter showcase after start.")  # fmt: skip
     p.add_argument("--verbose", action="store_true",
-                   help="Print the Ray actors' logs (requests, loads) here too.")  # fmt: skip
+                   help="Print the Ray actors' logs (requests, loads) and Ray's own messages "
+                        "here too.")  # fmt: skip
     p.set_defaults(func=_up)
 
-    p = sub.add_parser("deploy", help="Deploy a Serve config to a running Ray cluster.")
+
+def _add_deploy(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="Serve config file, e.g. configs/serve.yaml.")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto).")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--verbose", action="store_true", help="Print Ray's own messages too.")
     p.set_defaults(func=_deploy)
 
-    bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    bench = p.add_subparsers(dest="bench", required=True)
     from cluster.bench import engine as bench_engine
     from cluster.bench import http as bench_http
     from cluster.bench import kernels as bench_kernels
@@ -172,7 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)
     p.set_defaults(func=bench_kernels.run)
-    return parser
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "demo-assets": ("Build the demo model and PEFT adapters.", _add_demo_assets),
+    "generate": ("Offline generation through the engine.", _add_generate),
+    "demo": ("The trained demo offline: every adapter in one batch.", _add_demo),
+    "up": ("Serve over HTTP on a local (or running) Ray cluster.", _add_up),
+    "deploy": ("Deploy a Serve config to a running Ray cluster.", _add_deploy),
+    "bench": ("Benchmarks.", _add_bench),
+}
 
 
 def _occupied(path: Path) -> bool:
@@ -189,13 +229,16 @@ def _holds_trained_demo(path: Path) -> bool:
     return True
 
 
-def _one_line(error: Exception) -> str:
-    """The error as one line: pydantic's field errors joined, other messages unwrapped."""
-    if isinstance(error, pydantic.ValidationError):
-        return "; ".join(
-            f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()
-        )
-    return " ".join(str(error).split())
+def _lines(error: Exception) -> list[str]:
+    """The error as lines: pydantic's field errors one line each, a ServeConfigError's
+    problems one line each, any other message on one line."""
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(error, pydantic.ValidationError):
+        return [f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()]
+    serving = sys.modules.get("cluster.serving")
+    if serving is not None and isinstance(error, serving.ServeConfigError):
+        return [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    return [" ".join(str(error).split())]
 
 
 def _demo_assets(args: argparse.Namespace) -> int:
@@ -226,6 +269,8 @@ def _demo_assets(args: argparse.Namespace) -> int:
         print("lorafleet: error: demo-assets needs --out (or --trained)", file=sys.stderr)
         return 2
     else:
+        from cluster.demo import assets as demo_assets
+
         spec = demo_assets.DemoSpec(arch=args.arch, num_adapters=args.adapters, seed=args.seed)
         try:
             assets = demo_assets.build_demo_assets(args.out, spec)
@@ -238,6 +283,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from cluster.engine_args import engine_config_from_args
     from cluster.offline import GenerateRequest, OfflineGenerator
     from replica.wire import SamplingParams
 
@@ -264,7 +310,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(r.to_json()))
         else:
-            print(f"[{r.adapter or 'base'}] {r.prompt}{r.text}")
+            print(f"[{r.adapter or 'base'}] prompt: {r.prompt!r} | output: {r.text!r}")
     return 0
 
 
@@ -305,33 +351,100 @@ def _up(args: argparse.Namespace) -> int:
         host=args.host,
         settings=args.set,
     )
-    # the replicas' logs stay in Ray's log files, so that the showcase can be read
-    serving.connect(args.address, args.num_cpus, log_to_driver=args.verbose)
-    # SIGTERM (a supervisor, `kill`, a job launched with &) stops it like Ctrl-C does; set
-    # after ray.init, which installs a handler of its own that would exit without cleanup
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    deployed = False
+    if args.address and args.num_cpus is not None:
+        raise UsageError("--num-cpus sizes a Ray started here: leave it out with --address")
+    # what can be checked here is, before anything starts: the port (a Ray of our own starts
+    # an HTTP proxy: the port must be free), the config, the model, the adapters
+    http = config.get("http_options") or {}
+    host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)
+    claimed = not args.address and isinstance(host, str) and isinstance(port, int)
+    claimed = claimed and serving.claim_port(host, port)
     try:
-        serving.deploy(config, join=bool(args.address))
-        deployed = True
-        _announce(config, args)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        serving.check_config(config, local=serving.is_local_address(args.address))
+        _serve(config, args)
     finally:
-        if deployed and args.address:  # a joined cluster: only what this command deployed
-            serving.remove(config)
-        elif not args.address:  # the Ray this command started, Serve and all
-            from ray import serve
-
-            serve.shutdown()
+        if claimed:
+            serving.release_port(port)
     return 0
+
+
+def _serve(config: dict, args: argparse.Namespace) -> None:
+    """Start (or join) Ray, deploy, show, serve until stopped; then stop what it started."""
+    from cluster import serving
+
+    serving.quiet(args.verbose)
+    stop = _Stop()
+    submitted = False
+
+    def on_submitted() -> None:
+        nonlocal submitted
+        submitted = True
+
+    try:
+        with stop.interrupting():
+            # the replicas' logs stay in Ray's log files, so that the showcase can be read
+            serving.connect(args.address, args.num_cpus, log_to_driver=args.verbose)
+            stop.install()  # after ray.init, which installs a SIGTERM handler of its own
+            serving.deploy(config, join=bool(args.address), fail_fast=True, submitted=on_submitted)
+            _announce(config, args)
+            while True:
+                time.sleep(3600)
+    finally:
+        stop.stopping()
+        try:
+            serving.stop(config, own_ray=not args.address, submitted=submitted, forced=stop.forced)
+        finally:
+            stop.restore()
+
+
+class _Stop:
+    """Ctrl-C and SIGTERM for `lorafleet up`. The first one interrupts what `up` is doing
+    (starting, or serving) and it stops cleanly; one more during that stop forces it
+    (requests still in flight are cut at once, with an error); a third ends the process
+    there and then. None prints a traceback."""
+
+    def __init__(self) -> None:
+        self.signals = 0
+        self._stopping = False
+        self._before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def install(self) -> None:
+        for sig in self._before:
+            signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        """The handlers from before `up` (a test calling main() keeps its own)."""
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def interrupting(self) -> contextlib.suppress:
+        """A block that the interrupt beginning a stop ends quietly."""
+        self.install()
+        return contextlib.suppress(KeyboardInterrupt)
+
+    def stopping(self) -> None:
+        self._stopping = True
+
+    def forced(self) -> bool:
+        return self.signals > 0
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # os.write, not print: a handler may run in the middle of a print of the main thread
+        if not self._stopping:
+            self._stopping = True
+            os.write(2, b"lorafleet: stopping (Ctrl-C again to stop at once)\n")
+            raise KeyboardInterrupt
+        self.signals += 1
+        if self.signals == 1:
+            os.write(2, b"lorafleet: stopping at once: requests in flight are cut\n")
+        else:
+            os._exit(128 + signum)
 
 
 def _announce(config: dict, args: argparse.Namespace) -> None:
     """Where it serves, the showcase (one request per model, side by side), how to try it."""
     from cluster import serving
+    from cluster.config import DEMO_TRAINED
     from cluster.demo import showcase
 
     http = config.get("http_options", {})
@@ -362,6 +475,8 @@ def _deploy(args: argparse.Namespace) -> int:
     from cluster import serving
 
     config = serving.load_config(args.config)
+    serving.check_config(config, local=serving.is_local_address(args.address))
+    serving.quiet(args.verbose)
     serving.connect(args.address)
     serving.deploy(config, args.timeout_s)
     names = ", ".join(a["name"] for a in config["applications"])

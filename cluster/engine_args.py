@@ -20,7 +20,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, skip: set[str] = froze
             *SHORT_FLAGS.get(name, ()),
             dest=f"engine_{name}",
             default=None,
-            help=f"{field.description} (default: {field.default})",
+            # argparse formats help with %: a description's own "10%" must not be read so
+            help=f"{field.description} (default: {field.default})".replace("%", "%%"),
         )
 
 

@@ -9,22 +9,35 @@ in place: unchanged replicas keep running and keep their requests.
 from __future__ import annotations
 
 import copy
+import difflib
+import logging
 import os
+import re
+import socket
+import tempfile
 import time
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import ray
 import yaml
 
-from cluster.config import DEMOS
+from cluster.config import DEMOS, AppConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
 REPLICA_DEPLOYMENT = "LoRAReplica"
+IMPORT_PATH = "cluster.app:build_app"  # the applications whose args are an AppConfig
+# `lorafleet up` stops within STOP_GRACE_S + Ray's own shutdown: requests in flight get
+# that long to finish, then those still running are cut with an error.
+STOP_GRACE_S = 5.0
 
 
 class ServeConfigError(ValueError):
-    """A Serve config file that cannot be read or deployed."""
+    """A Serve config file that cannot be read or deployed. Its message may hold several
+    lines, one per problem (each bad field of a config)."""
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -100,7 +113,13 @@ def apply_overrides(
     return config
 
 
-def deploy(config: dict[str, Any], timeout_s: float = 300.0, join: bool = False) -> None:
+def deploy(
+    config: dict[str, Any],
+    timeout_s: float = 300.0,
+    join: bool = False,
+    fail_fast: bool = False,
+    submitted: Callable[[], None] | None = None,
+) -> None:
     """Deploy to the Ray cluster this process is connected to; wait until every app runs.
 
     Without `join` the config is the cluster's whole declarative Serve config, as with
@@ -108,7 +127,11 @@ def deploy(config: dict[str, Any], timeout_s: float = 300.0, join: bool = False)
     With `join` (`lorafleet up --address`) the config's applications are added beside
     those already running: one whose name or route prefix is taken is refused, as is an
     HTTP address other than that of a Serve instance already running there (Serve would
-    keep its own). Every refusal comes before anything is deployed."""
+    keep its own). Where no Serve runs yet, its HTTP port must be free (`claim_port`).
+    Every refusal comes before anything is deployed; `submitted` is called once the
+    applications are handed to Serve. A deployment that fails is a ServeConfigError
+    naming its root cause; `fail_fast`: at its first failed start, without waiting for
+    Serve's retries."""
     from ray.serve._private import api as serve_api
     from ray.serve.config import gRPCOptions
     from ray.serve.schema import ServeDeploySchema
@@ -122,18 +145,29 @@ def deploy(config: dict[str, Any], timeout_s: float = 300.0, join: bool = False)
             f"not {wanted[0]}:{wanted[1]}: use --port {running[1]} (and --host {running[0]}), "
             "or stop that Serve instance first (serve shutdown)"
         )
-    if join:
-        others = _running_app_configs()
-        _check_free(schema, others)
-        apps = [*others.values(), *(a.model_dump(exclude_unset=True) for a in schema.applications)]
-        schema = ServeDeploySchema.model_validate({**config, "applications": apps})
-    client = serve_api.serve_start(
-        http_options=schema.http_options.model_dump(),
-        proxy_location=schema.proxy_location,
-        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
-    )
-    client.deploy_apps(schema, _blocking=False)
-    wait_until_running([a["name"] for a in config["applications"]], timeout_s)
+    claimed = running is None and _proxy_here(str(schema.proxy_location))
+    claimed = claimed and claim_port(*wanted)
+    try:
+        if join:
+            others = _running_app_configs()
+            _check_free(schema, others)
+            apps = [
+                *others.values(),
+                *(a.model_dump(exclude_unset=True) for a in schema.applications),
+            ]
+            schema = ServeDeploySchema.model_validate({**config, "applications": apps})
+        client = serve_api.serve_start(
+            http_options=schema.http_options.model_dump(),
+            proxy_location=schema.proxy_location,
+            grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+        )
+        client.deploy_apps(schema, _blocking=False)
+        if submitted is not None:
+            submitted()
+        wait_until_running([a["name"] for a in config["applications"]], timeout_s, fail_fast)
+    finally:
+        if claimed:  # Serve's proxy holds the port now
+            release_port(wanted[1])
 
 
 def _running_app_configs() -> dict[str, dict[str, Any]]:
@@ -222,21 +256,56 @@ def remove(config: dict[str, Any]) -> None:
         serve.delete(app["name"])
 
 
-def wait_until_running(app_names: list[str], timeout_s: float) -> None:
+def wait_until_running(app_names: list[str], timeout_s: float, fail_fast: bool = False) -> None:
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
     while True:
         apps = serve.status().applications
         states = {n: apps[n].status if n in apps else "NOT_STARTED" for n in app_names}
-        failed = {n: apps[n].message for n, s in states.items() if s == "DEPLOY_FAILED"}
-        if failed:
-            raise ServeConfigError(f"deployment failed: {failed}")
+        for name in app_names:
+            cause = _failure(name, apps[name], fail_fast) if name in apps else None
+            if cause is not None:
+                raise ServeConfigError(f"{cause} (Ray's logs: {log_dir()})")
         if all(s == "RUNNING" for s in states.values()):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"applications not running after {timeout_s:.0f}s: {states}")
         time.sleep(0.5)
+
+
+def _failure(name: str, app: Any, early: bool) -> str | None:
+    """Why application `name` failed, in one line (None while it has not): its deployment
+    that failed and the exception that ended it, read from Serve's status. `early`: a
+    replica that failed to start counts, though Serve would still retry it."""
+    for deployment, status in app.deployments.items():
+        message = status.message or ""
+        if status.status == "DEPLOY_FAILED" or (early and "failed to start" in message):
+            return f"application {name!r}: {deployment} failed to start: {root_cause(message)}"
+    if app.status == "DEPLOY_FAILED":
+        return f"application {name!r} failed: {root_cause(app.message or 'no reason given')}"
+    return None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit)): ?(.*)")
+
+
+def root_cause(message: str) -> str:
+    """The exception at the end of a traceback in a Serve status message, as one line
+    ("ModelConfigError: ...: unsupported architecture ..."); the message's first line when
+    it holds no traceback."""
+    lines = [line.rstrip() for line in _ANSI.sub("", message).splitlines() if line.strip()]
+    last = None
+    for i, line in enumerate(lines):
+        if _EXCEPTION_LINE.match(line):
+            last = i
+    if last is None:
+        return " ".join(lines[0].split()) if lines else "no reason given"
+    name, text = _EXCEPTION_LINE.match(lines[last]).groups()
+    more = [line for line in lines[last + 1 :] if "errors.pydantic.dev" not in line]
+    text = " ".join(" ".join([text, *more]).split())
+    return f"{name}: {text}" if text else name
 
 
 def connect(address: str | None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
@@ -249,7 +318,12 @@ def connect(address: str | None, num_cpus: int | None = None, log_to_driver: boo
         return
     if address:
         try:
-            ray.init(address=address, namespace="serve", log_to_driver=log_to_driver)
+            ray.init(
+                address=address,
+                namespace="serve",
+                log_to_driver=log_to_driver,
+                logging_level=_ray_logging_level(),
+            )
         except (ConnectionError, ValueError, RuntimeError) as e:
             raise ServeConfigError(f"cannot join the Ray cluster at {address!r}: {e}") from None
     else:
@@ -259,6 +333,7 @@ def connect(address: str | None, num_cpus: int | None = None, log_to_driver: boo
             namespace="serve",
             include_dashboard=False,
             log_to_driver=log_to_driver,
+            logging_level=_ray_logging_level(),
         )
 
 
@@ -297,3 +372,377 @@ def log_dir() -> str:
     """Where this node's Ray processes (Serve's replicas among them) write their logs."""
     node = getattr(ray._private.worker, "_global_node", None)  # no public accessor
     return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
+
+
+# -- checks made here, before anything starts -------------------------------------------------
+
+
+def check_config(config: dict[str, Any], local: bool = True) -> None:
+    """Refuse a config in this process, in seconds, with a ServeConfigError of one line per
+    problem: fields that Serve's schema or the application config (AppConfig, for every
+    application of ours) refuses or does not know, each by its path
+    (`applications[0].args.adaptors: unknown field`). With `local` (the cluster runs on
+    this machine, so it reads the same files) also the model directory (config.json and its
+    family, the weight files) and every adapter registered at start, as the deployment
+    would read them."""
+    problems = _schema_problems(config)
+    if problems:
+        raise ServeConfigError("\n".join(problems))
+    if local:
+        for i, app in enumerate(config["applications"]):
+            if app.get("import_path") == IMPORT_PATH:
+                _check_files(AppConfig.model_validate(app.get("args") or {}), f"applications[{i}]")
+
+
+def _schema_problems(config: dict[str, Any]) -> list[str]:
+    from ray.serve.schema import ServeDeploySchema
+
+    problems = _unknown_keys(config, ServeDeploySchema, "")
+    try:
+        ServeDeploySchema.model_validate(config)
+    except pydantic.ValidationError as e:
+        problems += [_field_problem(err, "") for err in e.errors()]
+    for i, app in enumerate(config.get("applications") or []):
+        if isinstance(app, dict) and app.get("import_path") == IMPORT_PATH:
+            try:
+                AppConfig.model_validate(app.get("args") or {})
+            except pydantic.ValidationError as e:
+                where = f"applications[{i}].args"
+                problems += [_field_problem(err, where, AppConfig) for err in e.errors()]
+    merged: dict[str, list[str]] = {}  # a union's members each refuse the value: one line
+    for problem in problems:
+        path, _, message = problem.partition(": ")
+        messages = merged.setdefault(path, [])
+        if message and message not in messages:
+            messages.append(message)
+    return [f"{path}: {' or: '.join(m)}" if m else path for path, m in merged.items()]
+
+
+def _path(parent: str, loc: tuple[Any, ...]) -> str:
+    path = parent
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" in str(part) or "'" in str(part):  # a union member's name: not a field
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _field_problem(error: Any, parent: str, model: type | None = None) -> str:
+    loc = tuple(error.get("loc", ()))
+    path = _path(parent, loc)
+    if error.get("type") == "extra_forbidden":
+        return f"{path}: unknown field{_guess(str(loc[-1]), _fields_at(model, loc[:-1]))}"
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{path}: {message}" if path else message
+
+
+def _guess(key: str, known: set[str]) -> str:
+    guess = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {guess[0]!r}?)" if guess else ""
+
+
+def _fields_at(model: type | None, loc: tuple[Any, ...]) -> set[str]:
+    """The field names of the model that `loc` (a pydantic error's, less its last part)
+    leads to from `model`; empty when it leads elsewhere."""
+    for part in loc:
+        field = model.model_fields.get(part) if model is not None else None
+        model = _nested_model(field.annotation)[0] if field is not None else None
+    return set(model.model_fields) if model is not None else set()
+
+
+def _unknown_keys(value: Any, model: type, path: str) -> list[str]:
+    """Keys of `value` that pydantic model `model` neither knows nor refuses (Serve's schema
+    ignores unknown keys: a misspelt `route_prefix` would silently not apply), and so on
+    down its nested models."""
+    if not isinstance(value, dict) or model.model_config.get("extra") in ("allow", "forbid"):
+        return []
+    fields = model.model_fields
+    known = {name for name in fields} | {f.alias for f in fields.values() if f.alias}
+    problems = []
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            problems.append(f"{where}: unknown field{_guess(str(key), known)}")
+            continue
+        field = fields.get(key) or next(f for f in fields.values() if f.alias == key)
+        nested, many = _nested_model(field.annotation)
+        if nested is None:
+            continue
+        items = enumerate(item) if many and isinstance(item, list) else [(None, item)]
+        for i, element in items:
+            problems += _unknown_keys(element, nested, where if i is None else f"{where}[{i}]")
+    return problems
+
+
+def _nested_model(annotation: Any) -> tuple[type | None, bool]:
+    """(the pydantic model a field holds, whether a list of them); None unless it holds only
+    that model (maybe None), alone or in a list: a field that also takes a dict is skipped."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (list, typing.List):  # noqa: UP006
+        inner, _ = _nested_model(args[0]) if args else (None, False)
+        return inner, True
+    if args and origin is not None and len(args) == 1:  # Optional[X]
+        return _nested_model(args[0])
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation, False
+    return None, False
+
+
+def _check_files(app: AppConfig, where: str) -> None:
+    """The model directory (config.json, weight files, tokenizer) and the adapters
+    registered at start, read as the deployment will read them (the demo's assets are
+    built here first, into the cache it reads)."""
+    from replica.model.spec import ModelConfigError, load_model_spec  # no torch: fast
+
+    app = app.resolved()
+    model = app.engine.model
+    try:
+        if not Path(model).is_dir():
+            raise ModelConfigError(f"{model}: not a directory")
+        spec = load_model_spec(model)
+    except ModelConfigError as e:
+        raise ServeConfigError(f"{where}.args.engine.model: {_one_line(e)}") from None
+    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
+        # (loading it as the Ingress does would import most of transformers: seconds more)
+        raise ServeConfigError(
+            f"{where}.args.engine.model: {model}: no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)})"
+        )
+
+    from replica.model.peft_config import AdapterFormatError, check_config, read_config
+
+    assert isinstance(app.adapters, dict)  # resolved()
+    for name, path in app.adapters.items():  # what needs no torch first: fast
+        at = f"{where}.args.adapters.{name}"
+        if name == app.served_model_name:
+            raise ServeConfigError(f"{at}: the base model's name (served_model_name)")
+        if not Path(path).is_dir():
+            raise ServeConfigError(f"{at}: {path} is not a directory")
+        try:
+            check_config(name, read_config(Path(path)))
+        except AdapterFormatError as e:
+            raise ServeConfigError(f"{at}: {_one_line(e)}") from None
+
+    from replica.model.adapter_weights import adapter_weights_file, load_peft_adapter
+    from replica.model.weights import Checkpoint, WeightLoadError
+
+    try:
+        Checkpoint(model)
+    except WeightLoadError as e:
+        raise ServeConfigError(f"{where}.args.engine.model: {_one_line(e)}") from None
+    for name, path in app.adapters.items():
+        at = f"{where}.args.adapters.{name}"
+        weights = adapter_weights_file(path)
+        if weights is not None and weights.stat().st_size > app.max_adapter_bytes:
+            raise ServeConfigError(
+                f"{at}: {weights} is larger than max_adapter_bytes ({app.max_adapter_bytes})"
+            )
+        try:
+            load_peft_adapter(path, spec, app.engine.max_lora_rank, name)
+        except AdapterFormatError as e:
+            raise ServeConfigError(f"{at}: {_one_line(e)}") from None
+
+
+# A tokenizer's files in a Hugging Face model directory: one of them is needed.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def is_local_address(address: str | None) -> bool:
+    """Whether the Ray cluster at `address` runs on this machine (so that its processes read
+    this machine's files): None and 'local' (a Ray started here), 'auto' (unless
+    RAY_ADDRESS names another machine), or an address of this machine."""
+    if address in (None, "local"):
+        return True
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or "127.0.0.1"
+        if address in ("auto", "local"):
+            return True
+    host = re.sub(r"^[a-z]+://", "", address).rsplit(":", 1)[0].strip("[]")
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return any(ip.startswith("127.") or ip in _own_ips() for ip in ips)
+
+
+def _own_ips() -> set[str]:
+    ips = {"::1"}
+    try:
+        ips |= set(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    try:  # the address of the default route (a UDP connect sends nothing)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("8.8.8.8", 80))
+            ips.add(s.getsockname()[0])
+    except OSError:
+        pass
+    return ips
+
+
+# -- one server per port ----------------------------------------------------------------------
+
+_claimed: dict[int, Any] = {}  # port -> the lock file this process holds for it
+
+
+def claim_port(host: str, port: int) -> bool:
+    """Refuse (ServeConfigError) to start a server on `host:port` when something there
+    already accepts connections, or another lorafleet command of this machine is starting
+    a server on that port; otherwise hold the port's lock until release_port or this
+    process's exit, so that no lorafleet command started meanwhile binds it too (Serve's
+    proxies bind with SO_REUSEPORT: a second one would share the port silently). False
+    when this process holds it already."""
+    if port in _claimed:
+        return False
+    lock = _lock_path(port)
+    handle = open(lock, "a+")  # held open: the lock lives as long as the file is
+    try:
+        import fcntl
+
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise ServeConfigError(
+            f"port {port} is taken: another lorafleet command on this machine ({holder}) "
+            "is serving on it; stop that one, or choose another port (--port)"
+        ) from None
+    except ImportError:  # no fcntl (Windows): the connection probe below only
+        pass
+    if _accepts_connections(host, port):
+        handle.close()
+        raise ServeConfigError(
+            f"http://{_client_host(host)}:{port} already accepts connections: another "
+            "server listens on that port; stop it, or choose another port (--port)"
+        )
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    _claimed[port] = handle
+    return True
+
+
+def release_port(port: int) -> None:
+    handle = _claimed.pop(port, None)
+    if handle is not None:
+        handle.close()
+
+
+def _lock_path(port: int) -> Path:
+    folder = Path(tempfile.gettempdir()) / f"lorafleet-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / f"port-{port}.lock"
+
+
+def _client_host(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((_client_host(host), port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _proxy_here(location: str) -> bool:
+    """Whether Serve's HTTP proxy would bind on this machine: the head node's (or, with
+    EveryNode, any node's) address is one of this machine's."""
+    if not ray.is_initialized():
+        return True
+    if "Disabled" in location:
+        return False
+    here = ray.util.get_node_ip_address()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if "EveryNode" not in location:
+        nodes = [n for n in nodes if "node:__internal_head__" in n.get("Resources", {})] or nodes
+    return any(n.get("NodeManagerAddress") == here for n in nodes)
+
+
+# -- a clean stop -----------------------------------------------------------------------------
+
+
+def quiet(verbose: bool) -> None:
+    """Keep Ray's and Serve's own INFO lines (a Ray started, Serve started, an application
+    deleted) out of a command's output unless `verbose`; warnings and errors still show."""
+    if verbose:
+        return
+    for name in ("ray", "ray.serve"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Ray turns token authentication on for a cluster it starts (as it should) and warns
+    # that it did, at every start
+    logging.getLogger(_TOKEN_SETUP).setLevel(logging.ERROR)
+
+
+_TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
+
+
+def _ray_logging_level() -> int:
+    """ray.init sets the "ray" logger's level: keep the one quiet() set."""
+    return max(logging.getLogger("ray").level, logging.INFO)
+
+
+def stop(
+    config: dict[str, Any],
+    own_ray: bool,
+    submitted: bool = True,
+    grace_s: float = STOP_GRACE_S,
+    forced: Callable[[], bool] = lambda: False,
+) -> None:
+    """Stop what `lorafleet up` started. Its applications are deleted: Serve refuses new
+    requests and lets those in flight finish, for up to `grace_s` (less once `forced()`
+    is true: a second Ctrl-C). With `own_ray` (the Ray this process started) the replicas
+    of requests still running are then killed, so that the ingress ends each with an error
+    (a 503, or an error event in a stream), and Ray shuts down with everything on it.
+    Joined to a cluster, only this config's applications are deleted (Serve finishes
+    that on its own)."""
+    from ray import serve
+
+    names = [a["name"] for a in config["applications"]]
+    if submitted and ray.is_initialized():
+        deadline = time.monotonic() + grace_s
+        try:
+            for name in names:
+                serve.delete(name, _blocking=False)
+            while not forced() and time.monotonic() < deadline and _present(names):
+                time.sleep(0.2)
+            if own_ray and _present(names):
+                _cut(names)
+        except Exception as e:  # a controller already gone: nothing left to wait for
+            logging.getLogger(__name__).debug("stop: %s", e)
+    if own_ray and ray.is_initialized():
+        ray.shutdown()
+
+
+def _present(names: list[str]) -> bool:
+    from ray import serve
+
+    apps = serve.status().applications
+    return any(name in apps for name in names)
+
+
+def _cut(names: list[str]) -> None:
+    """Kill the LoRAReplicas of these applications; give the ingress a moment to answer
+    the requests they were running with an error."""
+    prefixes = tuple(f"SERVE_REPLICA::{name}#{REPLICA_DEPLOYMENT}#" for name in names)
+    killed = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefixes):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+                killed += 1
+            except ValueError:  # gone meanwhile
+                pass
+    if killed:
+        time.sleep(1.0)

@@ -77,9 +77,24 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
     errors = [_unicode_error(err) for err in e.errors()]
+    if errors and errors[0].get("type") == "json_invalid":
+        return error_response(400, _json_error(errors[0], e.body))
     loc = errors[0].get("loc", ()) if errors else ()
     param = ".".join(str(part) for part in loc if part != "body") or None
     return error_response(400, p.format_validation_errors(errors), param)
+
+
+def _json_error(error: dict[str, Any], document: Any) -> str:
+    """A body that is not JSON: the parser's message and where, as line and column (FastAPI
+    reports the character offset in `loc`, where a field name would be: not a param)."""
+    reason = (error.get("ctx") or {}).get("error") or "not valid JSON"
+    loc = error.get("loc", ())
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if pos is None or not isinstance(document, str):
+        return f"Invalid JSON body: {reason}"
+    line = document.count("\n", 0, pos) + 1
+    column = pos - document.rfind("\n", 0, pos)  # 1-based, as json's own messages count
+    return f"Invalid JSON body: {reason} (line {line} column {column})"
 
 
 def _unicode_error(error: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +156,29 @@ class CatchAll:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+class JSONBodies:
+    """Every body this API takes is JSON: a POST whose Content-Type is missing, or is what
+    `curl -d` sends by default (application/x-www-form-urlencoded) or text/plain, is read as
+    JSON, not refused as "Input should be a valid dictionary"."""
+
+    AS_JSON = (b"", b"application/x-www-form-urlencoded", b"text/plain")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            given = [v for k, v in scope["headers"] if k == b"content-type"]
+            mime = given[0].split(b";")[0].strip().lower() if given else b""
+            if mime in self.AS_JSON:
+                headers.append((b"content-type", b"application/json"))
+                scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
+
+
 app.add_middleware(CatchAll)
+app.add_middleware(JSONBodies)
 
 
 # The Authorization header, for the endpoints that may require an API key. (A default value,

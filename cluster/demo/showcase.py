@@ -4,6 +4,9 @@ base model, sent together so they share batches, answers side by side; then how 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import shlex
+import sys
 
 import httpx
 
@@ -88,11 +91,15 @@ def try_it(
         first = f"\n  (the key is set in the Serve config, not here: export {key_env}=<key> first)"
     key = f"os.environ['{key_env}']" if key_env else "'none'"
     imports = "import openai, os" if key_env else "import openai"
+    # this interpreter by its path (a fresh shell's `python` may be another, without openai)
+    python = shlex.quote(sys.executable)
+    if importlib.util.find_spec("openai") is None:
+        first += f"\n  ({python} -m pip install openai first, for the last one)"
     return f"""
 try it:{first}
   curl {url}/v1/models{auth}
   curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{model}", "prompt": "{prompt}", "max_tokens": 16, "temperature": 0}}'
-  python -c "{imports}; c = openai.OpenAI(base_url='{url}/v1', api_key={key}); \\
+  {python} -c "{imports}; c = openai.OpenAI(base_url='{url}/v1', api_key={key}); \\
 print(c.completions.create(model='{model}', prompt='{prompt}', max_tokens=16).choices[0].text)"
 """

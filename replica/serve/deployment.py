@@ -104,8 +104,9 @@ class LoRAReplica:
             free_slots=snapshot["free_slots"],
         ).to_dict()
         memory = {"rss_bytes": _rss_bytes()}
-        counters = {k: v for k, v in telemetry.items() if k != "load_latencies_s"}
-        await self._report({**snapshot, **stats, **memory, "telemetry": counters})
+        counters = {k: v for k, v in telemetry.items() if k not in ("load_latencies_s", "slots")}
+        slots = slot_report(snapshot, telemetry["slots"])
+        await self._report({**snapshot, **stats, **memory, **slots, "telemetry": counters})
         return stats
 
     def check_health(self) -> None:
@@ -167,6 +168,23 @@ class LoRAReplica:
             stale.update(str(a) for a in held if live.get(a.name) != a.version)
         for key in stale:
             await self.aengine.call(lambda key=key: self.engine.unload_adapter(key))
+
+
+def slot_report(residency: dict[str, Any], occupancy: dict[str, int]) -> dict[str, Any]:
+    """Adapter slots as /v1/lorafleet/stats shows them, in counts that add up. A slot is
+    room for one adapter of max_lora_rank (num_slots of them, the base model's slot 0
+    included); adapters of lower ranks share one, so adapters and slots are counted apart:
+    `slots` {base, free, used} sums to num_slots, and `adapters_on_device` {ready, loading}
+    counts the adapters held in the `used` slots."""
+    free = residency["free_slots"]
+    used = residency["num_slots"] - 1 - free
+    return {
+        "slots": {"base": 1, "free": free, "used": used},
+        "adapters_on_device": {
+            "ready": occupancy.get("ready", 0),
+            "loading": occupancy.get("loading", 0),
+        },
+    }
 
 
 def _use_assigned_cpus() -> int:

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import yaml
 
+from cluster import serving
 from cluster.cli import main
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
+from tests.conftest import tiny_assets
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -66,11 +72,11 @@ def test_generate_with_tp_2_prints_what_tp_1_prints(tiny, capsys):
     assert len({tuple(r["output_token_ids"]) for r in rows[1:]}) == 2
 
 
-def test_generate_plain_text(tiny, capsys):
+def test_generate_plain_text_separates_prompt_and_output(tiny, capsys):
     code, out, _ = run_cli(
         capsys, "generate", "--model", str(tiny.model_dir), "--prompt", "hi", "--max-tokens", "4"
     )
-    assert code == 0 and out.startswith("[base] hi")
+    assert code == 0 and out.startswith("[base] prompt: 'hi' | output: '"), out
 
 
 def test_generate_unknown_adapter_is_a_clear_error(tiny, capsys):
@@ -114,6 +120,14 @@ def test_user_errors_are_one_line_and_status_2(tiny, tmp_path, capsys, argv, mes
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["generate", "up", "deploy", "demo-assets", "demo"])
+def test_every_command_has_its_help(capsys, command):
+    """(An engine setting's description with a "%" once broke `generate --help`.)"""
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0 and f"usage: lorafleet {command}" in capsys.readouterr().out
+
+
 def test_up_help_names_the_real_default_model(capsys):
     with pytest.raises(SystemExit):
         main(["up", "--help"])
@@ -136,3 +150,221 @@ def test_demo_asset_builds_never_clobber_a_directory(tmp_path, capsys):
     copy = tmp_path / "copy"
     assert run_cli(capsys, "demo-assets", "--trained", "--out", str(copy))[0] == 0
     assert run_cli(capsys, "demo-assets", "--trained", "--out", str(copy))[0] == 0  # again: fine
+
+
+def test_help_imports_no_torch_and_no_ray():
+    """`lorafleet --help` (and each command's own --help) imports what its flags need:
+    neither torch nor Ray for the list of commands, `up`'s or `deploy`'s."""
+    code = (
+        "import sys\n"
+        "from cluster.cli import main\n"
+        "for argv in (['--help'], ['up', '--help'], ['deploy', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert "{demo-assets,generate,demo,up,deploy,bench}" in proc.stdout
+
+
+# -- `lorafleet up` refuses what it can, here, before anything starts --------------------------
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fails a test that would start (or join) a Ray cluster."""
+
+    def connect(*args, **kwargs):
+        raise AssertionError("lorafleet up went on to start Ray")
+
+    monkeypatch.setattr(serving, "connect", connect)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _refused(capsys, *argv: str) -> str:
+    """`lorafleet ARGV` in this process: status 2 and one line on stderr, which it returns;
+    within the 10 s the issue asks (its imports are already made in this process). An `up`
+    without --port gets a free one (not 8000: a server of someone's may hold it)."""
+    if argv[0] == "up" and "--port" not in argv:
+        argv = (*argv, "--port", str(_free_port()))
+    started = time.monotonic()
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert time.monotonic() - started < 10
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lorafleet: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _config_file(tmp_path, edit) -> str:
+    config = serving.load_config(serving.DEFAULT_CONFIG)
+    edit(config["applications"][0]["args"])
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_a_misspelt_key_is_one_line_naming_its_path(tmp_path, capsys, nothing_starts):
+    """`adaptors:` for `adapters:`, in the file or by --set: one line with the field's
+    path, not Serve's build retried three times and a traceback."""
+
+    def misspell(args):
+        args["adaptors"] = args.pop("adapters")
+
+    line = _refused(capsys, "up", "--config", _config_file(tmp_path, misspell))
+    assert line.endswith("applications[0].args.adaptors: unknown field (did you mean 'adapters'?)")
+    line = _refused(capsys, "up", "--set", "adaptors=demo")
+    assert "applications[0].args.adaptors: unknown field" in line
+    line = _refused(capsys, "up", "--set", "engine.num_slot=4")
+    assert "applications[0].args.engine.num_slot: unknown field (did you mean 'num_slots'?)" in line
+
+
+def test_every_bad_field_gets_its_own_line(tmp_path, capsys, nothing_starts):
+    def spoil(args):
+        args["routng"] = "affinity"
+        args["engine"]["max_lora_rank"] = "big"
+
+    path = _config_file(tmp_path, spoil)
+    code, _, err = run_cli(capsys, "up", "--config", path, "--port", str(_free_port()))
+    assert code == 2
+    assert sorted(err.strip().splitlines()) == [
+        "lorafleet: error: applications[0].args.engine.max_lora_rank: Input should be a valid "
+        "integer, unable to parse string as an integer",
+        "lorafleet: error: applications[0].args.routng: unknown field (did you mean 'routing'?)",
+    ]
+
+
+def test_serve_settings_serve_would_ignore_are_refused(tmp_path, capsys, nothing_starts):
+    """Serve's own schema ignores unknown keys: a misspelt route_prefix would silently not
+    apply."""
+    config = serving.load_config(serving.DEFAULT_CONFIG)
+    config["applications"][0]["route_prefx"] = "/v2"
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    line = _refused(capsys, "up", "--config", str(path))
+    assert line.endswith(
+        "applications[0].route_prefx: unknown field (did you mean 'route_prefix'?)"
+    )
+
+
+def test_an_unsupported_model_is_one_line_naming_the_cause(tiny, tmp_path, capsys, nothing_starts):
+    model = tmp_path / "bert"
+    shutil.copytree(tiny.model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    line = _refused(capsys, "up", "--model", str(model))
+    assert "applications[0].args.engine.model:" in line
+    assert "unsupported architecture model_type='bert'" in line
+    assert "no config.json" in _refused(capsys, "up", "--model", str(tmp_path))
+    bare = tmp_path / "bare"  # config and weights, no tokenizer: the Ingress could not start
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny.model_dir / name, bare / name)
+    assert f"{bare}: no tokenizer" in _refused(capsys, "up", "--model", str(bare))
+
+
+def test_a_missing_or_bad_adapter_is_one_line_naming_it(tiny, tmp_path, capsys, nothing_starts):
+    def missing(args):
+        args["adapters"] = {"support": str(tmp_path / "no-such-adapter")}
+
+    line = _refused(capsys, "up", "--model", str(tiny.model_dir), "--config",
+                    _config_file(tmp_path, missing))  # fmt: skip
+    assert line.endswith(f"applications[0].args.adapters.support: {tmp_path}/no-such-adapter "
+                         "is not a directory")  # fmt: skip
+    assert "is not a directory" in _refused(capsys, "up", "--lora", f"x={tmp_path}/none")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _refused(capsys, "up", "--model", str(tiny.model_dir), "--lora", f"x={empty}")
+    assert line.endswith(f"applications[0].args.adapters.x: {empty}: missing adapter_config.json")
+    other = tiny_assets("llama", hidden_size=32, num_heads=2, num_kv_heads=1, num_adapters=1)
+    line = _refused(
+        capsys, "up", "--model", str(tiny.model_dir),
+        "--lora", f"wrong={other.adapters['adapter-00']}",
+    )  # fmt: skip
+    assert "applications[0].args.adapters.wrong:" in line and "for this base model" in line
+
+
+def _listening() -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    return server
+
+
+def test_up_refuses_a_port_that_accepts_connections(capsys, nothing_starts):
+    with _listening() as server:
+        port = server.getsockname()[1]
+        line = _refused(capsys, "up", "--port", str(port), "--no-demo-requests")
+    assert f"http://127.0.0.1:{port} already accepts connections" in line
+
+
+def test_up_refuses_a_port_another_lorafleet_command_is_taking(capsys, nothing_starts):
+    """A second `up` started while the first one is still starting (its proxy not
+    listening yet) is refused too: the first holds the port's lock until it exits."""
+    port = _free_port()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         f"from cluster import serving; serving.claim_port('127.0.0.1', {port}); "
+         "print('claimed', flush=True); import time; time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        line = _refused(capsys, "up", "--port", str(port))
+        assert f"port {port} is taken: another lorafleet command" in line
+        assert f"pid {holder.pid}" in line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert serving.claim_port("127.0.0.1", port)  # free again once its holder is gone
+    serving.release_port(port)
+
+
+def test_local_addresses():
+    assert serving.is_local_address(None) and serving.is_local_address("127.0.0.1:6379")
+    assert serving.is_local_address("localhost:6379")
+    assert serving.is_local_address("ray://127.0.0.1:10001")
+    assert not serving.is_local_address("198.51.100.77:6379")  # TEST-NET-2: nobody's
+
+
+SERVE_FAILURE = (  # a Serve deployment status message, as Ray 2.60 writes it (shortened)
+    "The deployment failed to start 3 times in a row. This may be due to a problem with its "
+    "constructor or initial health check failing. See controller logs for details. Error:\n"
+    "\x1b[36mray::ServeReplica:lorafleet:AdapterStore.initialize_and_get_metadata()\x1b[39m "
+    "(pid=14933, ip=192.0.2.2)\n"
+    '  File "/ray/serve/_private/replica.py", line 1928, in initialize\n'
+    "    raise RuntimeError(traceback.format_exc()) from None\n"
+    "RuntimeError: Traceback (most recent call last):\n"
+    '  File "/work/main/cluster/adapter_store.py", line 116, in __init__\n'
+    "    self.spec = load_model_spec(model)\n"
+    "replica.model.hf_config.ModelConfigError: /m/config.json: unsupported architecture "
+    "model_type='bert'; supported: llama, mistral"
+)
+
+
+def test_a_failed_deployment_is_reported_by_its_root_cause():
+    assert serving.root_cause(SERVE_FAILURE) == (
+        "ModelConfigError: /m/config.json: unsupported architecture model_type='bert'; "
+        "supported: llama, mistral"
+    )
+    pydantic_error = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\n'
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for AppConfig\n"
+        "adaptors\n  Extra inputs are not permitted [type=extra_forbidden]\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/extra_forbidden"
+    )
+    assert serving.root_cause(pydantic_error) == (
+        "ValidationError: 1 validation error for AppConfig adaptors Extra inputs are not "
+        "permitted [type=extra_forbidden]"
+    )
+    assert serving.root_cause("Replica is unhealthy.\nmore") == "Replica is unhealthy."

@@ -376,6 +376,29 @@ def test_showcase_of_a_server_without_a_key(cluster, capsys):
     assert "api_key='none'" in tried and "Authorization" not in tried
 
 
+def test_the_printed_commands_run_as_printed_in_a_fresh_shell(cluster, tmp_path):
+    """Each command `lorafleet up` prints to try the server, pasted into a new shell whose
+    environment holds nothing of ours (no venv activated: a bare `python` there lacks
+    openai), answers."""
+    tried = showcase.try_it(cluster["url"], "adapter-01", "the cat sat on")
+    commands, logical = [], ""
+    for line in tried.splitlines():
+        if not logical and not line.startswith("  ") or line.startswith("  ("):
+            continue  # "try it:", notes
+        logical += line + "\n"
+        if not line.endswith("\\"):
+            commands.append(logical)
+            logical = ""
+    assert len(commands) == 3  # curl models, curl completions, the SDK
+    fresh = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    for command in commands:
+        proc = subprocess.run(
+            ["bash", "-c", command], capture_output=True, text=True, timeout=120, env=fresh
+        )
+        assert proc.returncode == 0 and proc.stdout.strip(), (command, proc.stderr[-2000:])
+        assert "error" not in proc.stdout, (command, proc.stdout)
+
+
 def test_unknown_model_is_404_pointing_to_the_model_list(cluster):
     r = _post(cluster, "/v1/completions", {"model": "nope", "prompt": "hi"})
     assert r.status_code == 404
@@ -681,6 +704,27 @@ def _joined_config(assets, port: int) -> dict:
 
 def _up(*args: str) -> list[str]:
     return [sys.executable, "-m", "cluster.cli", "up", "--no-demo-requests", *args]
+
+
+def test_a_second_up_on_a_served_port_is_refused_and_the_first_keeps_serving(cluster):
+    """`lorafleet up` on a port a server already holds refuses in one line, before it
+    starts a Ray (Serve's proxies bind with SO_REUSEPORT: a second one would share the
+    port, and requests would land on either server at random)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    port = cluster["port"]
+    refused = subprocess.run(
+        _up("--port", str(port), "--num-cpus", "1"),
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.splitlines() == [
+        f"lorafleet: error: http://127.0.0.1:{port} already accepts connections: another "
+        "server listens on that port; stop it, or choose another port (--port)"
+    ]
+    assert refused.stdout == ""
+    for _ in range(20):  # every request reaches the first server
+        r = httpx.get(f"{cluster['url']}/v1/models", timeout=30)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny-base"
 
 
 def test_up_joining_a_cluster_adds_its_app_and_removes_only_that(cluster, assets, tmp_path):

@@ -188,3 +188,61 @@ def test_num_cpus_with_an_address_is_refused_even_with_ray_running(monkeypatch):
     with pytest.raises(serving.ServeConfigError, match="--num-cpus"):
         serving.connect("auto", num_cpus=2)
     serving.connect("auto")  # joined already: nothing to do
+
+
+def test_deploy_refuses_a_taken_port_before_it_starts_serve(monkeypatch):
+    """`lorafleet deploy` (and `up --address`) where no Serve runs yet: a port that accepts
+    connections is refused before Serve starts its proxy there."""
+    import socket
+
+    from ray.serve._private import api as serve_api
+
+    def serve_start(**kwargs):
+        raise AssertionError("Serve started")
+
+    monkeypatch.setattr(serve_api, "serve_start", serve_start)
+    monkeypatch.setattr(serving, "running_http_address", lambda: None)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        config = serving.apply_overrides(serving.load_config(serving.DEFAULT_CONFIG), port=port)
+        with pytest.raises(serving.ServeConfigError, match="already accepts connections"):
+            serving.deploy(config)
+    assert port not in serving._claimed  # released: nothing holds it after a refusal
+
+
+class _Status:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_a_failed_start_is_one_line_with_its_cause_and_the_logs(monkeypatch):
+    """A deployment that fails inside Serve: its root cause and Ray's log directory, in one
+    line, at the first failed start when asked to fail fast (`up`)."""
+    from ray import serve
+
+    from tests.cluster.test_cli import SERVE_FAILURE
+
+    retrying = "A replica failed to start with exception. Retrying 2 more time(s). Error:\n"
+    app = _Status(
+        status="DEPLOYING",
+        message="",
+        deployments={
+            "Ingress": _Status(status="HEALTHY", message=""),
+            "LoRAReplica": _Status(status="UPDATING", message=retrying + SERVE_FAILURE),
+        },
+    )
+    monkeypatch.setattr(serve, "status", lambda: _Status(applications={"lorafleet": app}))
+    monkeypatch.setattr(serving, "log_dir", lambda: "/tmp/ray/session_x/logs")
+    with pytest.raises(serving.ServeConfigError) as failed:
+        serving.wait_until_running(["lorafleet"], timeout_s=5, fail_fast=True)
+    assert str(failed.value) == (
+        "application 'lorafleet': LoRAReplica failed to start: ModelConfigError: "
+        "/m/config.json: unsupported architecture model_type='bert'; supported: llama, "
+        "mistral (Ray's logs: /tmp/ray/session_x/logs)"
+    )
+    app.status, app.message = "DEPLOY_FAILED", "Failed to update the deployments ['LoRAReplica']."
+    app.deployments["LoRAReplica"].status = "DEPLOY_FAILED"
+    with pytest.raises(serving.ServeConfigError, match="LoRAReplica failed to start: Model"):
+        serving.wait_until_running(["lorafleet"], timeout_s=5)  # Serve's own verdict

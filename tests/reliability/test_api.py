@@ -8,7 +8,13 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.reliability.conftest import MAX_MODEL_LEN, PRELOADED, post
+from tests.reliability.conftest import (
+    MAX_MODEL_LEN,
+    PRELOADED,
+    complete,
+    post,
+    replica_stats,
+)
 from tests.reliability.test_bad_input import assert_openai_error
 
 pytestmark = pytest.mark.serve
@@ -80,3 +86,21 @@ def test_stop_reason_names_the_stop_string(cluster):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop, choice
     assert choice["text"] == text[: text.index(stop)]
+
+
+def test_stats_slot_counts_add_up(cluster):
+    """/v1/lorafleet/stats counts slots (room for one adapter of max_lora_rank each, the
+    base model's included) and the adapters in them apart: adapters of lower ranks share a
+    slot, so `free` slots and `ready` adapters never summed to `num_slots` (a replica
+    showed num_slots 256, free 253, ready 5)."""
+    for name in PRELOADED:  # adapters on the replicas' devices, of ranks 8 to 32
+        assert complete(cluster, name).status_code == 200
+    for rid, s in replica_stats(cluster).items():
+        slots, adapters = s["slots"], s["adapters_on_device"]
+        assert slots["base"] + slots["free"] + slots["used"] == s["num_slots"], (rid, s)
+        assert slots["base"] == 1 and slots["free"] == s["free_slots"]
+        assert adapters["ready"] == len(s["device_adapters"]), (rid, s)
+        # every used slot holds an adapter; a slot may hold several
+        assert (slots["used"] > 0) == (adapters["ready"] + adapters["loading"] > 0)
+        assert slots["used"] <= adapters["ready"] + adapters["loading"]
+        assert "slots" not in s["telemetry"]  # the old mixed counts: gone

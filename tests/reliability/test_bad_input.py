@@ -139,6 +139,38 @@ def test_malformed_json_is_400(cluster, raw):
         assert_openai_error(r)
 
 
+def test_malformed_json_says_where_and_names_no_param(cluster):
+    """The parser's message and its line and column: not FastAPI's "JSON decode error"
+    with the character offset posing as the param."""
+    raw = b'{"model": "tiny-base",\n "prompt": "x",}'
+    r = httpx.post(
+        cluster["url"] + "/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    error = assert_openai_error(r)
+    assert error["message"] == (
+        "Invalid JSON body: Expecting property name enclosed in double quotes (line 2 column 16)"
+    )
+    assert error["param"] is None
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_without_a_json_content_type_is_read_as_json(cluster, content_type):
+    """What `curl -d` sends without -H (form-urlencoded), or a client that sends none."""
+    body = json.dumps({"model": "tiny-base", "prompt": "hi", "max_tokens": 2}).encode()
+    request = httpx.Request("POST", cluster["url"] + "/v1/completions", content=body)
+    request.headers.pop("content-type", None)  # httpx sends none for bytes: make sure
+    if content_type is not None:
+        request.headers["content-type"] = content_type
+    with httpx.Client(timeout=60) as client:
+        r = client.send(request)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
 def test_bad_chat_requests_are_400(cluster):
     for body in [
         {"model": "tiny-base", "messages": []},

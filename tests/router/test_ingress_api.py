@@ -233,6 +233,41 @@ def test_validation_errors_are_400_naming_the_field(client):
     assert_openai_error(client.post("/v1/completions", content=b"{", headers={}), 400)
 
 
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b'{"model": "tiny-base", "prompt": "hi",}',
+         "Expecting property name enclosed in double quotes (line 1 column 39)"),
+        (b'{"model": "tiny-base",\n  "prompt": "hi"\n  "n": 1}',
+         "Expecting ',' delimiter (line 3 column 3)"),
+        (b"{", "Expecting property name enclosed in double quotes (line 1 column 2)"),
+        (b"", None),  # no body at all: the fields it lacks
+    ],
+)  # fmt: skip
+def test_malformed_json_is_a_400_saying_where(client, raw, message):
+    """The parser's message with line and column; no param (FastAPI put the character
+    offset where a field name goes: `"param": "40"`)."""
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    error = assert_openai_error(r, 400)
+    if message is None:
+        assert "Field required" in error["message"]
+        return
+    assert error["message"] == f"Invalid JSON body: {message}"
+    assert error["param"] is None
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "application/x-www-form-urlencoded", "text/plain; charset=utf-8"]
+)
+def test_a_json_body_is_read_as_json_whatever_its_content_type_says(client, content_type):
+    """`curl -d` without -H sends application/x-www-form-urlencoded; some clients send no
+    Content-Type at all: the body is still the JSON every endpoint takes."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = client.post("/v1/completions", content=json.dumps(COMPLETION), headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion"
+
+
 def test_an_unexpected_exception_is_a_500_with_an_openai_body_and_a_logged_traceback(
     client, store, caplog
 ):

@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
 
 from cluster.cli import main
@@ -137,8 +139,10 @@ def _free_port() -> int:
 @pytest.mark.serve
 def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
     """`lorafleet up` (the README's run command, configs/serve.yaml) on a Ray it starts: the
-    showcase prints each adapter's answer to one prompt, sent together; then SIGTERM stops
-    it cleanly. Secured (a key from the environment, required on inference too), the
+    showcase prints each adapter's answer to one prompt, sent together; then SIGTERM during
+    traffic stops it within 15 s, every request answered or ended with an error, and
+    nothing of Ray's own printed (no token warning at start, no shutdown noise, no
+    traceback). Secured (a key from the environment, required on inference too), the
     showcase sends the key and the printed commands read it from the environment.
 
     Without a key (the same command, its own Ray and deployment: ~40 s more here), `up`
@@ -152,13 +156,16 @@ def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    outcomes: list[tuple[float, str]] = []
+    traffic: list[threading.Thread] = []
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not any(".choices[0].text)" in x for x in lines):
-            line = proc.stdout.readline()
-            if not line:
+            if proc.poll() is not None:
                 break  # the command ended early: its output says why
-            lines.append(line)
+            time.sleep(0.2)
         out = "".join(lines)
         assert "try it" in out and ".choices[0].text)" in out, out[-3000:]
         words = dt.SHOWCASE_PROMPT.removesuffix(" ->").split()
@@ -170,11 +177,61 @@ def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
         assert f"http://127.0.0.1:{port}/v1/completions" in out
         assert "Authorization: Bearer $LORAFLEET_API_KEY" in out
         assert "test-key-5566" not in out
+        assert f"{sys.executable} -c" in out  # runs as printed in a fresh shell
+
+        url = f"http://127.0.0.1:{port}"
+        traffic += [threading.Thread(target=_traffic, args=(url, outcomes)) for _ in range(3)]
+        for t in traffic:
+            t.start()
+        time.sleep(2.0)
+        assert outcomes, "no request answered before the stop"
     finally:
+        stopped = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    assert proc.returncode == 0
+    took = time.monotonic() - stopped
+    for t in traffic:
+        t.join(timeout=60)
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-3000:]
+    assert took < 15, f"stopped after {took:.1f} s"
+    for noise in ("Traceback", "(raylet)", "Token authentication", "Started a local Ray"):
+        assert noise not in out, out[-3000:]
+    # requests in flight at the stop: answered, or ended with an error (a stream's error
+    # event); those sent after it began may be refused or find the server gone
+    in_flight = {outcome for began, outcome in outcomes if began < stopped}
+    assert in_flight <= {"answered", "error event"}, outcomes
+    assert "answered" in in_flight
+
+
+def _traffic(url: str, outcomes: list[tuple[float, str]]) -> None:
+    """Streams, one after another, until the server goes: when each began, how it ended."""
+    body = {"model": "uppercase", "prompt": dt.SHOWCASE_PROMPT, "max_tokens": 16, "stream": True}
+    headers = {"Authorization": "Bearer test-key-5566"}
+    while True:
+        began = time.monotonic()
+        try:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=30
+            ) as r:
+                if r.status_code != 200:
+                    outcomes.append((began, "refused"))  # after the stop began: 404 or 503
+                    time.sleep(0.05)
+                    continue
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        except httpx.TransportError as e:
+            outcomes.append((began, f"connection closed ({type(e).__name__})"))
+            if isinstance(e, httpx.ConnectError):
+                return  # the server is gone
+            continue
+        if events and events[-1] == "data: [DONE]" and '"error"' not in "".join(events):
+            outcomes.append((began, "answered"))
+        elif any('"error"' in e for e in events):
+            outcomes.append((began, "error event"))
+        else:
+            outcomes.append((began, f"cut: {events[-2:]}"))
