@@ -33,7 +33,6 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False,
                               "use_sliding_window": True, "sliding_window": 8,
                               "max_window_layers": 1}),
-    "qwen3-tied": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True}),
     # query_pre_attn_scalar ≠ head_dim; caps low enough that scores and logits hit them
     "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 20,
                                 "sliding_window": 8, "attn_logit_softcapping": 2.0,

@@ -29,14 +29,14 @@ from tests.oracle import (
 )
 
 LOGIT_ATOL = 2e-4
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-FAMILIES = ["qwen3", "qwen3-tied", "gemma2", "gemma3", "gemma3-mm", "phi3"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "gemma3-mm", "phi3"]  # Gemma ties its head
 
 
 def prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40)]
 
 
 def engine_for(model_dir, adapters: dict, **kw) -> LLMEngine:
@@ -50,11 +50,25 @@ def engine_for(model_dir, adapters: dict, **kw) -> LLMEngine:
     return eng
 
 
+# The paths past the forward (prefix-cache hits, the static decode step) on the families
+# whose layers differ most: windows and soft-caps, local rope and q/k norms, fused
+# checkpoints and partial rotary (Qwen3's differences are all in the forward above).
+DECODE_PATH_FAMILIES = ["gemma2", "gemma3-mm", "phi3"]
+
+
+def _family(name: str, tmp_path_factory):
+    model_dir = family_model_dir(name)
+    return name, model_dir, family_adapters(name, model_dir, tmp_path_factory.mktemp(name))
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    model_dir = family_model_dir(request.param)
-    adapters = family_adapters(request.param, model_dir, tmp_path_factory.mktemp(request.param))
-    return request.param, model_dir, adapters
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=DECODE_PATH_FAMILIES)
+def decode_family(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
 
 
 def test_family_matches_transformers_and_peft_in_one_mixed_batch(family):
@@ -76,7 +90,7 @@ def test_gemma3_multimodal_checkpoint_in_transformers5_layout(tmp_path):
     assert renamed != tensors
     save_file(renamed, dst / "model.safetensors", metadata={"format": "pt"})
     ours, theirs = engine_for(dst, {}), engine_for(src, {})
-    p = prompts(ours.spec.vocab_size)[2]
+    p = prompts(ours.spec.vocab_size)[1]
     assert torch.equal(ours.score(p), theirs.score(p))
 
 
@@ -121,16 +135,16 @@ def test_rope_types_of_real_checkpoints_match_transformers(variant, tmp_path):
     assert [s.output_ids for s in outputs] == want
 
 
-def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(family):
+def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(decode_family):
     """Prompts that extend an earlier one start after its cached blocks (which sliding
     and global layers alike read): each equals transformers' output for the whole prompt."""
-    name, model_dir, adapters = family
+    name, model_dir, adapters = decode_family
     eng = engine_for(model_dir, adapters, enable_prefix_caching=True)
     refs = {
         None: hf_model(model_dir, eager=True),
         "all": hf_model(model_dir, adapters["all"], True),
     }
-    first = prompts(eng.spec.vocab_size)[2]  # 40 tokens: ten 4-token blocks
+    first = prompts(eng.spec.vocab_size)[1]  # 40 tokens: ten 4-token blocks
     for adapter, ref in refs.items():
         eng.generate([(first, GREEDY, adapter)])
         longer = first + [5, 6, 7, 8, 9, 10]
@@ -139,12 +153,12 @@ def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(family):
         assert seq.output_ids == hf_greedy(ref, longer, NEW_TOKENS), (name, adapter)
 
 
-def test_static_decode_path_equals_eager(family):
-    """The fixed-shape decode step that CUDA graphs replay, on every family: the eager
+def test_static_decode_path_equals_eager(decode_family):
+    """The fixed-shape decode step that CUDA graphs replay: the eager
     engine's tokens, and no device value read inside the step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    name, model_dir, adapters = family
+    name, model_dir, adapters = decode_family
     ps = prompts(256)
     requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
     want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
