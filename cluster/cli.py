@@ -27,7 +27,7 @@ USER_ERRORS = (
     ("replica.errors", "RequestError"),
     ("replica.model.weights", "WeightLoadError"),
     ("pydantic", "ValidationError"),
-    ("cluster.serving", "ServeConfigError"),
+    ("cluster.errors", "ServeConfigError"),
     ("cluster.demo.showcase", "ShowcaseError"),
     (__name__, "UsageError"),
 )
@@ -235,8 +235,8 @@ def _lines(error: Exception) -> list[str]:
     pydantic = sys.modules.get("pydantic")
     if pydantic is not None and isinstance(error, pydantic.ValidationError):
         return [f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()]
-    serving = sys.modules.get("cluster.serving")
-    if serving is not None and isinstance(error, serving.ServeConfigError):
+    errors = sys.modules.get("cluster.errors")
+    if errors is not None and isinstance(error, errors.ServeConfigError):
         return [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
     return [" ".join(str(error).split())]
 
@@ -338,7 +338,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from cluster import serving
+    from cluster import ports, preflight, serving
 
     loras = dict(_parse_lora(s) for s in args.lora) if args.lora is not None else None
     config = serving.apply_overrides(
@@ -358,13 +358,13 @@ def _up(args: argparse.Namespace) -> int:
     http = config.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)
     claimed = not args.address and isinstance(host, str) and isinstance(port, int)
-    claimed = claimed and serving.claim_port(host, port)
+    claimed = claimed and ports.claim_port(host, port)
     try:
-        serving.check_config(config, local=serving.is_local_address(args.address))
+        preflight.check_config(config, local=ports.is_local_address(args.address))
         _serve(config, args)
     finally:
         if claimed:
-            serving.release_port(port)
+            ports.release_port(port)
     return 0
 
 
@@ -472,10 +472,10 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from cluster import serving
+    from cluster import ports, preflight, serving
 
     config = serving.load_config(args.config)
-    serving.check_config(config, local=serving.is_local_address(args.address))
+    preflight.check_config(config, local=ports.is_local_address(args.address))
     serving.quiet(args.verbose)
     serving.connect(args.address)
     serving.deploy(config, args.timeout_s)

@@ -9,23 +9,20 @@ in place: unchanged replicas keep running and keep their requests.
 from __future__ import annotations
 
 import copy
-import difflib
 import logging
 import os
 import re
-import socket
-import tempfile
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pydantic
 import ray
 import yaml
 
-from cluster.config import DEMOS, AppConfig
+from cluster.config import DEMOS
+from cluster.errors import ServeConfigError
+from cluster.ports import claim_port, proxy_here, release_port
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
 REPLICA_DEPLOYMENT = "LoRAReplica"
@@ -33,11 +30,6 @@ IMPORT_PATH = "cluster.app:build_app"  # the applications whose args are an AppC
 # `lorafleet up` stops within STOP_GRACE_S + Ray's own shutdown: requests in flight get
 # that long to finish, then those still running are cut with an error.
 STOP_GRACE_S = 5.0
-
-
-class ServeConfigError(ValueError):
-    """A Serve config file that cannot be read or deployed. Its message may hold several
-    lines, one per problem (each bad field of a config)."""
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -145,7 +137,7 @@ def deploy(
             f"not {wanted[0]}:{wanted[1]}: use --port {running[1]} (and --host {running[0]}), "
             "or stop that Serve instance first (serve shutdown)"
         )
-    claimed = running is None and _proxy_here(str(schema.proxy_location))
+    claimed = running is None and proxy_here(str(schema.proxy_location))
     claimed = claimed and claim_port(*wanted)
     try:
         if join:
@@ -372,302 +364,6 @@ def log_dir() -> str:
     """Where this node's Ray processes (Serve's replicas among them) write their logs."""
     node = getattr(ray._private.worker, "_global_node", None)  # no public accessor
     return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
-
-
-# -- checks made here, before anything starts -------------------------------------------------
-
-
-def check_config(config: dict[str, Any], local: bool = True) -> None:
-    """Refuse a config in this process, in seconds, with a ServeConfigError of one line per
-    problem: fields that Serve's schema or the application config (AppConfig, for every
-    application of ours) refuses or does not know, each by its path
-    (`applications[0].args.adaptors: unknown field`). With `local` (the cluster runs on
-    this machine, so it reads the same files) also the model directory (config.json and its
-    family, the weight files) and every adapter registered at start, as the deployment
-    would read them."""
-    problems = _schema_problems(config)
-    if problems:
-        raise ServeConfigError("\n".join(problems))
-    if local:
-        for i, app in enumerate(config["applications"]):
-            if app.get("import_path") == IMPORT_PATH:
-                _check_files(AppConfig.model_validate(app.get("args") or {}), f"applications[{i}]")
-
-
-def _schema_problems(config: dict[str, Any]) -> list[str]:
-    from ray.serve.schema import ServeDeploySchema
-
-    problems = _unknown_keys(config, ServeDeploySchema, "")
-    try:
-        ServeDeploySchema.model_validate(config)
-    except pydantic.ValidationError as e:
-        problems += [_field_problem(err, "") for err in e.errors()]
-    for i, app in enumerate(config.get("applications") or []):
-        if isinstance(app, dict) and app.get("import_path") == IMPORT_PATH:
-            try:
-                AppConfig.model_validate(app.get("args") or {})
-            except pydantic.ValidationError as e:
-                where = f"applications[{i}].args"
-                problems += [_field_problem(err, where, AppConfig) for err in e.errors()]
-    merged: dict[str, list[str]] = {}  # a union's members each refuse the value: one line
-    for problem in problems:
-        path, _, message = problem.partition(": ")
-        messages = merged.setdefault(path, [])
-        if message and message not in messages:
-            messages.append(message)
-    return [f"{path}: {' or: '.join(m)}" if m else path for path, m in merged.items()]
-
-
-def _path(parent: str, loc: tuple[Any, ...]) -> str:
-    path = parent
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif "[" in str(part) or "'" in str(part):  # a union member's name: not a field
-            continue
-        else:
-            path += f".{part}" if path else str(part)
-    return path
-
-
-def _field_problem(error: Any, parent: str, model: type | None = None) -> str:
-    loc = tuple(error.get("loc", ()))
-    path = _path(parent, loc)
-    if error.get("type") == "extra_forbidden":
-        return f"{path}: unknown field{_guess(str(loc[-1]), _fields_at(model, loc[:-1]))}"
-    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-    return f"{path}: {message}" if path else message
-
-
-def _guess(key: str, known: set[str]) -> str:
-    guess = difflib.get_close_matches(key, sorted(known), n=1)
-    return f" (did you mean {guess[0]!r}?)" if guess else ""
-
-
-def _fields_at(model: type | None, loc: tuple[Any, ...]) -> set[str]:
-    """The field names of the model that `loc` (a pydantic error's, less its last part)
-    leads to from `model`; empty when it leads elsewhere."""
-    for part in loc:
-        field = model.model_fields.get(part) if model is not None else None
-        model = _nested_model(field.annotation)[0] if field is not None else None
-    return set(model.model_fields) if model is not None else set()
-
-
-def _unknown_keys(value: Any, model: type, path: str) -> list[str]:
-    """Keys of `value` that pydantic model `model` neither knows nor refuses (Serve's schema
-    ignores unknown keys: a misspelt `route_prefix` would silently not apply), and so on
-    down its nested models."""
-    if not isinstance(value, dict) or model.model_config.get("extra") in ("allow", "forbid"):
-        return []
-    fields = model.model_fields
-    known = {name for name in fields} | {f.alias for f in fields.values() if f.alias}
-    problems = []
-    for key, item in value.items():
-        where = f"{path}.{key}" if path else str(key)
-        if key not in known:
-            problems.append(f"{where}: unknown field{_guess(str(key), known)}")
-            continue
-        field = fields.get(key) or next(f for f in fields.values() if f.alias == key)
-        nested, many = _nested_model(field.annotation)
-        if nested is None:
-            continue
-        items = enumerate(item) if many and isinstance(item, list) else [(None, item)]
-        for i, element in items:
-            problems += _unknown_keys(element, nested, where if i is None else f"{where}[{i}]")
-    return problems
-
-
-def _nested_model(annotation: Any) -> tuple[type | None, bool]:
-    """(the pydantic model a field holds, whether a list of them); None unless it holds only
-    that model (maybe None), alone or in a list: a field that also takes a dict is skipped."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    origin = typing.get_origin(annotation)
-    if origin in (list, typing.List):  # noqa: UP006
-        inner, _ = _nested_model(args[0]) if args else (None, False)
-        return inner, True
-    if args and origin is not None and len(args) == 1:  # Optional[X]
-        return _nested_model(args[0])
-    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
-        return annotation, False
-    return None, False
-
-
-def _check_files(app: AppConfig, where: str) -> None:
-    """The model directory (config.json, weight files, tokenizer) and the adapters
-    registered at start, read as the deployment will read them (the demo's assets are
-    built here first, into the cache it reads)."""
-    from replica.model.spec import ModelConfigError, load_model_spec  # no torch: fast
-
-    app = app.resolved()
-    model = app.engine.model
-    try:
-        if not Path(model).is_dir():
-            raise ModelConfigError(f"{model}: not a directory")
-        spec = load_model_spec(model)
-    except ModelConfigError as e:
-        raise ServeConfigError(f"{where}.args.engine.model: {_one_line(e)}") from None
-    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
-        # (loading it as the Ingress does would import most of transformers: seconds more)
-        raise ServeConfigError(
-            f"{where}.args.engine.model: {model}: no tokenizer (none of "
-            f"{', '.join(TOKENIZER_FILES)})"
-        )
-
-    from replica.model.peft_config import AdapterFormatError, check_config, read_config
-
-    assert isinstance(app.adapters, dict)  # resolved()
-    for name, path in app.adapters.items():  # what needs no torch first: fast
-        at = f"{where}.args.adapters.{name}"
-        if name == app.served_model_name:
-            raise ServeConfigError(f"{at}: the base model's name (served_model_name)")
-        if not Path(path).is_dir():
-            raise ServeConfigError(f"{at}: {path} is not a directory")
-        try:
-            check_config(name, read_config(Path(path)))
-        except AdapterFormatError as e:
-            raise ServeConfigError(f"{at}: {_one_line(e)}") from None
-
-    from replica.model.adapter_weights import adapter_weights_file, load_peft_adapter
-    from replica.model.weights import Checkpoint, WeightLoadError
-
-    try:
-        Checkpoint(model)
-    except WeightLoadError as e:
-        raise ServeConfigError(f"{where}.args.engine.model: {_one_line(e)}") from None
-    for name, path in app.adapters.items():
-        at = f"{where}.args.adapters.{name}"
-        weights = adapter_weights_file(path)
-        if weights is not None and weights.stat().st_size > app.max_adapter_bytes:
-            raise ServeConfigError(
-                f"{at}: {weights} is larger than max_adapter_bytes ({app.max_adapter_bytes})"
-            )
-        try:
-            load_peft_adapter(path, spec, app.engine.max_lora_rank, name)
-        except AdapterFormatError as e:
-            raise ServeConfigError(f"{at}: {_one_line(e)}") from None
-
-
-# A tokenizer's files in a Hugging Face model directory: one of them is needed.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-
-
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split())
-
-
-def is_local_address(address: str | None) -> bool:
-    """Whether the Ray cluster at `address` runs on this machine (so that its processes read
-    this machine's files): None and 'local' (a Ray started here), 'auto' (unless
-    RAY_ADDRESS names another machine), or an address of this machine."""
-    if address in (None, "local"):
-        return True
-    if address == "auto":
-        address = os.environ.get("RAY_ADDRESS") or "127.0.0.1"
-        if address in ("auto", "local"):
-            return True
-    host = re.sub(r"^[a-z]+://", "", address).rsplit(":", 1)[0].strip("[]")
-    try:
-        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except (OSError, UnicodeError):
-        return False
-    return any(ip.startswith("127.") or ip in _own_ips() for ip in ips)
-
-
-def _own_ips() -> set[str]:
-    ips = {"::1"}
-    try:
-        ips |= set(socket.gethostbyname_ex(socket.gethostname())[2])
-    except OSError:
-        pass
-    try:  # the address of the default route (a UDP connect sends nothing)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("8.8.8.8", 80))
-            ips.add(s.getsockname()[0])
-    except OSError:
-        pass
-    return ips
-
-
-# -- one server per port ----------------------------------------------------------------------
-
-_claimed: dict[int, Any] = {}  # port -> the lock file this process holds for it
-
-
-def claim_port(host: str, port: int) -> bool:
-    """Refuse (ServeConfigError) to start a server on `host:port` when something there
-    already accepts connections, or another lorafleet command of this machine is starting
-    a server on that port; otherwise hold the port's lock until release_port or this
-    process's exit, so that no lorafleet command started meanwhile binds it too (Serve's
-    proxies bind with SO_REUSEPORT: a second one would share the port silently). False
-    when this process holds it already."""
-    if port in _claimed:
-        return False
-    lock = _lock_path(port)
-    handle = open(lock, "a+")  # held open: the lock lives as long as the file is
-    try:
-        import fcntl
-
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        raise ServeConfigError(
-            f"port {port} is taken: another lorafleet command on this machine ({holder}) "
-            "is serving on it; stop that one, or choose another port (--port)"
-        ) from None
-    except ImportError:  # no fcntl (Windows): the connection probe below only
-        pass
-    if _accepts_connections(host, port):
-        handle.close()
-        raise ServeConfigError(
-            f"http://{_client_host(host)}:{port} already accepts connections: another "
-            "server listens on that port; stop it, or choose another port (--port)"
-        )
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}")
-    handle.flush()
-    _claimed[port] = handle
-    return True
-
-
-def release_port(port: int) -> None:
-    handle = _claimed.pop(port, None)
-    if handle is not None:
-        handle.close()
-
-
-def _lock_path(port: int) -> Path:
-    folder = Path(tempfile.gettempdir()) / f"lorafleet-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder / f"port-{port}.lock"
-
-
-def _client_host(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
-def _accepts_connections(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((_client_host(host), port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def _proxy_here(location: str) -> bool:
-    """Whether Serve's HTTP proxy would bind on this machine: the head node's (or, with
-    EveryNode, any node's) address is one of this machine's."""
-    if not ray.is_initialized():
-        return True
-    if "Disabled" in location:
-        return False
-    here = ray.util.get_node_ip_address()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if "EveryNode" not in location:
-        nodes = [n for n in nodes if "node:__internal_head__" in n.get("Resources", {})] or nodes
-    return any(n.get("NodeManagerAddress") == here for n in nodes)
 
 
 # -- a clean stop -----------------------------------------------------------------------------

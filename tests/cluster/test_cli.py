@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from cluster import serving
+from cluster import ports, serving
 from cluster.cli import main
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
@@ -314,7 +314,7 @@ def test_up_refuses_a_port_another_lorafleet_command_is_taking(capsys, nothing_s
     port = _free_port()
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         f"from cluster import serving; serving.claim_port('127.0.0.1', {port}); "
+         f"from cluster import ports; ports.claim_port('127.0.0.1', {port}); "
          "print('claimed', flush=True); import time; time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -326,15 +326,15 @@ def test_up_refuses_a_port_another_lorafleet_command_is_taking(capsys, nothing_s
     finally:
         holder.kill()
         holder.wait()
-    assert serving.claim_port("127.0.0.1", port)  # free again once its holder is gone
-    serving.release_port(port)
+    assert ports.claim_port("127.0.0.1", port)  # free again once its holder is gone
+    ports.release_port(port)
 
 
 def test_local_addresses():
-    assert serving.is_local_address(None) and serving.is_local_address("127.0.0.1:6379")
-    assert serving.is_local_address("localhost:6379")
-    assert serving.is_local_address("ray://127.0.0.1:10001")
-    assert not serving.is_local_address("198.51.100.77:6379")  # TEST-NET-2: nobody's
+    assert ports.is_local_address(None) and ports.is_local_address("127.0.0.1:6379")
+    assert ports.is_local_address("localhost:6379")
+    assert ports.is_local_address("ray://127.0.0.1:10001")
+    assert not ports.is_local_address("198.51.100.77:6379")  # TEST-NET-2: nobody's
 
 
 SERVE_FAILURE = (  # a Serve deployment status message, as Ray 2.60 writes it (shortened)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from cluster import serving
+from cluster import ports, serving
 from cluster.app import build_app
 from cluster.config import AppConfig
 
@@ -209,7 +209,7 @@ def test_deploy_refuses_a_taken_port_before_it_starts_serve(monkeypatch):
         config = serving.apply_overrides(serving.load_config(serving.DEFAULT_CONFIG), port=port)
         with pytest.raises(serving.ServeConfigError, match="already accepts connections"):
             serving.deploy(config)
-    assert port not in serving._claimed  # released: nothing holds it after a refusal
+    assert port not in ports._claimed  # released: nothing holds it after a refusal
 
 
 class _Status:
