@@ -2,14 +2,29 @@
 
 Every figure is measured on this machine in this run; each ratio is printed
 next to the ceiling the hardware allows. `--json PATH` writes all of them.
+
+Churn is real: each churn run's engine gets adapter memory (rank rows, the unit the slot
+pool allocates in: an adapter of rank r holds a block of next-pow2(r) rows, at least 8)
+of about --memory-share of what its workload's adapters need together, so adapters are
+evicted and loaded again; the bench fails if a churn run evicted nothing. The demo's
+adapter loads are tiny copies (hidden 512), so each churn load also sleeps --load-delay-ms
+in the slot write (by default what copying a rank-16 adapter of a 7B Llama shape costs,
+LOAD_DELAY_DEFAULT_MS): the load stall ratios compare loads that cost what real ones do.
+
+`--family` runs the decode-step measurement (decode_step_overhead_vs_bytes) on random-weight
+demo-sized models of other families (cluster/demo/families.py), with PEFT adapters of the
+same ranks and targets as the demo's written for each model's shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,13 +32,27 @@ from pathlib import Path
 
 import ray
 import torch
+from safetensors.torch import save_file
 
 from cluster.bench.engine_gpu import gpu_section, print_gpu_section
 from cluster.bench.stats import machine, ms, percentile
-from cluster.demo.assets import DemoSpec, cached_demo_assets
+from cluster.demo.assets import (
+    LORA_REL,
+    DemoAssets,
+    DemoSpec,
+    _adapter_plans,
+    _peft_config,
+    _randn,
+    cached_demo_assets,
+)
+from cluster.demo.families import family_model_dir
+from replica.adapters.memory import slot_bytes
 from replica.config import EngineConfig
+from replica.device import resolve_device, resolve_dtype
 from replica.engine.engine import LLMEngine
 from replica.engine.sequence import Sequence
+from replica.model.lora_slots import block_rows
+from replica.model.spec import ModelSpec, load_model_spec
 from replica.wire import SamplingParams
 
 
@@ -47,6 +76,7 @@ class RunResult:
     load_wait_s: float = 0.0
     prefetch_overhead_s: float = 0.0
     evictions: int = 0
+    churn: Churn | None = None  # the memory pressure and load delay of a churn run
 
     def summary(self) -> dict:
         out = {
@@ -57,6 +87,8 @@ class RunResult:
             "prefetch_overhead_s": self.prefetch_overhead_s,
             "evictions": self.evictions,
         }
+        if self.churn is not None:
+            out.update(self.churn.summary())
         for metric, values in (("ttft", self.ttft), ("e2e", self.e2e)):
             for kind, xs in values.items():
                 if xs:
@@ -65,7 +97,41 @@ class RunResult:
         return out
 
 
+@dataclass(frozen=True)
+class Churn:
+    """A churn run's adapter memory: `memory_rows` rank rows (`memory_bytes` on this
+    device) for a workload whose adapters need `working_set_rows` together, and the delay
+    each adapter load sleeps."""
+
+    memory_rows: int
+    working_set_rows: int
+    memory_bytes: int
+    load_delay_ms: float
+
+    def summary(self) -> dict:
+        return {
+            "adapter_memory_rows": self.memory_rows,
+            "working_set_rows": self.working_set_rows,
+            "adapter_memory_bytes": self.memory_bytes,
+            "load_delay_ms": self.load_delay_ms,
+        }
+
+
 SCENARIOS = ("uniform", "zipf", "distinct", "mixed", "base_only")
+# the runs that must evict (the plain scenarios with adapters, and the ablations of them)
+CHURN_RUNS = ("uniform", "zipf", "distinct", "mixed", "distinct_sync_loading",
+              "mixed_base_unpinned", "distinct_spare_slot", "distinct_spare_slot_sync")  # fmt: skip
+# What a real adapter load costs, for the demo's tiny ones: copying a rank-16 adapter on
+# all seven projections of a 7B Llama shape (hidden 4096, MLP 11008, 32 layers; fp16) at
+# LOAD_DELAY_GBPS, a host->device copy over PCIe (4.0 x16 peaks at ~25 GB/s pinned).
+LOAD_DELAY_RANK, LOAD_DELAY_GBPS = 16, 10.0
+LOAD_DELAY_BYTES = LOAD_DELAY_RANK * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008)) * 2
+LOAD_DELAY_DEFAULT_MS = LOAD_DELAY_BYTES / (LOAD_DELAY_GBPS * 1e9) * 1e3  # ~8.0 ms
+LOAD_DELAY_HOW = (
+    "slept after each adapter's slot write (the copy into device memory): on the loader "
+    "thread with overlapped loading, inside the step with sync loading; churn runs only"
+)
+FAMILIES = ("llama", "qwen3", "gemma2")
 
 
 def _scenario_names(text: str) -> list[str]:
@@ -78,13 +144,45 @@ def _scenario_names(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _family_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a comma-separated subset of {', '.join(FAMILIES)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _share(text: str) -> float:
+    share = float(text)
+    if not 0 < share < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a share in (0, 1)")
+    return share
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters", type=int, default=16, help="Distinct adapters in the workload.")
     p.add_argument("--requests", type=int, default=64, help="Requests per scenario.")
     p.add_argument("--concurrency", type=int, default=32, help="Requests in flight at once.")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--slots", type=int, default=8, help="Device slots in churn scenarios.")
+    p.add_argument("--slots", type=int, default=8,
+                   help="Distinct adapters one batch may hold in churn scenarios.")  # fmt: skip
+    p.add_argument("--memory-share", type=_share, default=0.5,
+                   help="Adapter memory of a churn run, as a share of the rank rows its "
+                        "workload's adapters need together (rounded to whole blocks of "
+                        "max_lora_rank, below the whole), so that they evict.")  # fmt: skip
+    p.add_argument("--load-delay-ms", type=float, default=LOAD_DELAY_DEFAULT_MS,
+                   help="Sleep this long in every adapter load of the churn runs (default: "
+                        f"a rank-{LOAD_DELAY_RANK} adapter of a 7B Llama shape, "
+                        f"{LOAD_DELAY_BYTES / 1e6:.0f} MB fp16, copied at "
+                        f"{LOAD_DELAY_GBPS:.0f} GB/s); 0: the demo's own small loads.")  # fmt: skip
+    p.add_argument("--family", type=_family_names, default=["llama"], metavar="NAME,...",
+                   help=f"Model families, of {', '.join(FAMILIES)}: llama runs the whole "
+                        "bench on the demo model; each other runs the decode-step "
+                        "measurement (decode_step_overhead_vs_bytes) on a random-weight "
+                        "demo-sized model of its family; with several, one line each.")  # fmt: skip
     p.add_argument("--zipf-alpha", type=float, default=1.0)
     p.add_argument("--baseline-requests", type=int, default=32,
                    help="Requests timed through transformers + PEFT.")  # fmt: skip
@@ -117,9 +215,32 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.quick:
-        args.adapters, args.requests, args.concurrency = 4, 8, 4
+        # 8 adapters (ranks 8-64, 240 rank rows): every churn run's working set exceeds
+        # its memory, the spare-block ablation's included
+        args.adapters, args.requests, args.concurrency = 8, 8, 4
         args.prompt_len, args.output_len, args.slots, args.baseline_requests = 16, 8, 3, 2
     torch.manual_seed(args.seed)
+    report: dict = {"machine": machine(), "args": _jsonable(vars(args))}
+    failures: list[str] = []
+    if "llama" in args.family:
+        failures = _llama_bench(args, report)
+    if args.family != ["llama"]:
+        report["families"] = _families(args, report)
+        _print_families(report["families"], args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if failures:
+        print("bench engine: FAILED, churn without eviction (the memory budget did not "
+              "force any adapter out, so these runs measured first loads only):\n  "
+              + "\n  ".join(failures), file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+def _llama_bench(args: argparse.Namespace, report: dict) -> list[str]:
+    """The scenarios, ablations and headline on the demo Llama, into `report`; printed.
+    Returns a line per churn run that evicted nothing."""
     assets = cached_demo_assets(DemoSpec(num_adapters=args.adapters))
     names = list(assets.adapters)
     rng = random.Random(args.seed)
@@ -143,24 +264,42 @@ def _bench(args: argparse.Namespace) -> int:
     base_cfg = dict(model=str(assets.model_dir), device="auto", max_num_seqs=args.concurrency,
                     kv_cache_bytes=_kv_bytes(args), max_loras_per_batch=args.adapters,
                     tp_size=args.tp)  # fmt: skip
-    churn = dict(base_cfg, num_slots=args.slots + 1, max_loras_per_batch=args.slots)
-    # One slot more than a batch may use: the prefetcher can load the next cohort's first
-    # adapter while the batch runs (with none spare, every next load starts only when the
-    # batch drains; the distinct scenario's requests all end in the same step).
-    spare = dict(churn, num_slots=args.slots + 2)
     fits = dict(base_cfg, num_slots=args.adapters + 1)
-    report: dict = {"machine": machine(), "args": _jsonable(vars(args)), "scenarios": {}}
+    pressure = _ChurnMemory(assets, base_cfg, args)
+    report["churn"] = {
+        "memory_share": args.memory_share,
+        "max_loras_per_batch": args.slots,
+        "load_delay_ms": args.load_delay_ms,
+        "load_delay_how": LOAD_DELAY_HOW,
+        "load_delay_model": f"rank-{LOAD_DELAY_RANK} adapter on all 7 projections of a 7B "
+        f"Llama shape (hidden 4096, MLP 11008, 32 layers, fp16): {LOAD_DELAY_BYTES} bytes "
+        f"at {LOAD_DELAY_GBPS} GB/s",
+    }
+    report["scenarios"] = {}
 
     print(
         f"engine bench: {args.requests} requests x {args.prompt_len}+{args.output_len} tokens, "
-        f"{args.concurrency} concurrent, {args.adapters} adapters, {args.slots} slots in churn"
+        f"{args.concurrency} concurrent, {args.adapters} adapters"
         + (f", tp_size {args.tp}" if args.tp > 1 else "")
+    )
+    print(
+        f"churn: adapter memory ~{args.memory_share:.0%} of the rank rows each run's adapters "
+        f"need (whole {pressure.top}-row blocks; 'mem rows' below), at most {args.slots} "
+        f"adapters per batch; every load sleeps {args.load_delay_ms:.1f} ms ("
+        + (
+            f"a rank-{LOAD_DELAY_RANK} 7B-shape adapter, {LOAD_DELAY_BYTES / 1e6:.0f} MB fp16, "
+            f"at {LOAD_DELAY_GBPS:.0f} GB/s"
+            if args.load_delay_ms == LOAD_DELAY_DEFAULT_MS
+            else "--load-delay-ms"
+        )
+        + f"), {LOAD_DELAY_HOW}"
     )
     results = {}
     for name in args.scenarios or SCENARIOS:
-        results[name] = _run(EngineConfig(**churn), assets, scenarios[name])
+        wl = scenarios[name]
+        results[name] = _run(EngineConfig(**pressure.config(wl)), assets, wl, pressure.churn(wl))
     if args.scenarios is None:
-        _ablations(results, scenarios, assets, churn, spare, fits)
+        _ablations(results, scenarios, assets, pressure, fits)
     for name, r in results.items():
         report["scenarios"][name] = r.summary()
     _print_table(results)
@@ -175,33 +314,85 @@ def _bench(args: argparse.Namespace) -> int:
     if args.tp > 1:
         report["tp_comm"] = _tp_comm(assets, min(16, args.adapters), args)
         _print_tp_comm(report["tp_comm"])
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return 0
+    return [
+        f"{name}: 0 evictions in {r.adapter_loads} loads, {r.churn.working_set_rows} rank "
+        f"rows of adapters in {r.churn.memory_rows} rows of memory"
+        + (
+            " (the memory holds them all: more adapters or requests make a larger working set)"
+            if r.churn.memory_rows >= r.churn.working_set_rows
+            else ""
+        )
+        for name, r in results.items()
+        if name in CHURN_RUNS and r.churn is not None and r.evictions == 0
+    ]
+
+
+class _ChurnMemory:
+    """Engine settings of the churn runs: adapter memory of about args.memory_share of the
+    rank rows the workload's adapters need together (block_rows of each), in whole blocks
+    of max_lora_rank (the unit replica/adapters/memory.py sizes the arenas in) and less
+    than the whole when a block can be spared, given as engine.adapter_memory_bytes."""
+
+    def __init__(self, assets, base_cfg: dict, args: argparse.Namespace) -> None:
+        self.base_cfg, self.args = base_cfg, args
+        self.ranks = {name: _adapter_rank(path) for name, path in assets.adapters.items()}
+        self.top = block_rows(EngineConfig(model=str(assets.model_dir)).max_lora_rank)
+        device = resolve_device(base_cfg["device"])
+        dtype = resolve_dtype(EngineConfig(model=str(assets.model_dir)).dtype, device)
+        # bytes of one rank row on one rank: slot_bytes is linear in its rows
+        self.row_bytes = slot_bytes(load_model_spec(assets.model_dir), 1, dtype, args.tp)
+
+    def working_set(self, wl: Workload) -> int:
+        return sum(block_rows(self.ranks[a]) for a in dict.fromkeys(wl.adapters) if a)
+
+    def rows(self, wl: Workload) -> int:
+        need = self.working_set(wl)
+        rows = self.top * max(1, round(need * self.args.memory_share / self.top))
+        while rows >= need and rows > self.top:
+            rows -= self.top
+        return rows
+
+    def churn(self, wl: Workload, extra_rows: int = 0) -> Churn:
+        rows = self.rows(wl) + extra_rows
+        return Churn(rows, self.working_set(wl), rows * self.row_bytes, self.args.load_delay_ms)
+
+    def config(self, wl: Workload, extra_rows: int = 0, **overrides) -> dict:
+        memory = self.churn(wl, extra_rows).memory_bytes
+        return dict(self.base_cfg, adapter_memory_bytes=memory,
+                    max_loras_per_batch=self.args.slots, **overrides)  # fmt: skip
+
+
+def _adapter_rank(path: Path) -> int:
+    """The largest rank a PEFT adapter_config.json gives a module (r, or rank_pattern's)."""
+    config = json.loads((Path(path) / "adapter_config.json").read_text())
+    return max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
 
 
 def _ablations(
     results: dict[str, RunResult],
     scenarios: dict[str, Workload],
     assets,
-    churn: dict,
-    spare: dict,
+    pressure: _ChurnMemory,
     fits: dict,
 ) -> None:
     """The runs besides the plain scenarios: all adapters resident, sync loading, the base
-    slot unpinned, a spare slot for prefetch (with and without it)."""
+    slot unpinned (under the same memory pressure as the scenario they vary), a spare
+    max-rank block for prefetch (with and without overlapped loading)."""
+    distinct, mixed = scenarios["distinct"], scenarios["mixed"]
+
+    def churn_run(wl: Workload, extra_rows: int = 0, **overrides) -> RunResult:
+        cfg = EngineConfig(**pressure.config(wl, extra_rows, **overrides))
+        return _run(cfg, assets, wl, pressure.churn(wl, extra_rows))
+
     results["all_resident_uniform"] = _run(EngineConfig(**fits), assets, scenarios["uniform"])
-    results["distinct_sync_loading"] = _run(
-        EngineConfig(**churn, adapter_loading="sync"), assets, scenarios["distinct"]
-    )
-    results["mixed_base_unpinned"] = _run(
-        EngineConfig(**churn, pin_base_slot=False), assets, scenarios["mixed"]
-    )
-    results["distinct_spare_slot"] = _run(EngineConfig(**spare), assets, scenarios["distinct"])
-    results["distinct_spare_slot_sync"] = _run(
-        EngineConfig(**spare, adapter_loading="sync"), assets, scenarios["distinct"]
-    )
+    results["distinct_sync_loading"] = churn_run(distinct, adapter_loading="sync")
+    results["mixed_base_unpinned"] = churn_run(mixed, pin_base_slot=False)
+    # one max-rank block more than the plain run: the prefetcher can load the next
+    # cohort's first adapter while the batch runs (with none spare, every next load
+    # starts only when the batch drains; the distinct scenario's requests all end in the
+    # same step)
+    results["distinct_spare_slot"] = churn_run(distinct, pressure.top)
+    results["distinct_spare_slot_sync"] = churn_run(distinct, pressure.top, adapter_loading="sync")
 
 
 def _headline(
@@ -258,14 +449,34 @@ def _headline(
 # -- one engine run -----------------------------------------------------------------------------
 
 
-def _run(config: EngineConfig, assets, wl: Workload) -> RunResult:
+def _run(config: EngineConfig, assets, wl: Workload, churn: Churn | None = None) -> RunResult:
     eng = LLMEngine(config)
     try:
         for name, path in assets.adapters.items():
             eng.load_adapter(name, path)  # validated into the host cache, not into slots
-        return _drive(eng, wl)
+        if churn is not None and churn.load_delay_ms > 0:
+            _delay_loads(eng, churn.load_delay_ms / 1e3)
+        result = _drive(eng, wl)
+        result.churn = churn
+        return result
     finally:
         eng.shutdown()
+
+
+def _delay_loads(eng: LLMEngine, delay_s: float) -> None:
+    """Every adapter load of `eng` sleeps `delay_s` once its slot write is done (the
+    write the prefetcher's load job makes: on the loader thread, or inline when loading
+    is sync); the unpinned base model's rank-0 "load" copies nothing and is not delayed.
+    A wrapper on this engine's slot writer only: replica/ is not changed."""
+    writer = eng.adapters.prefetcher.buffers
+    write = writer.write
+
+    def delayed_write(row0, adapter, progress=None):
+        write(row0, adapter, progress)
+        if adapter.rank > 0:
+            time.sleep(delay_s)
+
+    writer.write = delayed_write
 
 
 def _drive(eng: LLMEngine, wl: Workload) -> RunResult:
@@ -384,11 +595,14 @@ def _base_decode_step(assets, args: argparse.Namespace) -> float:
 DECODE_ROUNDS = 3
 
 
-def _decode_step(assets, n_adapters: int, args: argparse.Namespace) -> dict:
+def _decode_step(
+    assets, n_adapters: int, args: argparse.Namespace, kv_bytes: int | None = None
+) -> dict:
     names = list(assets.adapters)[:n_adapters]
+    kv_bytes = _kv_bytes(args) if kv_bytes is None else kv_bytes
     cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
                        max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=_kv_bytes(args), tp_size=args.tp)  # fmt: skip
+                       kv_cache_bytes=kv_bytes, tp_size=args.tp)  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         for name in names:
@@ -432,6 +646,77 @@ def _steady_decode_step(eng: LLMEngine, prompts, adapters, steps: int = 12) -> f
     for s in seqs:
         eng.abort(s)
     return statistics.median(times)
+
+
+# -- the decode step on other model families ----------------------------------------------------
+
+
+def _families(args: argparse.Namespace, report: dict) -> dict:
+    """Per family of args.family: the decode-step figures of `_decode_step` (llama's are
+    the headline's when it ran), with as many adapters as the headline uses."""
+    n = min(16, args.adapters)
+    out = {}
+    for family in args.family:
+        if family == "llama":
+            if "decode_step_overhead_vs_bytes" in report:
+                figures = {k: report[k] for k in _DECODE_KEYS}
+            else:
+                assets = cached_demo_assets(DemoSpec(num_adapters=args.adapters))
+                figures = _decode_step(assets, n, args)
+            out[family] = {"model": "demo (cluster/demo/assets.py)", **figures}
+            continue
+        model_dir = family_model_dir(family, size="demo")
+        spec = load_model_spec(model_dir)
+        with tempfile.TemporaryDirectory(prefix=f"lorafleet-bench-{family}-") as tmp:
+            assets = family_adapters(model_dir, spec, Path(tmp), n)
+            figures = _decode_step(assets, n, args, kv_bytes=_kv_bytes(args, spec))
+        out[family] = {"model": f"family_model_dir({family!r}, size='demo')", **figures}
+    return out
+
+
+_DECODE_KEYS = ("decode_step_base_s", "decode_step_16_adapters_s",
+                "decode_step_ratio_16_adapters_vs_base", "decode_bytes_ratio_16_adapters_vs_base",
+                "decode_step_overhead_vs_bytes", "decode_batch")  # fmt: skip
+
+
+def family_adapters(model_dir: Path, spec: ModelSpec, out: Path, n: int) -> DemoAssets:
+    """`n` PEFT adapters for the model at `model_dir` (shapes from `spec`), written under
+    `out` without peft: the demo's ranks, alphas and targets (cluster/demo/assets.py), A
+    [r, in] and B [out, r] per targeted module and layer, deltas of LORA_REL of the
+    weights' scale. Deterministic."""
+    shapes, seed = spec.module_shapes(), DemoSpec()  # the demo's draws: seed 0
+    adapters = {}
+    for name, r, alpha, targets, rslora in _adapter_plans(DemoSpec(num_adapters=n)):
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        tensors = {}
+        for i in range(spec.num_layers):
+            for mod in targets:
+                n_in, n_out = shapes[mod]
+                group = "mlp" if mod in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                key = f"base_model.model.model.layers.{i}.{group}.{mod}"
+                # weights of std ~1/sqrt(in): std(scaling * B @ A) = LORA_REL / sqrt(in)
+                a_std, b_std = n_in**-0.5, LORA_REL / math.sqrt(r) / scaling
+                tensors[f"{key}.lora_A.weight"] = _randn(seed, f"{name}/{key}.A", (r, n_in), a_std)
+                tensors[f"{key}.lora_B.weight"] = _randn(seed, f"{name}/{key}.B", (n_out, r), b_std)
+        path = out / name
+        path.mkdir(parents=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = _peft_config(seed, r, alpha, targets, rslora)
+        config["base_model_name_or_path"] = str(model_dir)
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        adapters[name] = path
+    return DemoAssets(out, model_dir, adapters)
+
+
+def _print_families(families: dict, args: argparse.Namespace) -> None:
+    n = min(16, args.adapters)
+    print(f"\ndecode_step_overhead_vs_bytes by family (demo size, batch {n} over {n} adapters "
+          "vs base only; ceiling 1.0; target <= 1.15):")  # fmt: skip
+    for family, r in families.items():
+        print(f"  {family:<8} {r['decode_step_overhead_vs_bytes']:.3f}  (step ratio "
+              f"{r['decode_step_ratio_16_adapters_vs_base']:.3f} vs bytes ratio "
+              f"{r['decode_bytes_ratio_16_adapters_vs_base']:.3f}; base step "
+              f"{ms(r['decode_step_base_s'], 1)} ms)")  # fmt: skip
 
 
 # -- sampling features: half the rows with penalties + logprobs vs all plain ---------------------
@@ -529,6 +814,10 @@ def _tp_comm(assets, n_adapters: int, args: argparse.Namespace) -> dict:
     try:
         for name in names:
             eng.load_adapter(name, assets.adapters[name])
+            # into its slot now: every request then prefills in one step and the measured
+            # step decodes all of them (loads landing step by step let the first requests
+            # reach max_tokens before the last one decodes)
+            eng.adapters.wait_ready(name)
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
         steps = {
@@ -572,14 +861,17 @@ def _decode_step_bytes(eng: LLMEngine, prompts, adapters) -> dict[str, int]:
 
 def _print_table(results: dict[str, RunResult]) -> None:
     cols = ("tok/s", "TTFT p50 base", "TTFT p50 lora", "E2E p95 base", "E2E p95 lora", "loads",
-            "load wait s")  # fmt: skip
+            "evictions", "load wait s", "mem rows")  # fmt: skip
     print(f"{'scenario':<24}" + "".join(f"{c:>15}" for c in cols))
     for name, r in results.items():
         s = r.summary()
+        rows = f"{r.churn.memory_rows}/{r.churn.working_set_rows}" if r.churn else "all"
         row = [f"{r.tok_per_s:.1f}", _ms(s, "ttft_base_p50_s"), _ms(s, "ttft_adapter_p50_s"),
                _ms(s, "e2e_base_p95_s"), _ms(s, "e2e_adapter_p95_s"), str(r.adapter_loads),
-               f"{r.load_wait_s:.3f}"]  # fmt: skip
+               str(r.evictions), f"{r.load_wait_s:.3f}", rows]  # fmt: skip
         print(f"{name:<24}" + "".join(f"{c:>15}" for c in row))
+    print("(mem rows: the run's adapter memory / the rows its adapters need together, "
+          "in rank rows; all: every adapter fits)")  # fmt: skip
 
 
 def _print_headline(r: dict) -> None:
@@ -591,10 +883,13 @@ def _print_headline(r: dict) -> None:
         f"~{r['speedup_ceiling_with_lora_decode']:.1f}x with LoRA decode at its measured cost; "
         "target >= 6x)"
     )
+    c, s = r["churn"], r["scenarios"]
     print(
         f"load_stall_ratio_overlap_on_vs_off       {r['load_stall_ratio_overlap_on_vs_off']:.3f} "
-        f"(ceiling 0; target <= 0.05; with a slot spare for prefetch: "
-        f"{r['load_stall_ratio_with_spare_slot']:.3f})"
+        f"(ceiling 0; target <= 0.05; with a spare max-rank block for prefetch: "
+        f"{r['load_stall_ratio_with_spare_slot']:.3f}; loads {c['load_delay_ms']:.1f} ms "
+        f"each; distinct: {s['distinct']['adapter_loads']} loads, "
+        f"{s['distinct']['evictions']} evictions)"
     )
     print(
         f"base_ttft_p50_ratio_churn_vs_base_only   "
@@ -629,10 +924,11 @@ def _print_tp_comm(c: dict) -> None:
         print(f"  per step, {label:<5} " + ", ".join(f"{k} {v:,}" for k, v in tags.items()))
 
 
-def _kv_bytes(args: argparse.Namespace) -> int:
-    spec = DemoSpec()
+def _kv_bytes(args: argparse.Namespace, spec: ModelSpec | DemoSpec | None = None) -> int:
+    spec = spec or DemoSpec()
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
-    return int(per_token * (args.prompt_len + args.output_len + 32) * args.concurrency * 1.25)
+    seqs = max(args.concurrency, min(16, args.adapters))  # a scenario's batch, a decode step's
+    return int(per_token * (args.prompt_len + args.output_len + 32) * seqs * 1.25)
 
 
 def _zipf_weights(n: int, alpha: float) -> list[float]:

@@ -1,13 +1,22 @@
-"""`lorafleet bench engine --quick`: every scenario runs and every headline figure is written."""
+"""`lorafleet bench engine --quick`: every scenario runs and every headline figure is written;
+churn runs evict; --family measures the decode step on other model families."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import pytest
 
-from cluster.bench.engine import MIXED_SAMPLING_TARGET, Workload, _mixed_sampling
+from cluster.bench.engine import (
+    CHURN_RUNS,
+    MIXED_SAMPLING_TARGET,
+    Workload,
+    _ChurnMemory,
+    _mixed_sampling,
+    _run,
+)
 from cluster.cli import main
 from replica.config import EngineConfig
 
@@ -43,12 +52,76 @@ def test_quick_run_writes_every_figure(tmp_path, capsys):
                  "distinct_spare_slot", "distinct_spare_slot_sync"):  # fmt: skip
         assert scenarios[name]["tok_per_s"] > 0
     assert scenarios["distinct"]["adapter_loads"] >= 4  # more adapters than slots: churn
+    # churn that churns: each run's adapter memory holds less than its working set
+    for name in CHURN_RUNS:
+        s = scenarios[name]
+        assert s["evictions"] > 0, name
+        assert s["adapter_memory_rows"] < s["working_set_rows"], name
+        assert s["load_delay_ms"] == report["churn"]["load_delay_ms"] > 0, name
+    assert scenarios["all_resident_uniform"]["evictions"] == 0
+    assert "load_delay_how" in report["churn"]
     assert not math.isnan(report["load_stall_ratio_overlap_on_vs_off"])
     mixed = report["mixed_sampling"]
     assert mixed["plain_tok_per_s"] > 0 and mixed["mixed_tok_per_s"] > 0
     printed = capsys.readouterr().out
     assert "speedup_vs_hf_peft" in printed and "decode_step_overhead_vs_bytes" in printed
     assert "decode_tok_per_s_ratio_mixed_vs_plain_sampling" in printed
+    assert "evictions" in printed and "every load sleeps" in printed
+    assert "families" not in report  # llama alone: the default output
+
+
+@pytest.mark.slow
+def test_quick_family_run_writes_the_decode_step_figures(tmp_path, capsys):
+    out = tmp_path / "engine-families.json"
+    assert main(["bench", "engine", "--quick", "--family", "qwen3,gemma2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "scenarios" not in report  # llama not asked for: only the families' decode step
+    assert list(report["families"]) == ["qwen3", "gemma2"]
+    for family, figures in report["families"].items():
+        for key in ("decode_step_overhead_vs_bytes", "decode_step_ratio_16_adapters_vs_base",
+                    "decode_bytes_ratio_16_adapters_vs_base"):  # fmt: skip
+            assert isinstance(figures[key], float) and figures[key] > 0, (family, key)
+        assert figures["decode_bytes_ratio_16_adapters_vs_base"] > 1  # adapters were read
+        assert figures["decode_batch"] == 8
+    printed = capsys.readouterr().out
+    assert "decode_step_overhead_vs_bytes by family" in printed
+    assert "  qwen3 " in printed and "  gemma2 " in printed
+
+
+@pytest.mark.slow
+def test_churn_without_eviction_fails_the_bench(tmp_path, capsys):
+    # a zipf steep enough that every request names the one rank-8 adapter: nothing to evict
+    out = tmp_path / "engine-zipf.json"
+    argv = ["bench", "engine", "--quick", "--scenarios", "zipf", "--zipf-alpha", "60"]
+    assert main([*argv, "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["scenarios"]["zipf"]["evictions"] == 0  # still written
+    err = capsys.readouterr().err
+    assert "churn without eviction" in err and "zipf: 0 evictions" in err
+
+
+def test_churn_memory_is_half_the_working_set_and_loads_are_delayed(tiny):
+    """tiny's 4 adapters (ranks 8, 16, 32, 64) need 8 + 16 + 32 + 64 rank rows; the churn
+    engine gets one 64-row block, so a run over all of them evicts, and with sync loading
+    every load sleeps the delay inside the step."""
+    names = list(tiny.adapters)
+    args = argparse.Namespace(memory_share=0.5, slots=2, load_delay_ms=20.0, tp=1)
+    base = dict(model=str(tiny.model_dir), device="auto", max_num_seqs=4,
+                kv_cache_bytes=1 << 20, tp_size=1)  # fmt: skip
+    pressure = _ChurnMemory(tiny, base, args)
+    prompts = [[5 + i, 9, 13 + i, 17] for i in range(8)]
+    wl = Workload("distinct", prompts, [names[i % 4] for i in range(8)], 2, 4)
+    assert pressure.top == 64 and pressure.working_set(wl) == 120 and pressure.rows(wl) == 64
+    small = Workload("small", prompts, [names[i % 2] for i in range(8)], 2, 4)
+    assert pressure.working_set(small) == 24 and pressure.rows(small) == 64  # one block least
+    config = EngineConfig(**pressure.config(wl, adapter_loading="sync"))
+    assert config.adapter_memory_bytes == pressure.churn(wl).memory_bytes
+    assert config.max_loras_per_batch == 2
+    r = _run(config, tiny, wl, pressure.churn(wl))
+    assert r.evictions > 0 and r.adapter_loads > 4  # loaded again after eviction
+    assert r.load_wait_s >= r.adapter_loads * 0.020  # each sync load slept in the step
+    summary = r.summary()
+    assert summary["adapter_memory_rows"] == 64 and summary["working_set_rows"] == 120
+    assert summary["load_delay_ms"] == 20.0
 
 
 @pytest.mark.slow
