@@ -134,24 +134,19 @@ LOAD_DELAY_HOW = (
 FAMILIES = ("llama", "qwen3", "gemma2")
 
 
-def _scenario_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a comma-separated subset of {', '.join(SCENARIOS)}"
-        )
-    return list(dict.fromkeys(names))
+def _subset_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of `choices`, in the given order."""
 
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a comma-separated subset of {', '.join(choices)}"
+            )
+        return list(dict.fromkeys(names))
 
-def _family_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a comma-separated subset of {', '.join(FAMILIES)}"
-        )
-    return list(dict.fromkeys(names))
+    return parse
 
 
 def _share(text: str) -> float:
@@ -178,7 +173,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"a rank-{LOAD_DELAY_RANK} adapter of a 7B Llama shape, "
                         f"{LOAD_DELAY_BYTES / 1e6:.0f} MB fp16, copied at "
                         f"{LOAD_DELAY_GBPS:.0f} GB/s); 0: the demo's own small loads.")  # fmt: skip
-    p.add_argument("--family", type=_family_names, default=["llama"], metavar="NAME,...",
+    p.add_argument("--family", type=_subset_of(FAMILIES), default=["llama"], metavar="NAME,...",
                    help=f"Model families, of {', '.join(FAMILIES)}: llama runs the whole "
                         "bench on the demo model; each other runs the decode-step "
                         "measurement (decode_step_overhead_vs_bytes) on a random-weight "
@@ -189,7 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="Tensor-parallel ranks of every engine (a local Ray starts for N > 1); "
                         "adds the per-step communication volume.")  # fmt: skip
-    p.add_argument("--scenarios", type=_scenario_names, default=None, metavar="NAME,...",
+    p.add_argument("--scenarios", type=_subset_of(SCENARIOS), default=None, metavar="NAME,...",
                    help=f"Run only these of {', '.join(SCENARIOS)}: their table rows, "
                         "without the ablations, the transformers + PEFT baseline and the "
                         "headline figures (which need every scenario); the --tp and GPU "
