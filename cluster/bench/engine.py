@@ -52,6 +52,7 @@ from replica.device import resolve_device, resolve_dtype
 from replica.engine.engine import LLMEngine
 from replica.engine.sequence import Sequence
 from replica.model.lora_slots import block_rows
+from replica.model.peft_config import peft_config_rank
 from replica.model.spec import ModelSpec, load_model_spec
 from replica.wire import SamplingParams
 
@@ -359,8 +360,7 @@ class _ChurnMemory:
 
 def _adapter_rank(path: Path) -> int:
     """The largest rank a PEFT adapter_config.json gives a module (r, or rank_pattern's)."""
-    config = json.loads((Path(path) / "adapter_config.json").read_text())
-    return max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
+    return peft_config_rank(json.loads((Path(path) / "adapter_config.json").read_text()))
 
 
 def _ablations(

@@ -70,6 +70,13 @@ def local_store(tiny, root: Path, **kwargs) -> AdapterStore:
     return make_store(tiny, root, resolvers=[LocalDirResolver([root])], **kwargs)
 
 
+async def refusal(store: AdapterStore, name: str) -> str:
+    """The message of the 404 resolving `name` ends in."""
+    with pytest.raises(NotFoundError) as e:
+        await store.resolve(name)
+    return e.value.message
+
+
 class KVWrites:
     """Records the checkpoint keys written and deleted."""
 
@@ -193,15 +200,10 @@ def test_resolved_adapters_meet_the_limits_of_explicit_loads(tiny, root, tmp_pat
     store = make_store(tiny, root, resolvers=[LocalDirResolver([root])], max_adapter_bytes=size)
     store.max_lora_rank = 16
 
-    async def message(name: str) -> str:
-        with pytest.raises(NotFoundError) as e:
-            await store.resolve(name)
-        return e.value.message
-
     async def main():
-        assert "outside the configured adapter roots" in await message("escape")
-        assert "max_adapter_bytes" in await message("big")
-        assert "exceeds max_lora_rank" in await message("rank32")
+        assert "outside the configured adapter roots" in await refusal(store, "escape")
+        assert "max_adapter_bytes" in await refusal(store, "big")
+        assert "exceeds max_lora_rank" in await refusal(store, "rank32")
         assert (await store.resolve("adapter-00")).rank == 8
 
     asyncio.run(main())
@@ -227,14 +229,9 @@ def test_bin_weights_meet_the_same_confinement_and_size_limits(tiny, root, tmp_p
         f.write(b"\0" * 16)
     store = local_store(tiny, root, max_adapter_bytes=size)
 
-    async def message(name: str) -> str:
-        with pytest.raises(NotFoundError) as e:
-            await store.resolve(name)
-        return e.value.message
-
     async def main():
-        assert "outside the configured adapter roots" in await message("linked")
-        assert "adapter_model.bin is" in await message("big")
+        assert "outside the configured adapter roots" in await refusal(store, "linked")
+        assert "adapter_model.bin is" in await refusal(store, "big")
         assert (await store.resolve("plain")).rank == 8
 
     asyncio.run(main())
