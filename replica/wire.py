@@ -163,6 +163,11 @@ class GenerateRequest:
     sampling: SamplingParams
     request_id: str
     timeout_s: float | None = None  # the replica aborts it after this long (status 504)
+    # who sent it (None: no tenants configured, or the admin key): the scheduler's fair
+    # share is per tenant, and the prefix cache never shares blocks across tenants
+    tenant: str | None = None
+    tenant_weight: float = 1.0  # the tenant's fair-share weight (config `weight`)
+    cache_salt: str | None = None  # vLLM's `cache_salt`: partitions the cache within a tenant
 
 
 @dataclass(frozen=True)
