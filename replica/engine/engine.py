@@ -11,7 +11,6 @@ import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,35 +21,26 @@ from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
+from replica.engine.emit import Emitter, StepOutput
+from replica.engine.limits import RequestLimits
 from replica.engine.planner import plan_batch, plan_step
-from replica.engine.prefix_cache import BASE_IDENTITY
+from replica.engine.prefix_cache import CacheIdentities
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
-from replica.engine.step_draw import Draw, StepDraw, step_draws
+from replica.engine.step_draw import StepDraw, step_draws
 from replica.engine.structured import StructuredOutputs
 from replica.engine.telemetry import Telemetry
-from replica.errors import RequestError
 from replica.executor.batch import BatchPlan
 from replica.executor.create import create_executor
 from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.sampler import Sampler
 from replica.model.spec import load_model_spec
-from replica.wire import SamplingParams, TokenLogprobs
+from replica.wire import SamplingParams
 
 __all__ = ["LLMEngine", "StepOutput"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    seq: Sequence  # one choice of a request
-    new_token: int | None  # None when it ended without a token (abort, error, max_tokens 0)
-    finished: bool
-    logprobs: TokenLogprobs | None = None  # the new token's, when the request asked
-    # choice 0's first output of a request asking for prompt logprobs: all of them
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class LLMEngine:
@@ -87,37 +77,33 @@ class LLMEngine:
         self.sampler = Sampler(self.spec.eos_token_ids)
         self.structured = StructuredOutputs(c.model, self.spec.vocab_size, self.spec.eos_token_ids)
         self.telemetry = Telemetry(self.scheduler, self.adapters)
+        self.limits = RequestLimits(
+            self.spec.vocab_size, self.max_model_len, self.adapters.is_known, self.structured
+        )
+        self.emitter = Emitter(
+            self.scheduler,
+            self.spec.eos_token_ids,
+            self.max_model_len,
+            self.executor.copy_blocks,
+            self._finish,
+        )
+        self.cache_ids = CacheIdentities(self.scheduler.prefix)
         self._arrivals = itertools.count()
-        # prefix-cache identity per adapter name: a new one for every registration, so a
-        # name registered again with other weights never hits the old version's blocks
-        self._cache_ids: dict[str, str] = {}
-        self._generations = itertools.count(1)
 
     # -- adapters and telemetry ----------------------------------------------------------------
 
     def load_adapter(self, name: str, path: str | Path) -> LoRAAdapterWeights:
         """Register a PEFT directory as `name` (validated and staged in host memory now)."""
         weights = self.adapters.register(name, path)
-        self._retire_cache_id(name)
+        self.cache_ids.retire(name)
         return weights
 
     def unload_adapter(self, name: str) -> None:
         """New requests for `name` are refused at once. Requests already queued or running
         finish on it; its weights (source, host copy, slot) go when the last one ends."""
         self.adapters.unregister(name)
-        self._retire_cache_id(name)
+        self.cache_ids.retire(name)
         self._release_unloaded()
-
-    def _retire_cache_id(self, name: str) -> None:
-        """`name`'s weights change or go: its cached prefixes are never hits again."""
-        old = self._cache_ids.pop(name, None)
-        if old is not None:
-            self.scheduler.prefix.forget(old)
-
-    def _cache_id(self, adapter: str | None) -> str:
-        if adapter is None:
-            return BASE_IDENTITY
-        return self._cache_ids.setdefault(adapter, f"{adapter}#{next(self._generations)}")
 
     def known_adapters(self) -> list[str]:
         return self.adapters.known()
@@ -143,12 +129,12 @@ class LLMEngine:
     ) -> Sequence:
         """Queue a request; returns its choice 0 (all n: `.choices`). RequestError if the
         engine cannot serve it."""
-        sampling = self._bounded(prompt_ids, sampling or SamplingParams())
+        sampling = self.limits.bounded(prompt_ids, sampling or SamplingParams())
         arrival = next(self._arrivals)
-        self._check_request(prompt_ids, sampling, adapter)
+        self.limits.check(prompt_ids, sampling, adapter)
         key = adapter if adapter is not None else (None if self.config.pin_base_slot else BASE_KEY)
         rid, prompt = request_id or f"req-{arrival}", list(prompt_ids)
-        cache_id = self._cache_id(adapter)
+        cache_id = self.cache_ids.of(adapter)
         seqs = [
             Sequence(rid, prompt, sampling, adapter, arrival, key, index=i, cache_id=cache_id)
             for i in range(sampling.n)
@@ -161,35 +147,6 @@ class LLMEngine:
         if adapter is not None:
             self.telemetry.count_lookup(adapter)
         return seqs[0]
-
-    def _bounded(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
-        """`sampling` with max_tokens None made the rest of the context (at least 1: a
-        prompt that fills it is refused by _check_request)."""
-        if sampling.max_tokens is not None:
-            return sampling
-        rest = max(1, self.max_model_len - len(prompt_ids))
-        return sampling.model_copy(update={"max_tokens": max(rest, sampling.min_tokens)})
-
-    def _check_request(
-        self, prompt_ids: list[int], sampling: SamplingParams, adapter: str | None
-    ) -> None:
-        if not prompt_ids:
-            raise RequestError("empty prompt")
-        if adapter is not None and not self.adapters.is_known(adapter):
-            raise RequestError(f"unknown adapter {adapter!r}")
-        vocab = self.spec.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token id out of range [0, {vocab})")
-        if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds the maximum model length {self.max_model_len}"
-            )
-        outside = [t for t, _ in sampling.logit_bias if t >= vocab]
-        if outside:
-            raise RequestError(f"logit_bias token id {outside[0]} out of range [0, {vocab})")
-        if sampling.structured_output is not None:
-            self.structured.grammar(sampling.structured_output)  # compiled now: 400 if bad
 
     def abort(self, seq: Sequence, reason: str = "abort") -> list[StepOutput]:
         """End a request now, every choice of it; frees their KV blocks and slot
@@ -232,8 +189,8 @@ class LLMEngine:
             stats.prompt_tokens += seq.prompt_part(n)
             seq.num_computed += n
             self.scheduler.prefix.commit(seq)
-        outputs += self._emit(draw, *draw.read(values))
-        outputs += self._end_scoring(sampled)
+        outputs += self.emitter.emit(draw, *draw.read(values))
+        outputs += self.emitter.end_scoring(sampled)
         self._release_unloaded()
         return outputs
 
@@ -270,85 +227,6 @@ class LLMEngine:
         """Structured rows' allowed tokens, filled on the host before the draw."""
         matchers = draw.matchers
         return self.structured.bitmask(matchers) if matchers else None
-
-    def _emit(
-        self,
-        draw: StepDraw,
-        tokens: list[int],
-        logprobs: list[TokenLogprobs | None],
-        prompt: list[list[TokenLogprobs]],
-    ) -> list[StepOutput]:
-        """Scored prompt positions collected; each drawn token appended to its choice;
-        new choices forked from their prefill; the choices that ended finished."""
-        for (seq, _), scored in zip(draw.scored, prompt):
-            seq.group.prompt_logprobs += scored
-        reasons = [self._append(d.seq, t, lp) for d, t, lp in zip(draw.draws, tokens, logprobs)]
-        self._fork(draw.draws, reasons)
-        outputs = []
-        for d, token, lp, reason in zip(draw.draws, tokens, logprobs, reasons):
-            if reason is not None:
-                self._finish(d.seq, reason)
-            outputs.append(
-                StepOutput(d.seq, token, reason is not None, lp, self._prompt_logprobs(d.seq))
-            )
-        return outputs
-
-    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Add a drawn token to its choice; returns why the choice ends with it, if it does."""
-        seq.output_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        p = seq.sampling
-        if seq.matcher is not None and not seq.matcher.accept_token(token):
-            seq.error = f"structured output: the grammar refused token {token}"
-            return "error"
-        if token in p.stop_token_ids:
-            seq.stop_token = token
-            return "stop"
-        if not p.ignore_eos and token in self.spec.eos_token_ids:
-            return "stop"
-        if seq.matcher is not None and seq.matcher.is_terminated():
-            return "stop"  # the grammar is complete
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _fork(self, draws: list[Draw], reasons: list[str | None]) -> None:
-        """Choices 1..n-1 drawn with their choice 0's first token: those that go on get
-        KV blocks with the prompt's K/V copied on the device (or wait to recompute)."""
-        born: dict[int, list[Sequence]] = {}
-        for d, reason in zip(draws, reasons):
-            if d.seq.unborn and reason is None:
-                born.setdefault(id(d.seq.group), []).append(d.seq)
-        for d in draws:
-            group = d.seq.group
-            if group is not None and d.seq is group.first and not group.forked:
-                src, dst = self.scheduler.fork(d.seq, born.get(id(group), []))
-                if src:
-                    self.executor.copy_blocks(src, dst)
-                group.forked = True
-
-    def _prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprobs | None, ...] | None:
-        """All of a request's prompt logprobs, with choice 0's first output after its
-        prefill (None for every other output)."""
-        group = seq.group
-        if group is None or seq is not group.first or group.prompt_logprobs is None:
-            return None
-        if group.prompt_logprobs_sent:
-            return None
-        group.prompt_logprobs_sent = True
-        return tuple(group.prompt_logprobs)
-
-    def _end_scoring(self, sampled: list[Sequence]) -> list[StepOutput]:
-        """Requests with max_tokens 0 whose prefill is done: every choice ends ("length")
-        without a token; choice 0's output carries the prompt logprobs."""
-        outputs = []
-        for seq in sampled:
-            if seq.sampling.max_tokens == 0:
-                for s in seq.choices:
-                    self._finish(s, "length")
-                    outputs.append(StepOutput(s, None, True, None, self._prompt_logprobs(s)))
-        return outputs
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -16,6 +16,7 @@ each step.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 
 from replica.engine.block_allocator import BlockAllocator
@@ -92,3 +93,24 @@ class PrefixCache:
         its requests still running cache nothing more."""
         self._retired.add(identity)
         self.allocator.forget(identity)
+
+
+class CacheIdentities:
+    """The prefix-cache identity of each adapter name: a new one for every registration,
+    so a name registered again with other weights never hits the old version's blocks."""
+
+    def __init__(self, prefix: PrefixCache) -> None:
+        self.prefix = prefix
+        self._ids: dict[str, str] = {}
+        self._generations = itertools.count(1)
+
+    def of(self, adapter: str | None) -> str:
+        if adapter is None:
+            return BASE_IDENTITY
+        return self._ids.setdefault(adapter, f"{adapter}#{next(self._generations)}")
+
+    def retire(self, name: str) -> None:
+        """`name`'s weights change or go: its cached prefixes are never hits again."""
+        old = self._ids.pop(name, None)
+        if old is not None:
+            self.prefix.forget(old)
