@@ -1,17 +1,19 @@
 """PEFT LoRA directory -> engine layout. The one conversion every adapter source uses.
 
-Engine layout: per layer, per target module, A `[rank, in]` and B `[out, rank]`, plus one
-rank and one scaling per adapter: the engine holds an adapter in `rank` arena rows and
-multiplies every module's delta by `scaling`.
+Engine layout: per layer, per target module, A `[r_m, in]` and B `[out, r_m]` at the
+module's own rank, plus one rank (the largest module's) and one scaling per adapter: the
+engine reserves `rank` arena rows for the adapter, computes each projection group at the
+largest rank of its modules (LoRAAdapterWeights.group_rank), and multiplies every
+module's delta by `scaling`.
 
 PEFT is more general: `rank_pattern` and `alpha_pattern` give a module its own rank r_m and
 alpha_m, so its own scaling s_m = alpha_m / r_m (alpha_m / sqrt(r_m) with rsLoRA). Such an
-adapter is converted exactly into the one-rank layout:
+adapter is converted exactly:
 
-- its rank is the largest module rank; a smaller module's A gets zero rows and its B zero
-  columns up to it (zeros add nothing to B·A). Memory: every module takes max-rank rows,
-  so a pattern with one rank-64 module among rank-8 ones costs as much as rank 64
-  everywhere (the arena reserves the adapter's rank for every module group anyway);
+- each module keeps its own rank: host and object-store bytes are the real ones, and a
+  group computes only as many rank rows as its largest module has (a rank-64 attention
+  with a rank-8 MLP costs rank-8 work in the MLP). The slot's arena block is sized by the
+  largest rank in every group (one row offset per slot), so device rows are not saved;
 - its scaling is the default one (lora_alpha / r) when a module uses it, else the one most
   modules use; a module whose scaling differs has the ratio folded into its B
   (B_m · s_m / scaling), in fp32 and stored back in B's dtype (one extra rounding for a
@@ -105,6 +107,13 @@ class LoRAAdapterWeights:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def group_rank(self, modules: tuple[str, ...]) -> int:
+        """The rank rows a projection group computes with: its largest module's rank, over
+        every layer (0 when the adapter targets none of `modules`)."""
+        return max(
+            (a.shape[0] for (_, m), (a, _b) in self.weights.items() if m in modules), default=0
+        )
 
     def select(self, select: SelectLoRA) -> LoRAAdapterWeights:
         """A copy keeping only the part `select` picks of each module's weights (the
@@ -308,12 +317,9 @@ def convert_peft_tensors(
     scaling = _adapter_scaling(default, [m[6] for m in modules])
 
     weights = {}
-    for layer, _module, parts, a, b, r_m, s_m in modules:
+    for layer, _module, parts, a, b, _r_m, s_m in modules:
         if s_m != scaling:  # only when modules' scalings differ (then scaling != 0)
             b = (b.to(torch.promote_types(b.dtype, torch.float32)) * (s_m / scaling)).to(b.dtype)
-        if r_m < rank:  # zero rows of A / columns of B: nothing added to B·A
-            a = torch.cat([a, a.new_zeros(rank - r_m, a.shape[1])])
-            b = torch.cat([b, b.new_zeros(b.shape[0], rank - r_m)], dim=1)
         # A fused module's delta is B·A with B's rows split among its parts: each part
         # is the exact LoRA (A, its rows of B)
         row = 0

@@ -149,28 +149,24 @@ class LoRASlotBuffers:
         r = adapter.rank
         if row0 < 0 or row0 + r > self.num_rows:
             raise ValueError(f"rows [{row0}, {row0 + r}) outside the arena's {self.num_rows}")
-        rows = slice(row0, row0 + r)
+        group_ranks = {g: adapter.group_rank(MODULE_GROUPS[g]) for g in MODULE_GROUPS}
         for layer, groups in enumerate(self.layers):
             if progress is not None:
                 progress.wait_layer(layer)
             for group, buf in groups.items():
-                a, b = self._targets[layer][group]
-                weights = [adapter.weights.get((layer, m)) for m in buf.slice_names]
-                if all(ab is None for ab in weights):
+                if not group_ranks[group]:
                     continue  # rank 0 for this group: its rows are never read
-                for j, ab in enumerate(weights):
-                    c0, c1 = buf.slice_offsets[j], buf.slice_offsets[j + 1]
-                    _fill(a[j, rows], None if ab is None else ab[0])
-                    _fill(b[rows, c0:c1], None if ab is None else ab[1].t())
+                a, b = self._targets[layer][group]
+                for j, m in enumerate(buf.slice_names):
+                    cols = slice(buf.slice_offsets[j], buf.slice_offsets[j + 1])
+                    _write_rows(a[j], b[:, cols], row0, group_ranks[group], adapter, layer, m)
         for group in self.vocab:
-            ab = adapter.weights.get((VOCAB_LAYER, group))
-            if ab is None:
+            if (VOCAB_LAYER, group) not in adapter.weights:
                 continue  # rank 0 for this group
             if progress is not None:
                 progress.wait_layer(0 if group == "embed_tokens" else len(self.layers))
             a, b = self._targets[-1][group]
-            _fill(a[0, rows], ab[0])
-            _fill(b[rows, : ab[1].shape[0]], ab[1].t())  # a TP rank's head B may be short
+            _write_rows(a[0], b, row0, None, adapter, VOCAB_LAYER, group)
 
     def activate(self, slot: int, row0: int, adapter: LoRAAdapterWeights) -> None:
         """Make written rows visible to batches as `slot` (main thread, once the copies
@@ -178,9 +174,7 @@ class LoRASlotBuffers:
         if slot == 0:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
         for group in self.groups:
-            names = MODULE_GROUPS.get(group, (group,))
-            targeted = any(n in adapter.target_modules for n in names)
-            self.table.ranks[group][slot] = adapter.rank if targeted else 0
+            self.table.ranks[group][slot] = adapter.group_rank(MODULE_GROUPS.get(group, (group,)))
         self.table.scalings[slot] = adapter.scaling
         self.table.offsets[slot] = row0
 
@@ -241,6 +235,29 @@ def _copy_target(buf: torch.Tensor) -> np.ndarray | torch.Tensor:
     if buf.device.type == "cpu" and buf.dtype != torch.bfloat16:
         return buf.numpy()
     return buf
+
+
+def _write_rows(
+    a: np.ndarray | torch.Tensor,
+    b: np.ndarray | torch.Tensor,
+    row0: int,
+    group_rank: int | None,
+    adapter: LoRAAdapterWeights,
+    layer: int,
+    module: str,
+) -> None:
+    """One module's A [rows, in] and B [rows, out] views from row0: its own rank's rows,
+    then zeros up to the group's rank (a smaller module of the group, a module the adapter
+    does not target, or a layer it skips: the group's rank rows are read in every layer,
+    and stale rows would be another adapter's weights). group_rank None: its own rows."""
+    ab = adapter.weights.get((layer, module))
+    r = 0 if ab is None else ab[0].shape[0]
+    if r:
+        _fill(a[row0 : row0 + r], ab[0])
+        _fill(b[row0 : row0 + r, : ab[1].shape[0]], ab[1].t())  # a TP head's B may be short
+    if group_rank is not None and group_rank > r:
+        _fill(a[row0 + r : row0 + group_rank], None)
+        _fill(b[row0 + r : row0 + group_rank], None)
 
 
 def _fill(dst: np.ndarray | torch.Tensor, src: torch.Tensor | None) -> None:

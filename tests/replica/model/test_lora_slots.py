@@ -125,3 +125,52 @@ def test_adapters_in_half_precision_files_load_into_fp32_slots(tiny):
             qkv = bufs.layers[layer]["qkv_proj"]
             assert torch.equal(qkv.a[0, 8:16], a.float())
             assert torch.equal(qkv.b[: b.shape[0], 8:16], b.float())
+
+
+def test_modules_are_held_at_their_own_rank_and_a_group_computes_its_largest(tiny):
+    """rank_pattern: each module's rows are its own rank's, a group's rank is its largest
+    module's (what the kernels compute), and the rows a group reads beyond a module's own
+    rank are zeros even where another adapter held them before."""
+    spec = load_model_spec(tiny.model_dir)
+    all_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    bufs = LoRASlotBuffers(spec, 2, 16, torch.device("cpu"), torch.float32)
+    bufs.write(0, adapter(spec, "before", 16, all_modules, 0))
+    q, v, down = (adapter(spec, n, r, (m,), s) for n, r, m, s in [
+        ("q", 16, "q_proj", 1), ("v", 4, "v_proj", 2), ("down", 8, "down_proj", 3)
+    ])  # fmt: skip
+    weights = q.weights | v.weights | down.weights
+    mixed = LoRAAdapterWeights("mixed", 16, 1.0, ("q_proj", "v_proj", "down_proj"), weights)
+    bufs.write(0, mixed)
+    bufs.activate(1, 0, mixed)
+    assert {g: r[1] for g, r in bufs.table.ranks.items()} == {
+        "qkv_proj": 16, "o_proj": 0, "gate_up_proj": 0, "down_proj": 8,
+    }  # fmt: skip
+    for layer, groups in enumerate(bufs.layers):
+        qkv = groups["qkv_proj"]
+        (q0, q1), (k0, k1), (v0, v1) = (qkv.slice_offsets[j : j + 2] for j in range(3))
+        a, b = weights[(layer, "q_proj")]
+        assert torch.equal(qkv.a[0, :16], a) and torch.equal(qkv.b[q0:q1, :16], b)
+        assert not qkv.a[1, :16].any() and not qkv.b[k0:k1, :16].any()
+        a, b = weights[(layer, "v_proj")]
+        assert torch.equal(qkv.a[2, :4], a) and torch.equal(qkv.b[v0:v1, :4], b)
+        assert not qkv.a[2, 4:16].any() and not qkv.b[v0:v1, 4:16].any()
+        a, b = weights[(layer, "down_proj")]
+        assert torch.equal(groups["down_proj"].a[0, :8], a)
+
+
+def test_a_layer_an_adapter_skips_reads_zeros_not_the_previous_occupant(tiny):
+    """layers_to_transform: the group's rank rows are read in every layer, so a layer the
+    adapter has no weights for must hold zeros there, not the rows' previous adapter."""
+    spec = load_model_spec(tiny.model_dir)
+    bufs = LoRASlotBuffers(spec, 2, 8, torch.device("cpu"), torch.float32)
+    bufs.write(0, adapter(spec, "before", 8, ("q_proj", "down_proj"), 0))
+    full = adapter(spec, "later", 8, ("q_proj",), 1)
+    last = spec.num_layers - 1
+    only_last = {k: w for k, w in full.weights.items() if k[0] == last}
+    bufs.write(0, LoRAAdapterWeights("later", 8, 1.0, ("q_proj",), only_last))
+    for layer, groups in enumerate(bufs.layers):
+        qkv = groups["qkv_proj"]
+        if layer == last:
+            assert torch.equal(qkv.a[0, :8], full.weights[(layer, "q_proj")][0])
+        else:
+            assert not qkv.a[:, :8].any() and not qkv.b[:, :8].any()
