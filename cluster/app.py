@@ -1,7 +1,8 @@
 """build_app: the import_path of lorafleet's Serve configs (`cluster.app:build_app`).
 
 Wires three deployments: the AdapterStore (one replica), the LoRAReplica engines
-(routed by AdapterAffinityRouter or Serve's default) and the HTTP Ingress.
+(routed by AdapterAffinityRouter or Serve's default) and the HTTP Ingress; with tenants, a
+fourth: the TenantLedger (one replica: the quotas and usage every Ingress replica shares).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from replica.config import EngineConfig
 from replica.serve.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter
 from router.ingress import Ingress
+from router.ledger import TenantLedger
 from router.options import IngressOptions
+from router.tenancy import ledger_args
 
 # Serve's default max_ongoing_requests is 5 per replica. The Ingress and the AdapterStore
 # only await other actors, so 5 would cap the whole application at 5 requests in flight
@@ -78,15 +81,22 @@ def build_app(args: dict[str, Any]) -> Application:
         max_queued_requests=config.max_queued_requests,
         **replica_resources(engine),
     ).bind(engine.model_dump(), store)
+    options = IngressOptions(**config.model_dump(include=set(IngressOptions.model_fields)))
+    ledger = None
+    if options.tenants:
+        ledger = (
+            serve.deployment(TenantLedger)
+            .options(
+                name="TenantLedger",
+                num_replicas=1,
+                max_ongoing_requests=STORE_MAX_ONGOING_REQUESTS,
+                ray_actor_options={"num_cpus": 0},
+            )
+            .bind(*ledger_args(options))
+        )
     return Ingress.options(
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
-    ).bind(
-        replicas,
-        store,
-        engine.model,
-        config.served_model_name,
-        IngressOptions(**config.model_dump(include=set(IngressOptions.model_fields))),
-    )
+    ).bind(replicas, store, engine.model, config.served_model_name, options, ledger)
 
 
 def replica_resources(engine: EngineConfig) -> dict[str, Any]:

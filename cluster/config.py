@@ -124,7 +124,8 @@ class AppConfig(IngressOptions):
         return self
 
     def resolved(self) -> AppConfig:
-        """'demo' replaced by built (cached) demo assets; names and paths made explicit."""
+        """'demo' replaced by built (cached) demo assets; names and paths made explicit;
+        the engine's scheduling vtc when unset and tenants are configured."""
         engine, adapters, roots = self.engine, self.adapters, list(self.adapter_roots)
         for demo in sorted({v for v in (engine.model, adapters) if isinstance(v, str)} & {*DEMOS}):
             assets = _demo_assets(demo, self.demo_adapters)
@@ -133,6 +134,8 @@ class AppConfig(IngressOptions):
             if adapters == demo:
                 adapters = {n: str(p) for n, p in assets.adapters.items()}
                 roots.append(str(assets.root / "adapters"))
+        if self.tenants and engine.scheduling is None:  # fair share between tenants
+            engine = engine.model_copy(update={"scheduling": "vtc"})
         default_name = "demo-base" if self.engine.model in DEMOS else Path(engine.model).name
         name = self.served_model_name or default_name
         return self.model_copy(

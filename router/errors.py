@@ -11,6 +11,8 @@ from __future__ import annotations
 class APIError(Exception):
     status = 500
     headers: dict[str, str] | None = None  # extra response headers (Retry-After, ...)
+    type: str | None = None  # OpenAI's error.type, when not the status's usual one
+    code: str | None = None  # OpenAI's error.code, when not the status
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -20,6 +22,10 @@ class APIError(Exception):
 
 class BadRequestError(APIError):
     status = 400
+
+
+class ForbiddenError(APIError):
+    status = 403
 
 
 class NotFoundError(APIError):

@@ -88,6 +88,61 @@ class IngressMetrics:
             self.e2e.observe(e2e_s, tags={"kind": kind})
 
 
+class LabelCap:
+    """Bounds a label's values: those in `named` (the first `limit` of them) and, with
+    `first_seen`, the first values seen up to `limit` keep their name; the rest are
+    `other`, so a label never has more than limit + 1 values."""
+
+    OTHER = "other"
+
+    def __init__(self, named: Iterable[str], limit: int, first_seen: bool = False) -> None:
+        self.limit, self.first_seen = limit, first_seen
+        self.kept = set(list(named)[:limit])
+
+    def __call__(self, value: str) -> str:
+        if value in self.kept:
+            return value
+        if self.first_seen and len(self.kept) < self.limit:
+            self.kept.add(value)
+            return value
+        return self.OTHER
+
+
+class TenantMetrics:
+    """Per tenant and adapter (the model a request named): requests, prompt, cached and
+    completion tokens, and refusals by rate limit. Labels bounded by LabelCap: tenants in
+    config order, adapters as first seen by this ingress replica."""
+
+    USAGE = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+
+    def __init__(self, tenants: list[str], labels: int) -> None:
+        self.tenant_label = LabelCap(tenants, labels)
+        self.adapter_label = LabelCap((), labels, first_seen=True)
+        self.counters = {
+            name: Counter(
+                f"lorafleet_tenant_{name}",
+                f"Generation {name.replace('_', ' ')} by tenant and model (as the responses' "
+                "usage counts them).",
+                tag_keys=("tenant", "model"),
+            )
+            for name in self.USAGE
+        }
+        self.rate_limited = Counter(
+            "lorafleet_tenant_rate_limited",
+            "Requests refused with 429 by a tenant's limit, by which (requests or tokens).",
+            tag_keys=("tenant", "limit"),
+        )
+
+    def record(self, tenant: str, model: str, counts: dict[str, int]) -> None:
+        tags = {"tenant": self.tenant_label(tenant), "model": self.adapter_label(model)}
+        for name, counter in self.counters.items():
+            if counts.get(name):
+                counter.inc(counts[name], tags=tags)
+
+    def refused(self, tenant: str, limit: str) -> None:
+        self.rate_limited.inc(tags={"tenant": self.tenant_label(tenant), "limit": limit})
+
+
 def filter_metrics(pages: Iterable[str], prefix: str = PREFIX) -> str:
     """The metric families of Prometheus text `pages` whose names start with `prefix`, merged
     into one exposition: each family's HELP and TYPE once, then its samples from every page

@@ -3,7 +3,62 @@ inherits these fields, so a Serve config sets them at the top of its `args:`).""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class TenantConfig(BaseModel):
+    """One customer: its keys, what it may see and call, its share and its limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="The tenant's name (metrics, usage, logs).")
+    key_sha256: list[str] = Field(
+        default_factory=list,
+        description="SHA-256 hex digests of the tenant's bearer keys (the config holds no "
+        "secret): `printf %s KEY | sha256sum`.",
+    )
+    key_env: str | None = Field(
+        None,
+        min_length=1,
+        description="An environment variable of the Ingress's process holding one more key.",
+    )
+    adapters: list[str] = Field(
+        default_factory=list,
+        description="fnmatch globs of the adapter names the tenant may call, list, resolve "
+        "and (with manage_adapters) load and unload; anything else is an unknown name.",
+    )
+    base_model: bool = Field(False, description="May call and see the base model.")
+    weight: float = Field(1.0, gt=0, description="Fair-share weight in the replicas' scheduler.")
+    requests_per_minute: int | None = Field(None, ge=1, description="Request limit.")
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Token limit: prompt + max_tokens charged, refunded to actual."
+    )
+    manage_adapters: bool = Field(
+        False, description="May load and unload adapters whose names match `adapters`."
+    )
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _digests(cls, digests: list[str]) -> list[str]:
+        lowered = [d.lower() for d in digests]
+        bad = [d for d in lowered if not _SHA256_HEX.fullmatch(d)]
+        if bad:
+            raise ValueError(f"not a SHA-256 hex digest (64 hex digits): {bad[0]!r}")
+        return lowered
+
+    @model_validator(mode="after")
+    def _has_a_key(self) -> TenantConfig:
+        if not self.key_sha256 and self.key_env is None:
+            raise ValueError(f"tenant {self.name!r}: needs key_sha256 or key_env")
+        return self
+
+    @property
+    def limited(self) -> bool:
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None
 
 
 class IngressOptions(BaseModel):
@@ -32,3 +87,35 @@ class IngressOptions(BaseModel):
     api_key_for_inference: bool = Field(
         False, description="Require the key on the inference endpoints and /v1/models too."
     )
+    tenants: list[TenantConfig] = Field(
+        default_factory=list,
+        description="Customers, each with its keys and adapter scope; with any, every "
+        "endpoint but /health and /metrics needs a tenant's key or the admin key.",
+    )
+    rate_limit_window_s: float = Field(
+        60.0,
+        gt=0,
+        description="The window of requests_per_minute and tokens_per_minute (a bucket "
+        "refills fully in this long); other than 60 only for tests.",
+    )
+    tenant_metric_labels: int = Field(
+        20,
+        ge=0,
+        description="Tenants (the first this many of `tenants`) and adapters (the first this "
+        "many seen) named in the per-tenant metrics' labels; the rest are 'other'.",
+    )
+
+    @field_validator("tenants")
+    @classmethod
+    def _unique(cls, tenants: list[TenantConfig]) -> list[TenantConfig]:
+        names = [t.name for t in tenants]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"tenant names must be unique: {', '.join(dupes)}")
+        digests = [d for t in tenants for d in t.key_sha256]
+        if len(set(digests)) != len(digests):
+            raise ValueError("a key_sha256 digest is listed for two tenants (or twice)")
+        return tenants
+
+    @property
+    def rate_limited(self) -> bool:
+        return any(t.limited for t in self.tenants)

@@ -164,6 +164,12 @@ class _SamplingRequest(BaseModel):
     user: str | None = Field(
         None, description="Your end-user id: logged with the request, not used otherwise."
     )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM extension: requests share cached prompt prefixes only with "
+        "requests of the same salt (and tenant).",
+    )
     skip_special_tokens: bool | None = Field(
         None, description="vLLM extension: leave special tokens out of the text (default true)."
     )
@@ -672,11 +678,16 @@ _ERROR_TYPES = {
 
 
 def error_body(
-    status: int, message: str, type_: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    type_: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of an error answer; `type_` defaults from the HTTP status."""
+    """The JSON body of an error answer; `type_` defaults from the HTTP status, `code` to
+    the status."""
     if type_ is None:
         default = "invalid_request_error" if status < 500 else "internal_error"
         type_ = _ERROR_TYPES.get(status, default)
-    info = ErrorInfo(message=message, type=type_, param=param, code=status)
+    info = ErrorInfo(message=message, type=type_, param=param, code=code or status)
     return ErrorResponse(error=info).model_dump()

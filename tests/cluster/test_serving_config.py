@@ -246,3 +246,18 @@ def test_a_failed_start_is_one_line_with_its_cause_and_the_logs(monkeypatch):
     app.deployments["LoRAReplica"].status = "DEPLOY_FAILED"
     with pytest.raises(serving.ServeConfigError, match="LoRAReplica failed to start: Model"):
         serving.wait_until_running(["lorafleet"], timeout_s=5)  # Serve's own verdict
+
+
+def test_tenants_add_the_shared_ledger_and_default_to_fair_share(tiny):
+    engine = {"model": str(tiny.model_dir)}
+    plain = build_app({"engine": engine})._bound_deployment
+    assert plain.init_args[5] is None  # no tenants: no ledger, the engine's default order
+    assert plain.init_args[0]._bound_deployment.init_args[0]["scheduling"] is None
+    tenant = {"name": "t", "key_sha256": ["0" * 64], "requests_per_minute": 5}
+    ingress = build_app({"engine": engine, "tenants": [tenant]})._bound_deployment
+    ledger = ingress.init_args[5]._bound_deployment
+    assert ledger.name == "TenantLedger" and ledger.init_args == ({"t": (5, None)}, 60.0)
+    assert ingress.init_args[0]._bound_deployment.init_args[0]["scheduling"] == "vtc"
+    chosen = build_app({"engine": {**engine, "scheduling": "fcfs"}, "tenants": [tenant]})
+    replica = chosen._bound_deployment.init_args[0]._bound_deployment
+    assert replica.init_args[0]["scheduling"] == "fcfs"

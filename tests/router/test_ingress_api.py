@@ -148,7 +148,7 @@ class FakeReplicas:
 def ingress_class() -> type:
     """The Ingress class as written (serve.deployment wraps it in a Deployment)."""
     mro = ingress.Ingress.func_or_class.__mro__
-    return next(c for c in mro if "_authorize" in vars(c))
+    return next(c for c in mro if "completions" in vars(c))
 
 
 @contextlib.contextmanager
@@ -156,12 +156,19 @@ def ingress_client(
     model_dir: str,
     store: FakeStore | None = None,
     replicas: FakeReplicas | None = None,
+    ledger: Any = None,
     **options: Any,
 ) -> Iterator[tuple[TestClient, Any]]:
     """A TestClient on the ingress's app, its routes bound to a fresh Ingress object (as
-    Serve binds them to the replica's), and that object."""
+    Serve binds them to the replica's), and that object. `ledger`: a TenantLedger handle
+    to share (default: the Ingress makes its own when tenants are configured)."""
     obj = ingress_class()(
-        replicas or FakeReplicas(), store or FakeStore(), model_dir, BASE, IngressOptions(**options)
+        replicas or FakeReplicas(),
+        store or FakeStore(),
+        model_dir,
+        BASE,
+        IngressOptions(**options),
+        ledger,
     )
     context = SimpleNamespace(servable_object=obj)
     with pytest.MonkeyPatch.context() as mp:

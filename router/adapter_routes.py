@@ -1,0 +1,149 @@
+"""The ingress's model catalogue: which models a caller sees (/v1/models), what a request's
+`model` names (resolved through the AdapterStore, its resolvers included), and vLLM's
+load/unload endpoints. A tenant's scope filters every one of them alike: a name outside
+it is answered exactly as a name that does not exist, and is never sent to a resolver."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi.responses import Response
+
+from replica.wire import AdapterKey
+from router import protocol as p
+from router.errors import BadRequestError, ForbiddenError, GatewayTimeoutError, NotFoundError
+from router.http_app import AUTHORIZATION, app, refuse_invalid_unicode
+from router.tenancy import Caller, Tenancy, unknown_model
+
+
+class AdapterRoutes:
+    """Mixed into Ingress (Serve's class-based views take routes from every base class);
+    Ingress.__init__ sets what these methods read."""
+
+    store: Any  # the AdapterStore's handle
+    model_name: str
+    model_dir: str
+    created: int
+    options: Any  # IngressOptions
+    tenancy: Tenancy
+    # the store's last listing (tag, AdapterInfos) and the /v1/models body rendered from
+    # it per scope (a tenant's name; None: everything)
+    _listing: tuple[Any, list[Any]] | None = None
+    _models_bodies: dict[str | None, bytes]
+
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def models(self, authorization: str | None = AUTHORIZATION) -> Response:
+        """The base model and every adapter the caller may use. Each body is rendered once
+        per registry change (the store's listing tag) and kept: with thousands of adapters
+        a GET costs one small store call, not a list pickled, validated and rendered."""
+        caller = self.tenancy.identify(authorization)
+        known = self._listing[0] if self._listing is not None else None
+        tag, infos = await self.store.listing.remote(known)
+        if infos is not None or self._listing is None:
+            self._listing, self._models_bodies = (tag, list(infos or ())), {}
+        body = self._models_bodies.get(caller.name)
+        if body is None:
+            base = [self._base_card()] if caller.may_use(self.model_name, self.model_name) else []
+            cards = [
+                self._adapter_card(info)
+                for info in self._listing[1]
+                if caller.may_use(info.name, self.model_name)
+            ]
+            body = p.ModelList(data=[*base, *cards]).model_dump_json().encode()
+            self._models_bodies[caller.name] = body
+        return Response(body, media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, authorization: str | None = AUTHORIZATION) -> p.ModelCard:
+        """One ModelCard: the base model's or an adapter's (ids may hold slashes)."""
+        caller = self.tenancy.identify(authorization)
+        if not caller.may_use(model_id, self.model_name):
+            raise unknown_model(model_id)
+        if model_id == self.model_name:
+            return self._base_card()
+        return self._adapter_card(await self._adapter_info(model_id, caller))
+
+    def _base_card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.model_name, created=self.created, root=self.model_dir)
+
+    def _adapter_card(self, info: Any) -> p.ModelCard:
+        """An AdapterInfo as a ModelCard."""
+        return p.ModelCard(
+            id=info.name, created=info.created, root=info.path, parent=self.model_name
+        )
+
+    # -- adapters (vLLM's endpoints) -----------------------------------------------------------
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(
+        self, body: p.LoadLoRAAdapterRequest, authorization: str | None = AUTHORIZATION
+    ) -> dict[str, Any]:
+        caller = self.tenancy.manager(authorization)
+        refuse_invalid_unicode(body)
+        if body.lora_name == self.model_name:
+            raise BadRequestError(f"{body.lora_name!r} is the base model's name", "lora_name")
+        if not caller.may_use(body.lora_name, self.model_name):
+            patterns = ", ".join(caller.tenant.adapters) if caller.tenant else ""
+            raise ForbiddenError(
+                f"tenant {caller.name!r} may load only adapters named like {patterns or '(none)'}",
+                "lora_name",
+            )
+        info = await self.store.register.remote(body.lora_name, body.lora_path, body.load_inplace)
+        return {"status": "ok", "lora_name": info.name, "version": info.version}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(
+        self, body: p.UnloadLoRAAdapterRequest, authorization: str | None = AUTHORIZATION
+    ) -> dict[str, Any]:
+        caller = self.tenancy.manager(authorization)
+        refuse_invalid_unicode(body)
+        if not caller.may_use(body.lora_name, self.model_name):
+            raise unknown_model(body.lora_name)
+        try:
+            info = await self.store.unregister.remote(body.lora_name)
+        except NotFoundError:
+            if caller.tenant is None:
+                raise
+            raise unknown_model(body.lora_name) from None
+        return {"status": "ok", "lora_name": info.name}
+
+    # -- resolution ----------------------------------------------------------------------------
+
+    async def _resolve(
+        self, model: str, caller: Caller, deadline: float | None = None
+    ) -> AdapterKey | None:
+        """The adapter version `model` names; None for the base model."""
+        if not caller.may_use(model, self.model_name):
+            raise unknown_model(model)
+        if model == self.model_name:
+            return None
+        info = await self._adapter_info(model, caller, deadline)
+        return AdapterKey(info.name, info.version)
+
+    async def _adapter_info(self, model: str, caller: Caller, deadline: float | None = None) -> Any:
+        """The store's AdapterInfo of `model`. The store may have to find and load it first
+        (adapter_resolvers): that wait ends at `deadline` (perf_counter; default: the
+        request time limit from now)."""
+        if deadline is None:
+            deadline = time.perf_counter() + self.options.request_timeout_s
+        try:
+            return await asyncio.wait_for(
+                self.store.resolve.remote(model), max(0.0, deadline - time.perf_counter())
+            )
+        except NotFoundError as e:
+            if caller.tenant is not None:  # the same bytes as a name out of its scope
+                raise unknown_model(model) from None
+            # the store's reason, not the whole list: with thousands of adapters every 404
+            # would carry it
+            raise NotFoundError(
+                f"model {model!r} does not exist ({e.message}); GET /v1/models lists the "
+                "available ones",
+                "model",
+            ) from None
+        except asyncio.TimeoutError:
+            raise GatewayTimeoutError(
+                f"model {model!r}: finding and loading the adapter took longer than the "
+                "request's time limit"
+            ) from None
