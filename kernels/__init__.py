@@ -9,6 +9,9 @@
     b = lora_b_buffer(out, rows, device, dtype)      # a B arena, the fastest layout
     o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                block_size, scale, sliding_window, soft_cap=cap)  # [D, H, hd]
+    plan = make_expert_plan(topk_ids, num_experts, seg)  # MoE pairs sorted by expert
+    y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
+    eseg = expert_segments(plan, seg, rows_per_expert)  # expert LoRA as lora_shrink/expand
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -37,6 +40,7 @@ import torch
 
 from kernels.backend import backend_for, force_backend, forced_backend, implementation
 from kernels.lora_embedding import lora_embedding_shrink as _embedding_shrink
+from kernels.moe_plan import ExpertPlan, expert_segments, make_expert_plan
 from kernels.segments import SegmentInfo, make_segment_info, make_segment_infos
 
 __all__ = [
@@ -52,6 +56,10 @@ __all__ = [
     "lora_a_buffer",
     "lora_b_buffer",
     "paged_decode_attention",
+    "ExpertPlan",
+    "make_expert_plan",
+    "expert_segments",
+    "moe_grouped_gemm",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -249,6 +257,43 @@ def _check_expand(
     if not (y.device == inter.device == b.device):
         raise ValueError(f"lora_expand: y on {y.device}, inter on {inter.device}, b on {b.device}")
     _check_seg(seg, y.device)
+
+
+def moe_grouped_gemm(
+    x: torch.Tensor,  # [P, K]: the plan's pairs' inputs in sorted order
+    w: torch.Tensor,  # [E, N, K]: stacked expert weights, unit stride along K
+    plan: ExpertPlan,
+) -> torch.Tensor:  # [P, N], x.dtype
+    """Semantics, for each expert e and sorted row i in
+    [plan.expert_indptr[e], plan.expert_indptr[e+1]):
+
+        out[i] = x[i].float() @ w[e].float()ᵀ   rounded once into x.dtype
+
+    The rows arrive sorted by expert (make_expert_plan), so each expert's weights are read
+    once for all its rows (a grouped GEMM: vLLM's fused_moe groups the same way). Experts
+    with no rows are never read. No backend reads a device value for graph-safe plans
+    (the Triton grid is sized from host ints: E, plan.max_rows, N). Expert LoRA rides on
+    the same sort: `expert_segments` turns the plan into a SegmentInfo over (adapter,
+    expert) groups for lora_shrink / lora_expand on expert arenas. See
+    kernels.moe_reference.moe_grouped_gemm_reference.
+    """
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"moe_grouped_gemm: x {tuple(x.shape)} must be [P, K], w {tuple(w.shape)} [E, N, K]"
+        )
+    if x.shape[0] != plan.num_pairs or w.shape[0] != plan.num_experts:
+        raise ValueError(
+            f"moe_grouped_gemm: x has {x.shape[0]} rows and w {w.shape[0]} experts; the plan "
+            f"{plan.num_pairs} pairs of {plan.num_experts} experts"
+        )
+    if x.dtype not in _DTYPES or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(
+            f"moe_grouped_gemm: x {x.dtype} on {x.device} and w {w.dtype} on {w.device} must "
+            f"share one of {_DTYPES} and a device"
+        )
+    if x.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError("moe_grouped_gemm: x and w need unit stride along K")
+    return implementation(x, "moe").moe_grouped_gemm(x, w, plan)
 
 
 def paged_decode_attention(

@@ -4,7 +4,9 @@ transformers supplies nothing here: weights come from safetensors, the forward i
 One forward runs a flattened batch of variable-length sequences, prefill and decode
 mixed, over the engine's paged KV cache. What differs between families (norm style and
 count, q/k norms, attention scale and soft-caps, sliding layers and their rope, MLP
-activation, embedding scale) is a field of ModelSpec (model/spec.py), chosen once at load.
+activation, embedding scale, a sparse layer's experts) is a field of ModelSpec
+(model/spec.py), chosen once at load. A layer's MLP is dense (DenseMLP) or a mixture of
+experts (model/moe.py's SparseMoE); both take the same inputs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from replica.model.kv_cache import KVCache
 from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.moe import SparseMoE
 from replica.model.rope import RotaryEmbedding
 from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
 from replica.model.tp_layers import TPRank
@@ -62,6 +65,27 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return F.silu
 
 
+class DenseMLP:
+    """down(act(gate(x)) · up(x)), gate and up as one fused projection, each with LoRA."""
+
+    def __init__(
+        self,
+        gate_up: LoRALinear,
+        down: LoRALinear,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.gate_up_proj, self.down_proj, self.act = gate_up, down, act
+
+    def weights(self) -> list[torch.Tensor]:
+        return [self.gate_up_proj.weight, self.down_proj.weight]
+
+    def __call__(
+        self, x: torch.Tensor, lora: dict[str, SegmentInfo], ws: LoRAWorkspace | None
+    ) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora["gate_up_proj"], ws).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up, lora["down_proj"], ws)
+
+
 class DecoderLayer:
     def __init__(
         self,
@@ -89,18 +113,25 @@ class DecoderLayer:
         if spec.qkv_bias:
             qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
                                proj("v_proj", "bias")])  # fmt: skip
-        gate_up_w = torch.cat([proj("gate_proj"), proj("up_proj")])
         bufs = lora.layers[index] if lora is not None else {}
         self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
-        self.gate_up_proj = LoRALinear(gate_up_w, None, bufs.get("gate_up_proj"))
-        o_w, down_w = proj("o_proj"), proj("down_proj")
+        o_w = proj("o_proj")
         if tp is None:
             self.o_proj = LoRALinear(o_w, None, bufs.get("o_proj"))
-            self.down_proj = LoRALinear(down_w, None, bufs.get("down_proj"))
         else:  # input-split: partial outputs summed across ranks
             self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"))
-            self.down_proj = tp.row_linear(down_w, bufs.get("down_proj"))
-        self.act = _activation(spec.hidden_act)
+        act = _activation(spec.hidden_act)
+        self.mlp: DenseMLP | SparseMoE
+        if spec.is_sparse(index):
+            self.mlp = SparseMoE(spec, layout, index, bufs, act, device, dtype, tp)
+        else:
+            gate_up_w, down_w = torch.cat([proj("gate_proj"), proj("up_proj")]), proj("down_proj")
+            gate_up = LoRALinear(gate_up_w, None, bufs.get("gate_up_proj"))
+            if tp is None:
+                down = LoRALinear(down_w, None, bufs.get("down_proj"))
+            else:
+                down = tp.row_linear(down_w, bufs.get("down_proj"))
+            self.mlp = DenseMLP(gate_up, down, act)
         h = spec.hidden_size
         self.input_norm = norm("input_layernorm.weight", h)
         self.q_norm = self.k_norm = self.post_attn_out_norm = self.post_mlp_norm = None
@@ -118,8 +149,8 @@ class DecoderLayer:
         """Every tensor a step reads in full (bench: bytes per decode step)."""
         norms = (self.input_norm, self.q_norm, self.k_norm, self.post_attn_out_norm,
                  self.pre_mlp_norm, self.post_mlp_norm)  # fmt: skip
-        return [self.qkv_proj.weight, self.o_proj.weight, self.gate_up_proj.weight,
-                self.down_proj.weight] + [n.weight for n in norms if n is not None]  # fmt: skip
+        return ([self.qkv_proj.weight, self.o_proj.weight] + self.mlp.weights()
+                + [n.weight for n in norms if n is not None])  # fmt: skip
 
     def __call__(
         self,
@@ -146,9 +177,7 @@ class DecoderLayer:
         if self.post_attn_out_norm is not None:
             out = self.post_attn_out_norm(out)
         x = x + out
-        gate_up = self.gate_up_proj(self.pre_mlp_norm(x), batch.lora["gate_up_proj"], ws)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = self.down_proj(self.act(gate) * up, batch.lora["down_proj"], ws)
+        out = self.mlp(self.pre_mlp_norm(x), batch.lora, ws)
         if self.post_mlp_norm is not None:
             out = self.post_mlp_norm(out)
         return x + out

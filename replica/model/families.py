@@ -53,6 +53,7 @@ CONFIG_DEFAULTS: dict[str, Config] = {
     "gemma3": GEMMA3_TEXT_DEFAULTS,
     "gemma3_text": GEMMA3_TEXT_DEFAULTS,
     "phi3": {"original_max_position_embeddings": 4096},
+    "qwen3_moe": {"decoder_sparse_step": 1, "norm_topk_prob": False},
 }
 # Where a multimodal Gemma 3 checkpoint keeps its language model: transformers 5 saves
 # model.language_model.*, the Hub's 4.x-era files hold language_model.model.*.
@@ -139,6 +140,50 @@ def _phi3(cfg: Config, source: str) -> FamilyFields:
     }
 
 
+def _mixtral(cfg: Config, source: str) -> FamilyFields:
+    # softmax over every expert, top-k, renormalised; every layer sparse; Mistral's window
+    return {
+        **_mistral(cfg, source),
+        **_experts(cfg, source, "intermediate_size"),
+        "moe_block": "block_sparse_moe",
+        "expert_names": ("w1", "w3", "w2"),
+    }
+
+
+def _qwen3_moe(cfg: Config, source: str) -> FamilyFields:
+    # Qwen3's attention; experts on layers (i+1) % decoder_sparse_step == 0 outside
+    # mlp_only_layers, the rest dense (intermediate_size); renormalised if norm_topk_prob
+    fields = {
+        **_qwen3(cfg, source),
+        **_experts(cfg, source, "moe_intermediate_size"),
+    }
+    if not fields["num_experts"]:
+        return _qwen3(cfg, source)
+    step = int(cfg.get("decoder_sparse_step", 1))
+    only = cfg.get("mlp_only_layers") or []
+    if step < 1 or not isinstance(only, list):
+        raise ModelConfigError(
+            f"{source}: decoder_sparse_step={step!r} must be >= 1 and mlp_only_layers "
+            f"={only!r} a list of layers"
+        )
+    dense = tuple(i for i in _layers(cfg) if i in only or (i + 1) % step)
+    return {**fields, "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "dense_layers": dense}  # fmt: skip
+
+
+def _experts(cfg: Config, source: str, size_key: str) -> FamilyFields:
+    # the Hub's Qwen3-MoE configs say num_experts, transformers 5 saves num_local_experts
+    experts = cfg.get("num_local_experts", cfg.get("num_experts")) or 0
+    try:
+        experts, k = int(experts), int(cfg["num_experts_per_tok"])
+        size = int(cfg[size_key])
+    except KeyError as e:
+        raise ModelConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+    if cfg.get("n_shared_experts") or cfg.get("shared_expert_intermediate_size"):
+        raise ModelConfigError(f"{source}: shared experts are not supported")
+    return {"num_experts": experts, "num_experts_per_tok": k, "moe_intermediate_size": size}
+
+
 FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -148,6 +193,8 @@ FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
     "gemma3": _gemma3,
     "gemma3_text": _gemma3,
     "phi3": _phi3,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
 }
 
 

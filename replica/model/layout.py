@@ -4,6 +4,8 @@ The decoder asks for a projection by its module name (q_proj, gate_proj, ...); t
 knows the checkpoint's prefix (model., or a multimodal checkpoint's language model) and
 whether the module is stored alone or as rows of a fused tensor (Phi-3's qkv_proj and
 gate_up_proj), and under tensor parallelism reads only the rows or columns the rank holds.
+A sparse layer's router and experts are read from the Hub's per-expert keys
+(`<moe_block>.gate.weight`, `<moe_block>.experts.{e}.<gate|up|down>.weight`) and stacked.
 """
 
 from __future__ import annotations
@@ -49,6 +51,29 @@ class CheckpointLayout:
         if kind == "weight" and cols != (0, in_f):
             return self.ckpt.get_part(name, shape, 1, *cols)
         return self.ckpt.get(name, shape)
+
+    def router(self, layer: int) -> torch.Tensor:
+        """The router of sparse layer `layer`: [num_experts, hidden], whole on every rank."""
+        s = self.spec
+        name = f"{self.prefix}layers.{layer}.{s.moe_block}.gate.weight"
+        return self.ckpt.get(name, (s.num_experts, s.hidden_size))
+
+    def experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts of sparse layer `layer`, stacked: gate and up rows
+        [E, 2·I_rank, hidden] (each expert's gate rows, then its up rows), down
+        [E, hidden, I_rank]; I_rank = this rank's columns of moe_intermediate_size."""
+        s = self.spec
+        h, i = s.hidden_size, s.moe_intermediate_size
+        lo, hi = (0, i) if self.shard is None else self.shard.expert_range
+        where = f"{self.prefix}layers.{layer}.{s.moe_block}.experts"
+        gate, up, down = s.expert_names
+        gate_up, downs = [], []
+        for e in range(s.num_experts):
+            parts = [self.ckpt.get_part(f"{where}.{e}.{m}.weight", (i, h), 0, lo, hi)
+                     for m in (gate, up)]  # fmt: skip
+            gate_up.append(torch.cat(parts))
+            downs.append(self.ckpt.get_part(f"{where}.{e}.{down}.weight", (h, i), 1, lo, hi))
+        return torch.stack(gate_up), torch.stack(downs)
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""

@@ -21,6 +21,13 @@ MODULE_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+# A sparse layer's expert groups (replica/model/moe.py): one adapter's rows of expert e
+# sit in expert e's block of rows of these arenas ([num_slices, E * rows, in], [out, E *
+# rows]); the slices are the experts' gate/up and down projections.
+EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
+    "experts_gate_up": ("expert_gate_proj", "expert_up_proj"),
+    "experts_down": ("expert_down_proj",),
+}
 # The vocabulary modules, model-level groups of one slice (with engine.lora_embeddings):
 # the embedding's A is read by token id (kernels.lora_embedding_shrink), the head's rows
 # are the logit rows.

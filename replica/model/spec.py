@@ -1,10 +1,11 @@
 """The model's shape and its family's differences, read once from a Hugging Face config.json.
 
 One decoder (model/decoder.py) serves every family; what differs between Llama, Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 is data on ModelSpec, filled in by
-model/families.py from the config: norm style and count, q/k norms, attention scale and
-soft-caps, which layers slide and their rope, fused checkpoint projections, the MLP's
-activation, the embedding scale.
+Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE is data on ModelSpec, filled
+in by model/families.py from the config: norm style and count, q/k norms, attention scale
+and soft-caps, which layers slide and their rope, fused checkpoint projections, the MLP's
+activation, the embedding scale, and for mixtures of experts the experts, the router's
+rule and which layers are sparse.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from replica.model.hf_config import (
 )
 
 __all__ = ["ModelConfigError", "ModelSpec", "RopeSpec", "load_model_spec", "spec_from_dict"]
+
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,17 @@ class ModelSpec:
     fused_qkv: bool = False  # the checkpoint holds one qkv_proj / gate_up_proj (Phi-3)
     fused_gate_up: bool = False
     weight_prefixes: tuple[str, ...] = ("model.",)  # where the decoder's tensors may live
+    # --- mixtures of experts (Mixtral, Qwen3-MoE); num_experts 0: a dense model ---
+    num_experts: int = 0  # routed experts of each sparse layer
+    num_experts_per_tok: int = 0  # k: experts each token runs through
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    # the top-k router weights renormalised to sum 1 (Mixtral always; Qwen3-MoE's
+    # norm_topk_prob); else the softmax over every expert's logits, as picked
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model whose MLP is dense
+    moe_block: str = "mlp"  # the checkpoint's module of router and experts (Mixtral's
+    # block_sparse_moe) and one expert's gate, up and down (Mixtral's w1, w3, w2)
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     @property
     def q_size(self) -> int:
@@ -89,17 +103,37 @@ class ModelSpec:
             return self.local_rope
         return RopeSpec(self.rope_theta, self.rope_scaling)
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     def num_parameters(self) -> int:
-        """Weights the model holds (projections, embeddings, head, norms; biases aside)."""
-        projections = sum(i * o for i, o in self.module_shapes().values())
+        """Weights the model holds (projections, embeddings, head, norms, routers and
+        experts; biases aside)."""
+        shapes = self.module_shapes()
+        attention = sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
+        dense = sum(i * o for m, (i, o) in shapes.items() if m in MLP_MODULES)
+        experts = self.num_experts * (
+            sum(i * o for i, o in self.expert_shapes().values()) + self.hidden_size
+        )  # + the router's row per expert
         per_layer = (4 if self.sandwich_norms else 2) * self.hidden_size
         per_layer += 2 * self.head_dim if self.qk_norm else 0
+        sparse = sum(self.is_sparse(i) for i in range(self.num_layers))
         heads = 1 if self.tie_word_embeddings else 2
         return (
-            self.num_layers * (projections + per_layer)
+            self.num_layers * (attention + per_layer)
+            + sparse * experts
+            + (self.num_layers - sparse) * dense
             + heads * self.vocab_size * self.hidden_size
             + self.hidden_size
         )
+
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of one expert's projections ({} for a dense model)."""
+        if not self.num_experts:
+            return {}
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""
@@ -201,6 +235,11 @@ def base_spec(cfg: dict[str, Any], source: str, **family: Any) -> ModelSpec:
         raise ModelConfigError(
             f"{source}: layer_types has {len(spec.layer_types)} entries for "
             f"{spec.num_layers} layers"
+        )
+    if spec.num_experts and not 0 < spec.num_experts_per_tok <= spec.num_experts:
+        raise ModelConfigError(
+            f"{source}: num_experts_per_tok={spec.num_experts_per_tok} must be in "
+            f"1..{spec.num_experts} (the experts per layer)"
         )
     if spec.rotary_dim % 2 or spec.rotary_dim <= 0:
         raise ModelConfigError(

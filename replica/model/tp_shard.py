@@ -10,7 +10,9 @@ Pure arithmetic on the model's shape: no devices, no communication.
       own output columns before the base layer's all-reduce. LoRA thus costs one
       [tokens, r] all-reduce per row-parallel layer and nothing anywhere else.
   vocab-parallel: embedding and lm_head rows, padded up to a multiple of tp_size.
-  replicated: norms, rotary tables.
+  replicated: norms, rotary tables, MoE routers.
+  experts: every rank holds every expert's share of moe_intermediate_size, split like
+      the dense MLP (gate/up by output rows, down by input columns; their LoRA likewise).
 
 KV heads are split across ranks; with fewer KV heads than ranks, each rank keeps a
 copy of the one KV head its query heads attend with.
@@ -45,6 +47,7 @@ class TPShard:
                 ("num_attention_heads", s.num_heads),
                 ("intermediate_size", s.intermediate_size),
                 ("hidden_size", s.hidden_size),
+                ("moe_intermediate_size", s.moe_intermediate_size),
             )
             if value % n
         ]
@@ -63,7 +66,14 @@ class TPShard:
             num_heads=s.num_heads // self.size,
             num_kv_heads=self.kv_heads,
             intermediate_size=s.intermediate_size // self.size,
+            moe_intermediate_size=s.moe_intermediate_size // self.size,
         )
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """Each expert's intermediate columns on this rank (rows of its gate/up, columns
+        of its down)."""
+        return self._split(self.spec.moe_intermediate_size)
 
     @property
     def kv_heads(self) -> int:

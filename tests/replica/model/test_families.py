@@ -269,5 +269,5 @@ def test_configs_we_cannot_serve_are_refused_by_name():
         spec_from_dict({**PHI3_128K, "attention_bias": True})
     with pytest.raises(ModelConfigError, match="rope_type='dynamic'"):
         spec_from_dict({**QWEN25_YARN, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
-    with pytest.raises(ModelConfigError, match="model_type='qwen3_moe'"):
-        spec_from_dict({**QWEN25_YARN, "model_type": "qwen3_moe"})
+    with pytest.raises(ModelConfigError, match="model_type='deepseek_v3'"):
+        spec_from_dict({**QWEN25_YARN, "model_type": "deepseek_v3"})

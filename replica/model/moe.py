@@ -1,0 +1,109 @@
+"""A sparse (mixture-of-experts) MLP: router, experts grouped by expert, expert LoRA.
+
+Router: logits x·Wrᵀ in the model's dtype, softmax over every expert in fp32, the top k,
+renormalised to sum 1 when the spec says so (Mixtral always, Qwen3-MoE with
+norm_topk_prob), rounded to the model's dtype. Experts: the T*k (token, expert) pairs
+are sorted by expert and, within one, by sequence (kernels.make_expert_plan, device ops
+only), so one grouped GEMM per projection reads each expert's stacked weights
+([E, 2I, H] gate and up, [E, H, I] down) once. Expert LoRA is added where vLLM and
+SGLang add it: gate/up LoRA to the first GEMM's output before the activation, down LoRA
+to each expert's output before the weighted sum over the k experts; both run as the
+ordinary multi-LoRA ops over (adapter, expert) groups of the same sort
+(kernels.expert_segments): an adapter's expert e rows sit in expert e's block of the
+expert arenas. Nothing here reads a device value, so the decode step stays graph-safe.
+
+Tensor parallelism: each rank holds every expert's share of the intermediate columns
+(gate/up rows, down columns), LoRA split the same way (gate/up B by rows; down A by
+columns, its [P, r] intermediate all-reduced, B by the rank's hidden columns); the
+weighted sum is all-reduced once, as the dense MLP's down projection is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import ExpertPlan, SegmentInfo
+from replica.model.layout import CheckpointLayout
+from replica.model.lora import EXPERT_GROUPS, LoRABuffers, LoRAWorkspace
+from replica.model.spec import ModelSpec
+from replica.model.tp_layers import TPRank
+
+
+class SparseMoE:
+    def __init__(
+        self,
+        spec: ModelSpec,  # this rank's shapes
+        layout: CheckpointLayout,
+        index: int,
+        lora: dict[str, LoRABuffers],  # the layer's arenas; the expert groups if any
+        act: Callable[[torch.Tensor], torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPRank | None = None,
+    ) -> None:
+        self.num_experts, self.k = spec.num_experts, spec.num_experts_per_tok
+        self.renormalise, self.act = spec.norm_topk_prob, act
+        self.router = layout.router(index).to(device=device, dtype=dtype)  # [E, H]
+        gate_up, down = layout.experts(index)
+        self.gate_up = gate_up.to(device=device, dtype=dtype)  # [E, 2I, H]
+        self.down = down.to(device=device, dtype=dtype)  # [E, H, I]
+        self.lora = {g: lora[g] for g in EXPERT_GROUPS if g in lora}
+        self.comm = None if tp is None else tp.comm
+        self.cols = slice(None) if tp is None else slice(*tp.shard.hidden_range)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [self.router, self.gate_up, self.down]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, k] weights in x's dtype, [T, k] int64 expert ids) of each token."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H]
+        lora: dict[str, SegmentInfo],
+        ws: LoRAWorkspace | None = None,  # unused: expert LoRA's rows are pairs, not tokens
+    ) -> torch.Tensor:  # [T, H]
+        t, h = x.shape
+        weights, ids = self.route(x)
+        seg = lora.get("experts_gate_up", lora["qkv_proj"])  # the step's segments
+        plan = kernels.make_expert_plan(ids, self.num_experts, seg)
+        xs = x.index_select(0, plan.tokens)  # [P, H]: each pair's input, sorted
+        gate_up = kernels.moe_grouped_gemm(xs, self.gate_up, plan)  # [P, 2I]
+        self._add_lora("experts_gate_up", xs, gate_up, lora, plan)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = self.act(gate) * up  # [P, I]
+        out = kernels.moe_grouped_gemm(hidden, self.down, plan)  # [P, H]
+        self._add_lora("experts_down", hidden, out, lora, plan)
+        out = out * weights.reshape(-1).index_select(0, plan.order)[:, None]
+        y = torch.empty_like(out).index_copy_(0, plan.order, out)  # back to (token, j) order
+        y = y.view(t, self.k, h).sum(dim=1)
+        return y if self.comm is None else self.comm.all_reduce(y, "layer")
+
+    def _add_lora(
+        self,
+        group: str,
+        x: torch.Tensor,  # [P, in], sorted
+        y: torch.Tensor,  # [P, out], sorted, updated in place
+        lora: dict[str, SegmentInfo],
+        plan: ExpertPlan,
+    ) -> None:
+        buf, seg = self.lora.get(group), lora.get(group)
+        if buf is None or seg is None or not seg.has_lora:
+            return
+        eseg = kernels.expert_segments(plan, seg, buf.a.shape[1] // self.num_experts)
+        inter = kernels.lora_shrink(x, buf.a, eseg, buf.max_rank)
+        if group == "experts_gate_up":
+            kernels.lora_expand(y, inter, buf.b, eseg, buf.slice_offsets)
+            return
+        if self.comm is not None:  # down: A split by input columns, a partial sum
+            self.comm.all_reduce(inter, "lora")
+        kernels.lora_expand(y[:, self.cols], inter, buf.b, eseg, buf.slice_offsets)
