@@ -83,6 +83,15 @@ class EngineConfig(BaseModel):
         description="Base model in pinned slot 0 (never evicted, never waits). "
         "False treats the base as one more evictable adapter (ablation).",
     )
+    scheduling: Literal["fcfs", "vtc"] | None = Field(
+        None,
+        description="Admission order of waiting requests. 'fcfs': arrival order. 'vtc': "
+        "weighted fair share between tenants (Virtual Token Counter: a counter per tenant "
+        "charged 1 per uncached prompt token and 2 per output token, divided by the "
+        "tenant's weight; the waiting tenant with the lowest counter goes first). Requests "
+        "without a tenant share one counter. None: fcfs (the application config makes it "
+        "vtc when tenants are configured).",
+    )
     aging_steps: int = Field(
         32, ge=1, description="Skips after which a request's adapter is given priority."
     )

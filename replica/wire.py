@@ -14,6 +14,7 @@ is validated or built once, on the side that makes it, and never re-checked:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -170,6 +171,15 @@ class GenerateRequest:
     cache_salt: str | None = None  # vLLM's `cache_salt`: partitions the cache within a tenant
 
 
+def cache_scope(tenant: str | None, cache_salt: str | None) -> str:
+    """The prefix-cache partition of a request's tenant and cache_salt ("" for neither):
+    the replica's prefix cache roots its block keys in it and the router's prefix
+    affinity hashes it, so both see one identity."""
+    if tenant is None and cache_salt is None:
+        return ""
+    return json.dumps([tenant, cache_salt])
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """One token's logprob and the best alternatives at its position (log_softmax of the
@@ -240,6 +250,9 @@ class RoutingStats:
     host_adapters: frozenset[str] = field(default_factory=frozenset)  # names in host memory
     queue_len: int = 0  # requests waiting or running
     free_slots: int = 0  # adapter slots holding nothing: a load there evicts no one
+    # fair share (VTC): per tenant ("" = no tenant), how far its counter is above that of
+    # the tenant served next there; absent = 0, served first (see engine/fair_share.py)
+    tenant_lag: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Serve's record_routing_stats must return a dict."""
@@ -248,6 +261,7 @@ class RoutingStats:
             "host_adapters": sorted(self.host_adapters),
             "queue_len": self.queue_len,
             "free_slots": self.free_slots,
+            "tenant_lag": dict(self.tenant_lag),
         }
 
     @classmethod
@@ -259,4 +273,5 @@ class RoutingStats:
             frozenset(stats.get("host_adapters", ())),
             int(stats.get("queue_len", 0)),
             int(stats.get("free_slots", 0)),
+            {str(t): float(v) for t, v in (stats.get("tenant_lag") or {}).items()},
         )

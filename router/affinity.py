@@ -27,6 +27,16 @@ less loaded of two random replicas. An adapter request with a key takes the repl
 holding its adapter on device in the key's HRW order, one rank each, so a hot adapter on
 several replicas keeps each prefix on one of them.
 
+The prefix key also hashes the request's tenant and cache_salt (wire.cache_scope) when it
+has either, as the replicas' prefix cache does: tenants never share cached prefixes, so
+they need not share a home either.
+
+Tenants (fair share): a replica under VTC publishes, per tenant, how far its counter is
+above that of the tenant it serves next (wire.RoutingStats.tenant_lag). Affinity and the
+load bound decide as above; where a rank's least loaded replicas tie on load, those
+where the request's tenant lags least (is served soonest) come first, as a rank of
+their own before the rest of that rank.
+
 Replicas publish residency and queue length through `record_routing_stats` (a
 wire.RoutingStats, up to one period stale); the router also counts the requests it
 has routed and not yet seen complete, so a burst sees its own earlier placements. A
@@ -42,14 +52,14 @@ import random
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from ray.util.metrics import Counter
 
-from replica.wire import GenerateRequest, RoutingStats
+from replica.wire import GenerateRequest, RoutingStats, cache_scope
 
 MAX_REMEMBERED_DECISIONS = 10_000
 
@@ -63,6 +73,8 @@ class ReplicaView:
     device_adapters: frozenset[str] = frozenset()
     host_adapters: frozenset[str] = frozenset()
     free_slots: int = 0  # adapter slots holding nothing: a load there evicts no one
+    # per tenant ("" = none): its fair-share counter above the next served one's there
+    tenant_lag: Mapping[str, float] = field(default_factory=dict, hash=False)
 
 
 def hrw_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
@@ -76,11 +88,15 @@ def hrw_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
 
 
 def prefix_key(request: GenerateRequest, tokens: int) -> str | None:
-    """The request's model (adapter version or base) and its first `tokens` prompt token
-    ids, hashed; None when the prompt is shorter (or tokens is 0: prefix affinity off)."""
+    """The request's model (adapter version or base), its cache scope (tenant and
+    cache_salt, when it has either) and its first `tokens` prompt token ids, hashed; None
+    when the prompt is shorter (or tokens is 0: prefix affinity off)."""
     if tokens <= 0 or len(request.prompt_ids) < tokens:
         return None
     model = "" if request.adapter is None else str(request.adapter)
+    scope = cache_scope(request.tenant, request.cache_salt)
+    if scope:
+        model += f"\0{scope}"
     data = f"{model}\0{request.prompt_ids[:tokens]}".encode()
     return "prefix:" + hashlib.blake2b(data, digest_size=8).hexdigest()
 
@@ -129,6 +145,26 @@ def rank_for_adapter(
     others = sorted((rid for rid in ok if rid not in device), key=cost)
     everyone = [r.id for r in sorted(replicas, key=lambda r: r.load)]
     return [rank for rank in [*device_ranks, *([rid] for rid in others), everyone] if rank]
+
+
+def break_load_ties(
+    ranks: list[list[str]], views: Sequence[ReplicaView], tenant: str
+) -> list[list[str]]:
+    """`ranks` with each rank whose least loaded replicas differ in `tenant`'s lag split
+    in two: those of them where it lags least, then the rest of the rank. Ranks where
+    the lag decides nothing (one replica, one lag among the least loaded) stay whole."""
+    by_id = {v.id: v for v in views}
+    out = []
+    for rank in ranks:
+        least = min((by_id[r].load for r in rank if r in by_id), default=None)
+        tied = [r for r in rank if r in by_id and by_id[r].load == least]
+        lags = {r: by_id[r].tenant_lag.get(tenant, 0.0) for r in tied}
+        first = [r for r in tied if lags[r] == min(lags.values())]
+        if len(first) == len(tied):
+            out.append(rank)
+        else:
+            out += [first, [r for r in rank if r not in first]]
+    return out
 
 
 def routing_reason(adapter: str | None, views: Sequence[ReplicaView], chosen: str) -> str:
@@ -237,16 +273,19 @@ class AdapterAffinityRouter(RequestRouter):
         adapter = None if request is None or request.adapter is None else request.adapter.name
         key = None if request is None else prefix_key(request, self.prefix_tokens)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self._view(r) for r in candidate_replicas]
         if adapter is None:
             if key is None:
-                return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-            views = [self._view(r) for r in candidate_replicas]
-            ranks = rank_for_prefix(key, views, self.epsilon, self.floor)
+                ranks = [random.sample(list(by_id), min(2, len(by_id)))]
+            else:
+                ranks = rank_for_prefix(key, views, self.epsilon, self.floor)
         else:
             now = time.monotonic()
-            views = [self._placed.view(self._view(r), now) for r in candidate_replicas]
+            views = [self._placed.view(v, now) for v in views]
             self._remember(pending_request, adapter, views)
             ranks = rank_for_adapter(adapter, views, self.epsilon, self.floor, key)
+        if request is not None:
+            ranks = break_load_ties(ranks, views, request.tenant or "")
         return [[by_id[i] for i in rank] for rank in ranks]
 
     def _remember(
@@ -263,7 +302,10 @@ class AdapterAffinityRouter(RequestRouter):
         stats = RoutingStats.from_dict(replica.routing_stats)
         rid = replica.replica_id.unique_id
         load = max(len(self._in_flight.get(rid, ())), stats.queue_len)
-        return ReplicaView(rid, load, stats.device_adapters, stats.host_adapters, stats.free_slots)
+        return ReplicaView(
+            rid, load, stats.device_adapters, stats.host_adapters, stats.free_slots,
+            stats.tenant_lag,
+        )  # fmt: skip
 
 
 def _request_of(pending: PendingRequest | None) -> GenerateRequest | None:

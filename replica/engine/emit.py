@@ -74,6 +74,7 @@ class Emitter:
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
         """Add a drawn token to its choice; returns why the choice ends with it, if it does."""
         seq.output_ids.append(token)
+        self.scheduler.policy.generated(seq)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         p = seq.sampling

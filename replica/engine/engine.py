@@ -22,6 +22,7 @@ from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
 from replica.engine.emit import Emitter, StepOutput
+from replica.engine.fair_share import make_policy
 from replica.engine.limits import RequestLimits
 from replica.engine.planner import plan_batch, plan_step
 from replica.engine.prefix_cache import CacheIdentities
@@ -36,7 +37,7 @@ from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.sampler import Sampler
 from replica.model.spec import load_model_spec
-from replica.wire import SamplingParams
+from replica.wire import SamplingParams, cache_scope
 
 __all__ = ["LLMEngine", "StepOutput"]
 
@@ -73,6 +74,7 @@ class LLMEngine:
             c.max_loras_per_batch,
             c.aging_steps,
             c.enable_prefix_caching,
+            make_policy(c.scheduling),
         )
         self.sampler = Sampler(self.spec.eos_token_ids)
         self.structured = StructuredOutputs(c.model, self.spec.vocab_size, self.spec.eos_token_ids)
@@ -126,24 +128,31 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         adapter: str | None = None,
         request_id: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """Queue a request; returns its choice 0 (all n: `.choices`). RequestError if the
-        engine cannot serve it."""
+        engine cannot serve it. `tenant` (weighted by `tenant_weight`) is whose fair share
+        it counts against; its prefix-cache hits come only from the same tenant and
+        `cache_salt`."""
         sampling = self.limits.bounded(prompt_ids, sampling or SamplingParams())
         arrival = next(self._arrivals)
         self.limits.check(prompt_ids, sampling, adapter)
         key = adapter if adapter is not None else (None if self.config.pin_base_slot else BASE_KEY)
         rid, prompt = request_id or f"req-{arrival}", list(prompt_ids)
-        cache_id = self.cache_ids.of(adapter)
+        cache_id, scope = self.cache_ids.of(adapter), cache_scope(tenant, cache_salt)
         seqs = [
-            Sequence(rid, prompt, sampling, adapter, arrival, key, index=i, cache_id=cache_id)
+            Sequence(rid, prompt, sampling, adapter, arrival, key, index=i, cache_id=cache_id,
+                     cache_scope=scope, tenant=tenant)
             for i in range(sampling.n)
-        ]
+        ]  # fmt: skip
         SequenceGroup(seqs)
         if sampling.structured_output is not None:
             for seq in seqs:
                 seq.matcher = self.structured.matcher(sampling.structured_output)
-        self.scheduler.add(seqs[0])  # choices 1..n-1 fork from its prefill
+        self.scheduler.add(seqs[0], tenant_weight)  # choices 1..n-1 fork from its prefill
         if adapter is not None:
             self.telemetry.count_lookup(adapter)
         return seqs[0]

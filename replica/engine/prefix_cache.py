@@ -8,6 +8,11 @@ registered again with other weights (a new version, a new root). Keys are SHA-25
 digests: a collision would serve one user another's K/V, so a fast non-cryptographic
 hash will not do.
 
+Within one model identity, the tenant that sent a request and its `cache_salt` (vLLM's
+request field) partition the cache further: their scope joins the root, so one tenant's
+prompts are never hits (nor cached_tokens) for another, and salts split one tenant's.
+Without tenant or salt the scope is empty and the root is the identity's alone.
+
 The blocks themselves (reference counts, eviction) are BlockAllocator's; this class
 knows sequences: their keys, what they may reuse on admission and what they add after
 each step.
@@ -25,8 +30,12 @@ from replica.engine.sequence import Sequence
 BASE_IDENTITY = ""  # the base model's root (adapter identities are "name#generation")
 
 
-def root_key(identity: str) -> bytes:
-    return hashlib.sha256(b"lorafleet-prefix\0" + identity.encode()).digest()
+def root_key(identity: str, scope: str = "") -> bytes:
+    """The chain's start: what computed the K/V and, when set, the tenant and salt scope."""
+    root = b"lorafleet-prefix\0" + identity.encode()
+    if scope:
+        root += b"\0scope\0" + scope.encode()
+    return hashlib.sha256(root).digest()
 
 
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -44,7 +53,7 @@ class PrefixCache:
         """The keys of seq's first num_blocks full blocks (computed once, kept on seq:
         its tokens only ever grow)."""
         keys, bs = seq.block_keys, self.block_size
-        parent = keys[-1] if keys else root_key(seq.cache_id)
+        parent = keys[-1] if keys else root_key(seq.cache_id, seq.cache_scope)
         for i in range(len(keys), num_blocks):
             parent = block_key(parent, seq.token_slice(i * bs, (i + 1) * bs))
             keys.append(parent)

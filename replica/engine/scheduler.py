@@ -8,6 +8,10 @@ requests, and every base request, are still admitted. A request skipped
 `aging_steps` times starves no longer: other adapters' requests are held
 back behind it (base requests are not) until its own adapter gets a slot.
 
+In which order waiting requests are considered is the admission policy's
+(engine/fair_share.py: FCFS, or VTC fair share between tenants); the budgets
+above, skip-not-block and aging hold under either.
+
 With prefix caching a waiting request starts after its longest cached prefix: those
 blocks are shared, not allocated, and cost KV budget only if nobody else holds them.
 """
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 from replica.adapters.slot_pool import AdapterSlotPool
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
+from replica.engine.fair_share import FCFS, AdmissionPolicy
 from replica.engine.prefix_cache import PrefixCache
 from replica.engine.sequence import SeqStatus, Sequence
 
@@ -52,16 +57,20 @@ class Scheduler:
         max_loras_per_batch: int,
         aging_steps: int,
         prefix_caching: bool = False,
+        policy: AdmissionPolicy | None = None,
     ) -> None:
         self.allocator, self.pool, self.block_size = allocator, pool, block_size
         self.prefix = PrefixCache(allocator, block_size, prefix_caching)
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.max_loras, self.aging_steps = max_loras_per_batch, aging_steps
+        self.policy = policy or FCFS()
         self.waiting: list[Sequence] = []  # arrival order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, weight: float = 1.0) -> None:
+        """Queue a request; `weight` is its tenant's fair-share weight."""
+        self.policy.arrived(seq, weight, self.waiting, self.running)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -125,7 +134,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         running = {s.lora_key for s in self.running if s.lora_key is not None}
         priority: str | None = None  # adapter of the oldest request skipped too often
-        for seq in list(self.waiting):
+        for seq in self.policy.candidates(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             slot = self._slot_for(seq, running, priority)
@@ -143,7 +152,10 @@ class Scheduler:
             self.allocator.share(hits)
             seq.blocks = hits + self.allocator.allocate(need)
             seq.num_computed = cached
+            first = seq.num_cached_tokens is None  # not a recompute, nor a forked choice
             self.prefix.admitted(seq, hits)
+            if first:
+                self.policy.admitted(seq, len(seq.prompt_ids) - seq.num_cached_tokens)
             self.pool.acquire(slot)
             seq.slot, seq.status = slot, SeqStatus.RUNNING
             self.waiting.remove(seq)

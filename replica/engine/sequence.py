@@ -31,6 +31,9 @@ class Sequence:
     # else one adapter version), the keys of its full blocks so far, how many of its blocks
     # are cached, and how many prompt tokens its first admission found cached
     cache_id: str = ""
+    # tenant and cache_salt as the prefix keys' root sees them ("" without either): blocks
+    # are never hits across tenants, nor across salts within one
+    cache_scope: str = ""
     block_keys: list[bytes] = field(default_factory=list, repr=False)
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
@@ -43,6 +46,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, if asked
     stop_token: int | None = None  # the stop_token_ids entry that ended it
     matcher: Any = None  # structured output: its grammar matcher (xgrammar, host-side)
+    tenant: str | None = None  # who sent it, for fair share (None: no tenant)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """(prompt_ids + output_ids)[start:end] without building the whole list."""

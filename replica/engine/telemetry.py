@@ -64,6 +64,10 @@ class Telemetry:
             "kv_blocks_cached": sched.allocator.num_cached,  # free ones counted in kv_blocks_free
             "slot_refs": sum(s.refs for s in pool.slots),
             "aborted": self.stats.aborted,
+            # fair share (VTC; empty under FCFS), by tenant name ("" = requests without a
+            # tenant): each counter, and how far it is above the tenant served next
+            "tenant_counters": _by_name(sched.policy.counters()),
+            "tenant_lag": _by_name(sched.policy.lags(sched.waiting, sched.running)),
         }
 
     def drain(self) -> dict[str, Any]:
@@ -85,3 +89,7 @@ class Telemetry:
             "prefix_hit_tokens": self.scheduler.prefix.hit_tokens,
             "load_latencies_s": latencies,
         }
+
+
+def _by_name(per_tenant: dict[str | None, float]) -> dict[str, float]:
+    return {"" if t is None else t: v for t, v in per_tenant.items()}

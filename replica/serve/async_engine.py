@@ -101,15 +101,23 @@ class AsyncLLMEngine:
         sampling: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        *,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queue a request; raises RequestError at once if the engine refuses it."""
+        """Queue a request; raises RequestError at once if the engine refuses it. Tenant,
+        weight and salt as LLMEngine.add_request takes them."""
         rid = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(rid, asyncio.get_running_loop(), sampling.n)
 
         def add() -> None:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid!r}")
-            seq = self.engine.add_request(prompt_ids, sampling, adapter, rid)
+            seq = self.engine.add_request(
+                prompt_ids, sampling, adapter, rid,
+                tenant=tenant, tenant_weight=tenant_weight, cache_salt=cache_salt,
+            )  # fmt: skip
             self._streams[rid] = _Entry(seq, stream, set(range(sampling.n)))
 
         await self.call(add)

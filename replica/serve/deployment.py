@@ -61,7 +61,13 @@ class LoRAReplica:
         try:
             key = None if request.adapter is None else await self._ensure_adapter(request.adapter)
             stream = await self.aengine.add_request(
-                request.prompt_ids, request.sampling, key, request.request_id
+                request.prompt_ids,
+                request.sampling,
+                key,
+                request.request_id,
+                tenant=request.tenant,
+                tenant_weight=request.tenant_weight,
+                cache_salt=request.cache_salt,
             )
         except ValueError as e:  # a RequestError, or a duplicate request id
             yield Reply.refusal(400, str(e))
@@ -102,6 +108,7 @@ class LoRAReplica:
             host_adapters=frozenset(AdapterKey.parse(k).name for k in snapshot["host_adapters"]),
             queue_len=snapshot["num_waiting"] + snapshot["num_running"],
             free_slots=snapshot["free_slots"],
+            tenant_lag=snapshot["tenant_lag"],
         ).to_dict()
         memory = {"rss_bytes": _rss_bytes()}
         counters = {k: v for k, v in telemetry.items() if k not in ("load_latencies_s", "slots")}

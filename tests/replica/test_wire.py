@@ -50,7 +50,8 @@ def test_a_refusal_is_a_finished_reply_with_a_status_and_no_tokens():
 
 
 def test_routing_stats_round_trip_through_the_dict_serve_publishes():
-    stats = RoutingStats(frozenset({"b", "a"}), frozenset({"c"}), queue_len=4, free_slots=2)
+    stats = RoutingStats(frozenset({"b", "a"}), frozenset({"c"}), queue_len=4, free_slots=2,
+                         tenant_lag={"acme": 12.5})  # fmt: skip
     published = stats.to_dict()
     assert published["device_adapters"] == ["a", "b"]  # sorted: stable for logs and tests
     assert RoutingStats.from_dict(published) == stats

@@ -8,6 +8,7 @@ from replica.wire import AdapterKey, GenerateRequest, SamplingParams
 from router.affinity import (
     PlacementMemory,
     ReplicaView,
+    break_load_ties,
     hrw_order,
     prefix_key,
     rank_for_adapter,
@@ -142,9 +143,11 @@ def test_no_replicas() -> None:
     assert rank_for_adapter("a", [], 0.25) == []
 
 
-def request(prompt: list[int], adapter: str | None = None, version: int = 1) -> GenerateRequest:
+def request(
+    prompt: list[int], adapter: str | None = None, version: int = 1, **tenancy
+) -> GenerateRequest:
     key = None if adapter is None else AdapterKey(adapter, version)
-    return GenerateRequest(key, prompt, SamplingParams(), "r")
+    return GenerateRequest(key, prompt, SamplingParams(), "r", **tenancy)
 
 
 def test_prefix_keys_name_the_model_and_the_first_tokens() -> None:
@@ -178,3 +181,40 @@ def test_a_hot_adapter_on_several_replicas_keeps_each_prefix_on_one() -> None:
     for k in keys:
         ranks = rank_for_adapter("a", state, 0.25, 4, k)
         assert ranks[:2] == [[r] for r in hrw_order(k, ["r1", "r0"])]
+
+
+def test_prefix_keys_carry_the_tenant_and_salt_as_the_prefix_cache_does() -> None:
+    import hashlib
+
+    head = list(range(3, 19))
+    untenanted = prefix_key(request(head), 16)  # the key before tenants existed
+    digest = hashlib.blake2b(f"\0{head}".encode(), digest_size=8).hexdigest()
+    assert untenanted == "prefix:" + digest
+    keys = {
+        prefix_key(request(head, tenant=t, cache_salt=s), 16)
+        for t, s in [(None, None), ("a", None), ("b", None), ("a", "x"), (None, "a")]
+    }
+    assert len(keys) == 5
+    assert prefix_key(request(head, tenant="a"), 16) == prefix_key(request(head, tenant="a"), 16)
+
+
+def test_load_ties_break_toward_where_the_tenant_is_served_soonest() -> None:
+    def lagging(loads, lag_of):  # lag_of: replica -> tenant a's lag there
+        return [
+            ReplicaView(rid, load, tenant_lag={"a": lag_of[rid]} if rid in lag_of else {})
+            for rid, load in zip(IDS, loads)
+        ]
+
+    state = lagging((1, 1, 1, 3), {"r0": 50.0, "r1": 10.0})
+    assert break_load_ties([IDS], state, "a") == [["r2"], ["r0", "r1", "r3"]]
+    # only ties on load are broken: a less loaded replica stays ahead whatever the lag
+    state = lagging((0, 1, 1, 1), {"r0": 50.0})
+    assert break_load_ties([IDS], state, "a") == [IDS]
+    # another tenant's lag, or none published (FCFS replicas): the ranks unchanged
+    assert break_load_ties([IDS, ["r1"]], state, "b") == [IDS, ["r1"]]
+    assert break_load_ties([IDS], views(), "a") == [IDS]
+    # single-replica ranks (affinity's preferences) are never reordered
+    assert break_load_ties([["r0"], ["r2"]], lagging((1, 1, 1, 1), {"r0": 9.0}), "a") == [
+        ["r0"],
+        ["r2"],
+    ]
