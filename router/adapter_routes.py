@@ -30,7 +30,7 @@ class AdapterRoutes:
     tenancy: Tenancy
     # the store's last listing (tag, AdapterInfos) and the /v1/models body rendered from
     # it per scope (a tenant's name; None: everything)
-    _listing: tuple[Any, list[Any]] | None = None
+    _listing: tuple[Any, list[Any]] | None
     _models_bodies: dict[str | None, bytes]
 
     @app.get("/v1/models", response_model=p.ModelList)

@@ -141,7 +141,7 @@ class Ingress(AdapterRoutes):
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
         self.metrics = IngressMetrics()
-        self._models_bodies = {}
+        self._listing, self._models_bodies = None, {}
 
     # -- service -------------------------------------------------------------------------------
 

@@ -122,6 +122,8 @@ class Tenancy:
         token = _bearer(authorization)
         if self._is_admin(token):
             return Caller(admin=True)
+        if not token:
+            raise _unauthorized()
         digest = hashlib.sha256(token).digest()
         found = None
         for known, tenant in self._digests:  # every one: the time says nothing of which
@@ -161,9 +163,7 @@ class Tenancy:
         self.metrics.refused(tenant.name, answer.refused)
         raise _rate_limited(tenant, answer, headers)
 
-    def finish(
-        self, lease: Lease, adapter: str, usage: Any, requests: int = 1
-    ) -> Awaitable[Any] | None:
+    def finish(self, lease: Lease, adapter: str, usage: Any) -> Awaitable[Any] | None:
         """A request of `lease` ended with `usage` (a UsageInfo): refund what it was
         charged beyond it, add it to the totals and metrics. The ledger's answer, to await
         or not (None: nothing to tell)."""
@@ -171,7 +171,7 @@ class Tenancy:
         if tenant is None:
             return None
         counts = {
-            "requests": requests,
+            "requests": 1,
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.prompt_tokens_details.cached_tokens,
             "completion_tokens": usage.completion_tokens,

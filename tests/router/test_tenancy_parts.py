@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from router.ledger import TenantLedger, TokenBucket
-from router.metrics import LabelCap
+from router.metrics import LabelCap, TenantMetrics
 from router.options import IngressOptions, TenantConfig
 from router.tenancy import Tenancy, key_digest
 
@@ -107,3 +107,28 @@ def test_metric_labels_are_capped():
     assert [tenants(t) for t in ("t1", "t2", "t3", "zz")] == ["t1", "t2", "other", "other"]
     models = LabelCap((), 2, first_seen=True)
     assert [models(m) for m in ("x", "y", "z", "x")] == ["x", "y", "other", "x"]
+
+
+def test_tenant_metrics_count_usage_under_capped_labels():
+    metrics = TenantMetrics(["t1", "t2"], 1)
+    seen = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def inc(self, value, tags):
+            seen.append((self.name, value, tags["tenant"], tags["model"]))
+
+    metrics.counters = {name: Recorder(name) for name in metrics.counters}
+    counts = {"requests": 1, "prompt_tokens": 7, "cached_tokens": 0, "completion_tokens": 3}
+    metrics.record("t1", "m1", counts)
+    metrics.record("t2", "m2", counts)
+    assert seen == [
+        ("requests", 1, "t1", "m1"),
+        ("prompt_tokens", 7, "t1", "m1"),  # nothing cached: no increment of 0
+        ("completion_tokens", 3, "t1", "m1"),
+        ("requests", 1, "other", "other"),
+        ("prompt_tokens", 7, "other", "other"),
+        ("completion_tokens", 3, "other", "other"),
+    ]
