@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from cluster.bench.fused_lora import run_fused
 from cluster.bench.stats import cpu_name
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -70,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=1.0,
                         help="Seconds of timing per variant and shape.")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="Phi-3/Phi-4 fused projections' LoRA: split vs fused (bench/fused_lora.py).",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="Write every figure here.")
 
 
@@ -378,6 +384,10 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         f"rank {args.rank} (buffers R={args.max_rank}), footprint {args.footprint_mib} MiB, "
         f"copy bandwidth {copy_gbps:.1f} GB/s (read+write)"
     )
+    if args.fused:
+        rows = run_fused(args, device, dtype, clock.time)
+        _write_json(args, device, name, threads, dtype, copy_gbps, {"fused": rows})
+        return 0
     results = []
     by_hidden: dict[int, list[Shape]] = {}
     for s in shapes(args):
@@ -397,21 +407,28 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         "t/B = their quotient (1.0: LoRA moves its bytes as fast as the base projection)"
         + ("; graph: device time per call from CUDA graph replays" if clock.cuda else "")
     )
-    if args.json:
-        doc = {
-            "device": str(device),
-            "device_name": name,
-            "threads": threads,
-            "torch": torch.__version__,
-            "dtype": str(dtype).removeprefix("torch."),
-            "copy_gbps": copy_gbps,
-            "footprint_mib": args.footprint_mib,
-            "shapes": [asdict(r) for r in results],
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.json}")
+    shapes_doc = {"shapes": [asdict(r) for r in results]}
+    _write_json(args, device, name, threads, dtype, copy_gbps, shapes_doc)
     return 0
+
+
+def _write_json(args, device, name, threads, dtype, copy_gbps, figures: dict) -> None:
+    if not args.json:
+        return
+    doc = {
+        "device": str(device),
+        "device_name": name,
+        "threads": threads,
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "copy_gbps": copy_gbps,
+        "footprint_mib": args.footprint_mib,
+        "rank": args.rank,
+        **figures,
+    }
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"wrote {args.json}")
 
 
 _COLUMNS = (

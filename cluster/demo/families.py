@@ -48,6 +48,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": 12,
                             "tie_word_embeddings": False}),
 }  # fmt: skip
+# At demo size (the bench's models) the shapes and settings of the real checkpoints instead
+# of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
+# (heads x head_dim = 2 x hidden) and no window; Gemma 2's window 4096, its caps (50, 30)
+# and query_pre_attn_scalar = head_dim, with head_dim 64 = hidden / heads.
+DEMO_QUIRKS: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 128, "use_sliding_window": False},
+    "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 4096,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+}  # fmt: skip
 
 
 def family_model_dir(
@@ -56,6 +65,8 @@ def family_model_dir(
     """Build once (cached under $LORAFLEET_CACHE or ~/.cache/lorafleet) and return the
     model directory of `family` at `size` ("tiny" or "demo")."""
     cls_name, quirks = FAMILY_CONFIGS[family]
+    if size == "demo":
+        quirks = {**quirks, **DEMO_QUIRKS.get(family, {})}
     fields = {**(TINY if size == "tiny" else DEMO), **quirks, **(overrides or {})}
     key = json.dumps([cls_name, fields, seed, 3], sort_keys=True)  # 3: the draw's version
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
