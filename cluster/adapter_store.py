@@ -156,19 +156,22 @@ class AdapterStore:
 
     # -- mutations -----------------------------------------------------------------------------
 
-    async def register(self, name: str, path: str, inplace: bool = False) -> AdapterInfo:
+    async def register(
+        self, name: str, path: str, inplace: bool = False, roots: list[str] | None = None
+    ) -> AdapterInfo:
         """Validate, convert and put `path` under `name`. Nothing is registered on error.
 
         `inplace` replaces a live `name` with a new version in one step (vLLM's
         load_inplace): requests resolved before it finish on the old version, later ones
-        get the new one, and no request in between finds the name missing."""
+        get the new one, and no request in between finds the name missing. `roots`: a
+        tenant's own directories, each inside the adapter roots, that `path` must lie in."""
         async with self._name_lock(name):
             if name in self._adapters and not inplace:
                 raise BadRequestError(
                     f"adapter {name!r} is already registered; unload it first, or load it "
                     "with load_inplace: true to replace it"
                 )
-            resolved = self._check_path(path)
+            resolved = self._check_path(path, None if roots is None else self._own_roots(roots))
             return self._insert(await self._load_async(name, resolved))
 
     async def unregister(self, name: str) -> AdapterInfo:
@@ -449,6 +452,18 @@ class AdapterStore:
                     f"adapter path {path!r} is outside the configured adapter roots ({shown})"
                 )
         return resolved
+
+    def _own_roots(self, roots: list[str]) -> list[Path]:
+        """A tenant's roots, resolved; each must lie inside the adapter roots."""
+        if not self.roots:
+            raise BadRequestError(
+                "loading adapters at runtime is disabled: no adapter_roots are configured"
+            )
+        own = [Path(r).resolve() for r in roots]
+        for root in own:
+            if not any(root.is_relative_to(r) for r in self.roots):
+                raise BadRequestError(f"tenant adapter root {str(root)!r} is outside adapter_roots")
+        return own
 
     def _check_size(self, path: Path) -> None:
         """Refuse weights over max_adapter_bytes before reading them."""

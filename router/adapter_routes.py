@@ -90,7 +90,10 @@ class AdapterRoutes:
                 f"tenant {caller.name!r} may load only adapters named like {patterns or '(none)'}",
                 "lora_name",
             )
-        info = await self.store.register.remote(body.lora_name, body.lora_path, body.load_inplace)
+        roots = None if caller.tenant is None else caller.tenant.adapter_roots
+        info = await self.store.register.remote(
+            body.lora_name, body.lora_path, body.load_inplace, roots
+        )
         return {"status": "ok", "lora_name": info.name, "version": info.version}
 
     @app.post("/v1/unload_lora_adapter")

@@ -40,6 +40,11 @@ class TenantConfig(BaseModel):
     manage_adapters: bool = Field(
         False, description="May load and unload adapters whose names match `adapters`."
     )
+    adapter_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories (inside the app's adapter_roots) the tenant's loads must "
+        "lie in; required with manage_adapters, so no tenant loads another's files.",
+    )
 
     @field_validator("key_sha256")
     @classmethod
@@ -54,6 +59,10 @@ class TenantConfig(BaseModel):
     def _has_a_key(self) -> TenantConfig:
         if not self.key_sha256 and self.key_env is None:
             raise ValueError(f"tenant {self.name!r}: needs key_sha256 or key_env")
+        if self.manage_adapters and not self.adapter_roots:
+            # the app's roots hold every tenant's adapters: loading from them would let a
+            # tenant serve another's files under a name of its own
+            raise ValueError(f"tenant {self.name!r}: manage_adapters needs adapter_roots")
         return self
 
     @property

@@ -261,6 +261,25 @@ def test_hf_cache_adapters_resolve_by_org_and_name(tiny, root, tmp_path, local_r
     assert [i.name for i in run(store.list())] == ["acme/support", "adapter-00"]
 
 
+def test_a_tenants_loads_are_confined_to_its_own_roots(tiny, root, local_ray):
+    """A tenant managing adapters loads only from its roots: another tenant's directory
+    under the shared adapter roots is refused, and so is a tenant root outside them."""
+    for tenant in ("acme", "globex"):
+        shutil.copytree(tiny.adapters["adapter-00"], root / tenant / "mine")
+    store = make_store(tiny, root)
+    acme = [str(root / "acme")]
+
+    async def main():
+        assert (await store.register("acme-1", str(root / "acme" / "mine"), roots=acme)).version
+        with pytest.raises(BadRequestError, match="outside the configured adapter roots"):
+            await store.register("acme-2", str(root / "globex" / "mine"), roots=acme)
+        with pytest.raises(BadRequestError, match="is outside adapter_roots"):
+            await store.register("acme-3", str(root / "acme" / "mine"), roots=["/tmp"])
+
+    asyncio.run(main())
+    assert [i.name for i in run(store.list())] == ["acme-1"]
+
+
 def test_without_resolvers_an_unknown_name_is_just_not_registered(tiny, root, local_ray):
     store = make_store(tiny, root)
     with pytest.raises(NotFoundError, match="'adapter-00' is not registered$"):

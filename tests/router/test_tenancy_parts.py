@@ -41,6 +41,7 @@ def test_a_digest_is_sha256_of_the_key_as_sha256sum_prints_it():
         ([{"name": "t", "key_env": "E", "weight": 0}], "weight"),
         ([{"name": "t", "key_env": "E", "requests_per_minute": 0}], "requests_per_minute"),
         ([{"name": "t", "key_env": "E", "adapter": ["x"]}], "adapter"),
+        ([{"name": "t", "key_env": "E", "manage_adapters": True}], "needs adapter_roots"),
     ],
 )
 def test_invalid_tenants_are_refused_naming_the_problem(tenants, message):

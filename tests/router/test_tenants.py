@@ -39,6 +39,7 @@ TENANT_A = {
     "base_model": True,
     "weight": 2.0,
     "manage_adapters": True,
+    "adapter_roots": ["/adapters/a"],
 }
 TENANT_B = {"name": "b", "key_env": B_ENV, "adapters": ["b-*"]}
 
@@ -48,12 +49,16 @@ class Store(FakeStore):
     """FakeStore with loads and unloads, recording the names it was asked to resolve."""
 
     asked: list[str] = field(default_factory=list)
+    roots: list[list[str] | None] = field(default_factory=list)  # each load's, in order
 
     def _resolve(self, name: str) -> AdapterInfo:
         self.asked.append(name)
         return super()._resolve(name)
 
-    def _register(self, name: str, path: str, inplace: bool = False) -> AdapterInfo:
+    def _register(
+        self, name: str, path: str, inplace: bool = False, roots: list[str] | None = None
+    ) -> AdapterInfo:
+        self.roots.append(roots)
         self.adapters[name] = AdapterInfo(name, 1, path)
         return self.adapters[name]
 
@@ -183,6 +188,7 @@ def test_managing_adapters_is_confined_to_the_tenants_patterns(tenants):
         return client.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=headers)
 
     assert load("a-new", A).status_code == 200 and "a-new" in store.adapters
+    assert store.roots == [["/adapters/a"]]  # the store confines A's loads to its own roots
     r = load("b-new", A)
     assert r.status_code == 403 and "a-*" in r.json()["error"]["message"]
     assert "b-new" not in store.adapters
@@ -194,6 +200,7 @@ def test_managing_adapters_is_confined_to_the_tenants_patterns(tenants):
     # B may not manage at all; the admin may manage anything
     assert load("b-new", B).status_code == 403 and unload("b-1", B).status_code == 403
     assert unload("b-1", ADMIN).status_code == 200 and "b-1" not in store.adapters
+    assert load("b-2", ADMIN).status_code == 200 and store.roots[-1] is None  # the app's roots
     assert load("b-1", {}).status_code == 401
     # the admin-only endpoints refuse a tenant
     assert client.get("/v1/lorafleet/stats", headers=A).status_code == 403
