@@ -166,6 +166,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     from cluster.bench import overhead as bench_overhead
     from cluster.bench import prefix as bench_prefix
     from cluster.bench import suite as bench_suite
+    from cluster.bench import tenants as bench_tenants
 
     p = bench.add_parser("http", help="HTTP load against a running server (OpenAI API).")
     bench_http.add_arguments(p)
@@ -203,6 +204,12 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
     bench_kernels.add_arguments(p)
     p.set_defaults(func=bench_kernels.run)
+
+    p = bench.add_parser(
+        "tenants", help="Fair share on one replica: a tenant's flood vs another's TTFT (fcfs, vtc)."
+    )
+    bench_tenants.add_arguments(p)
+    p.set_defaults(func=bench_tenants.run)
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
@@ -463,6 +470,11 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
         notes = {"demo-base": demo_training.BASE_TASK[0]}
         notes |= {name: what for name, (what, *_) in demo_training.TASKS.items()}
     key = serving.client_api_key(config)
+    if key is None and config["applications"][0]["args"].get("tenants"):
+        # every request needs a tenant's key, and a key is never in the config (digests)
+        print("tenants are configured and no admin key: no showcase; call it with a "
+              "tenant's key (README: Tenants)", flush=True)  # fmt: skip
+        return
     if args.no_demo_requests:
         names = showcase.model_names(url, key)
     else:

@@ -368,3 +368,18 @@ def test_a_failed_deployment_is_reported_by_its_root_cause():
         "permitted [type=extra_forbidden]"
     )
     assert serving.root_cause("Replica is unhealthy.\nmore") == "Replica is unhealthy."
+
+
+def test_up_with_tenants_and_no_admin_key_skips_the_showcase(capsys, monkeypatch):
+    """Every request needs a tenant's key then, and the config holds only digests: the
+    announcement says so instead of a showcase that would end in 401s."""
+    from argparse import Namespace
+
+    from cluster import cli
+
+    monkeypatch.delenv("LORAFLEET_API_KEY", raising=False)
+    tenant = {"name": "t", "key_sha256": ["0" * 64], "adapters": ["*"]}
+    config = {"applications": [{"args": {"engine": {"model": "m"}, "tenants": [tenant]}}]}
+    cli._announce(config, Namespace(verbose=True, no_demo_requests=False))
+    out = capsys.readouterr().out
+    assert "serving at http://127.0.0.1:8000" in out and "no showcase" in out
