@@ -4,6 +4,7 @@ engine.py           LLMEngine: requests in, StepOutputs out, one step at a time
 limits.py           what a request may ask (checked once, on arrival)
 emit.py             a step's draws -> StepOutputs: tokens appended, choices forked, ends
 scheduler.py        continuous batching under token, KV, adapter-count and readiness budgets
+fair_share.py       admission order: FCFS, or VTC fair share between tenants
 sequence.py         a request as the engine tracks it
 step_draw.py        what a step draws and reads back from the device
 structured.py       structured output: grammar matchers and bitmasks

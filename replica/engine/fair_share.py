@@ -10,10 +10,10 @@ engine config (`scheduling`):
   Large Language Models", OSDI '24). Each tenant has a counter, charged
   `(W_IN * uncached prompt tokens + W_OUT * output tokens) / weight` as it is served
   (the prompt when admitted, each output token when drawn). The next candidate is always
-  the oldest waiting request of the waiting tenant with the lowest counter, recomputed
-  after every admission. A tenant arriving with nothing waiting is lifted to the lowest
-  counter of the tenants waiting (see `_floor` for when none waits), so idle time banks
-  no credit.
+  the oldest waiting request of the waiting tenant with the lowest counter (on a tie,
+  the tenant with fewer requests running), recomputed after every admission. A tenant
+  arriving with nothing waiting is lifted to the lowest counter of the tenants waiting
+  (see `_floor` for when none waits), so idle time banks no credit.
 
   The bound (the paper's 2U): a tenant is admitted only while its counter is the lowest,
   so while two tenants are both backlogged, either counter exceeds the other by at most
@@ -29,11 +29,11 @@ Host-only: plain numbers and sequences, no tensors.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from replica.engine.sequence import Sequence
+from replica.engine.sequence import SeqStatus, Sequence
 
 W_IN = 1.0  # counter charge per uncached prompt token
 W_OUT = 2.0  # counter charge per output token
@@ -45,7 +45,9 @@ class AdmissionPolicy(Protocol):
     ) -> None:
         """A new request, before it joins `waiting` (the queues as they are)."""
 
-    def candidates(self, waiting: list[Sequence]) -> Iterator[Sequence]:
+    def candidates(
+        self, waiting: list[Sequence], running: list[Sequence] = ()
+    ) -> Iterator[Sequence]:
         """Waiting requests in the order to consider them; the next one is chosen after
         the caller has handled (admitted or skipped) the previous."""
 
@@ -71,7 +73,9 @@ class FCFS:
     ) -> None:
         pass
 
-    def candidates(self, waiting: list[Sequence]) -> Iterator[Sequence]:
+    def candidates(
+        self, waiting: list[Sequence], running: list[Sequence] = ()
+    ) -> Iterator[Sequence]:
         return iter(list(waiting))
 
     def admitted(self, seq: Sequence, uncached_prompt_tokens: int) -> None:
@@ -105,17 +109,28 @@ class VTC:
             counter = max(counter, self._floor(tenant, waiting, running))
         self._counter[tenant] = counter
 
-    def candidates(self, waiting: list[Sequence]) -> Iterator[Sequence]:
+    def candidates(
+        self, waiting: list[Sequence], running: list[Sequence] = ()
+    ) -> Iterator[Sequence]:
         queues: dict[str | None, deque[Sequence]] = {}
         for seq in waiting:  # each tenant's requests in arrival order
             queues.setdefault(seq.tenant, deque()).append(seq)
+        served = Counter(s.tenant for s in running)
+
+        def rank(t: str | None) -> tuple[float, int, int]:
+            # the lowest counter; on a tie (a tenant just lifted to another's counter) the
+            # one with fewer requests running, then the oldest request
+            return self._counter.get(t, 0.0), served[t], queues[t][0].arrival
+
         while queues:
-            tenant = min(queues, key=lambda t: (self._counter.get(t, 0.0), queues[t][0].arrival))
+            tenant = min(queues, key=rank)
             queue = queues[tenant]
             seq = queue.popleft()
             if not queue:
                 del queues[tenant]
             yield seq
+            if seq.status is SeqStatus.RUNNING:  # admitted
+                served[tenant] += 1
 
     def admitted(self, seq: Sequence, uncached_prompt_tokens: int) -> None:
         self._charge(seq.tenant, self.w_in * uncached_prompt_tokens)

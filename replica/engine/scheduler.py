@@ -134,7 +134,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         running = {s.lora_key for s in self.running if s.lora_key is not None}
         priority: str | None = None  # adapter of the oldest request skipped too often
-        for seq in self.policy.candidates(self.waiting):
+        for seq in self.policy.candidates(self.waiting, self.running):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             slot = self._slot_for(seq, running, priority)

@@ -64,6 +64,15 @@ def test_the_lowest_counter_goes_first_and_the_order_follows_each_admission():
     assert [s.tenant for s in vtc2.candidates(waiting2)][0] == "b"
 
 
+def test_on_a_tie_the_tenant_with_fewer_requests_running_goes_first():
+    vtc, waiting = VTC(), []
+    a_old = add(vtc, waiting, seq("a"))
+    b_new = add(vtc, waiting, seq("b"))  # lifted to a's counter: a tie
+    running = [seq("a"), seq("a")]  # a is being served already
+    assert next(vtc.candidates(waiting, running)) is b_new
+    assert next(vtc.candidates(waiting)) is a_old  # nobody running: the oldest request
+
+
 def test_a_tenant_back_from_idle_is_lifted_to_the_lowest_waiting_counter():
     vtc, waiting = VTC(), []
     a, b = add(vtc, waiting, seq("a")), add(vtc, waiting, seq("b"))
