@@ -8,7 +8,7 @@ STAMP := $(VENV)/.lorafleet-installed
 # (grep's own "nothing left" status is ignored; pip's failure still fails the pipeline.)
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: run test test-multinode lint install clean
+.PHONY: run test test-multinode lint docs install clean
 
 run: $(STAMP)
 	$(VENV)/bin/lorafleet up
@@ -24,6 +24,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link or a page missing
+# from the nav fails, as it fails the suite (tests/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 install: $(STAMP)
 
 # A machine whose Python already has a CUDA torch keeps it (the venv sees system packages);
@@ -36,9 +41,9 @@ $(STAMP): pyproject.toml
 	  python3 -m venv $(VENV); \
 	  $(PY) -m pip install -q torch==2.13.0 2>&1 | $(QUIET); \
 	fi
-	$(PY) -m pip install -q -e '.[test,bench]' 2>&1 | $(QUIET)
+	$(PY) -m pip install -q -e '.[test,bench,docs]' 2>&1 | $(QUIET)
 	$(PY) -c "import torch, replica, kernels, cluster, router"
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache site
