@@ -238,9 +238,9 @@ class AdapterAffinityRouter(RequestRouter):
         self._decisions: OrderedDict[str, tuple[str | None, list[ReplicaView]]] = OrderedDict()
         self._reasons = Counter(
             "lorafleet_routing_decisions",
-            "Requests routed, by reason: base, device, host, free_slot, home, spill "
-            "(see router.affinity.routing_reason).",
-            tag_keys=("reason",),
+            "Requests routed, by the replica chosen and why: base, device, host, free_slot, "
+            "home, spill (see router.affinity.routing_reason).",
+            tag_keys=("replica", "reason"),
         )
 
     def on_request_routed(
@@ -250,7 +250,7 @@ class AdapterAffinityRouter(RequestRouter):
         rid = replica_id.unique_id
         self._in_flight.setdefault(rid, set()).add(request_id)
         adapter, views = self._decisions.pop(request_id, (None, []))
-        self._reasons.inc(tags={"reason": routing_reason(adapter, views, rid)})
+        self._reasons.inc(tags={"replica": rid, "reason": routing_reason(adapter, views, rid)})
         if adapter is not None:
             self._placed.record(rid, adapter, time.monotonic())
 

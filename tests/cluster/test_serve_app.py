@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -34,6 +32,7 @@ from cluster.demo import showcase
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
+from tests.cluster import test_dashboard as dashboard
 from tests.conftest import QUICK_STOP, tiny_assets
 
 pytestmark = pytest.mark.serve
@@ -502,10 +501,8 @@ def _metrics(cluster) -> tuple[dict, dict]:
     return totals, samples
 
 
-def _readme_metrics_table() -> str:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = readme.index("| metric | labels | what |")
-    return readme[start : readme.index("\n\n", start)]
+def _not_tenant(metric: str) -> bool:
+    return "_tenant_" not in metric
 
 
 def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, client, assets):
@@ -562,10 +559,12 @@ def test_metrics_count_requests_latencies_routing_and_replica_state(cluster, cli
     assert states == {"free", "loading", "ready"}
     tiers = {s.labels["tier"] for s in samples["ray_lorafleet_replica_adapter_lookups_total"]}
     assert tiers <= {"device", "host", "miss"} and tiers
-    documented = set(re.findall(r"`(lorafleet_[a-z_]+)`", _readme_metrics_table()))
-    exported = {name.removeprefix("ray_") for name in samples}
-    exported |= {n.removesuffix("_count") for n in exported if n.endswith("_count")}
+    # the docs' table and the Grafana dashboard's queries (metrics and the labels they group
+    # and filter by); the tenants' only exist with tenants: tests/reliability/test_redeployed.py
+    documented = set(filter(_not_tenant, dashboard.documented()))
+    exported = set(samples) | {n.removesuffix("_count") for n in samples if n.endswith("_count")}
     assert documented and documented <= exported, documented - exported
+    assert dashboard.unexported(samples, _not_tenant) == []
     for name in ["waiting_requests", "running_requests", "steps_total"]:
         assert samples[f"ray_lorafleet_replica_{name}"]
 

@@ -1,9 +1,10 @@
-"""Settings that take a redeploy, all on one: a 1 s request deadline, and an API key from
-the config required for inference too (api_key_for_inference), which then takes precedence
-over the environment's key. A deploy costs ~25 s here and putting the app back as much:
-one redeploy for the module, not one per setting (that was ~50 s more per run). So every
-request here carries the config's key, and asks for a few tokens at most where it is to
-finish within the deadline.
+"""Settings that take a redeploy, all on one: a 1 s request deadline, an API key from the
+config required for inference too (api_key_for_inference), which then takes precedence
+over the environment's key, and one tenant (its metrics exist only with tenants: the
+Grafana dashboard's tenant panels are checked here). A deploy costs ~25 s here and putting
+the app back as much: one redeploy for the module, not one per setting (that was ~50 s
+more per run). So every request here carries the config's key (the admin's) or the
+tenant's, and asks for a few tokens at most where it is to finish within the deadline.
 
 GET /health is here too: 200 while a replica can serve, 503 (OpenAI body) once none can,
 found without sending a generation; and 200 again when replicas are back. Bringing them
@@ -21,10 +22,13 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from cluster import serving
 from router.ingress import HEALTH_MAX_REPORT_AGE_S
+from router.tenancy import key_digest
+from tests.cluster import test_dashboard as dashboard
 from tests.reliability.conftest import ADMIN, complete, post, redeploy, wait_healthy
 from tests.reliability.test_bad_input import assert_openai_error
 from tests.reliability.test_faults import LONG, _aborted
@@ -33,7 +37,21 @@ pytestmark = pytest.mark.serve
 
 CONFIG_KEY = "config-key-9876543210"
 KEYED = {"Authorization": f"Bearer {CONFIG_KEY}"}
-SETTINGS = {"request_timeout_s": 1.0, "api_key": CONFIG_KEY, "api_key_for_inference": True}
+TENANT_KEY = "tenant-key-1357924680"
+TENANT = {"Authorization": f"Bearer {TENANT_KEY}"}
+SETTINGS = {
+    "request_timeout_s": 1.0,
+    "api_key": CONFIG_KEY,
+    "api_key_for_inference": True,
+    "tenants": [
+        {
+            "name": "dash",
+            "key_sha256": [key_digest(TENANT_KEY)],
+            "base_model": True,
+            "requests_per_minute": 2,  # the third request of the minute is a 429
+        }
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +175,33 @@ def test_api_key_for_inference_guards_every_endpoint_but_health_and_metrics(stri
     assert httpx.get(strict["url"] + "/health", timeout=30).status_code == 200
     # Prometheus scrapers carry no key (200, or 503 before Ray's first export)
     assert httpx.get(strict["url"] + "/metrics", timeout=30).status_code != 401
+
+
+def _samples(cluster) -> dict[str, list]:
+    """GET /metrics: each sample name's samples."""
+    r = httpx.get(cluster["url"] + "/metrics", timeout=30)
+    samples: dict[str, list] = {}
+    if r.status_code == 200:  # 503 before Ray's first export
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def _tenant_metric(name: str) -> bool:
+    return "_tenant_" in name
+
+
+def test_tenant_metrics_are_on_the_metrics_page_as_the_dashboard_queries_them(strict):
+    """A tenant's requests (the second a prefix-cache hit: cached tokens) and its 429 over
+    the request limit reach /metrics as lorafleet_tenant_*, with every label the Grafana
+    dashboard's tenant panels group by."""
+    body = {"model": "tiny-base", "prompt": "one two three four five six " * 6, "max_tokens": 1}
+    for status in (200, 200, 429):
+        assert post(strict, "/v1/completions", body, TENANT).status_code == status
+    deadline = time.monotonic() + 30  # Ray exports every metrics_report_interval_ms (10 s)
+    while (missing := dashboard.unexported(_samples(strict), _tenant_metric)) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert missing == []
