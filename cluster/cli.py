@@ -473,7 +473,7 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
     if key is None and config["applications"][0]["args"].get("tenants"):
         # every request needs a tenant's key, and a key is never in the config (digests)
         print("tenants are configured and no admin key: no showcase; call it with a "
-              "tenant's key (README: Tenants)", flush=True)  # fmt: skip
+              "tenant's key (docs/serving/tenants.md)", flush=True)  # fmt: skip
         return
     if args.no_demo_requests:
         names = showcase.model_names(url, key)

@@ -47,7 +47,7 @@ class EngineConfig(BaseModel):
         description="Distinct adapters allowed in one running batch. Default: num_slots - 1 "
         "(so the batch never holds every block a max-rank adapter could use), at most "
         "max_num_seqs. With adapters churning, one or two fewer leave room for the next "
-        "load (README, Measured).",
+        "load (docs/performance.md).",
     )
     kv_cache_bytes: int = Field(
         256 * 2**20, ge=1, description="Memory budget of the paged KV cache, in bytes."

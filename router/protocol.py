@@ -1,8 +1,8 @@
 """The OpenAI HTTP API subset we serve, as pydantic models (vLLM-compatible field names).
 
-Requests ignore unknown fields, because the openai SDK and other clients send extras, but
-refuse known features we do not implement (n > 1, logprobs, echo, ...) with a message naming
-the field, rather than silently answering something else. Sampling fields take their types
+Requests refuse unknown fields, and known OpenAI features we do not implement (tools,
+audio, suffix, ...) accept only their "off" values, each with a message naming the field,
+rather than silently answering something else. Sampling fields take their types
 (bounds) and defaults from replica.wire.SamplingParams, which a request then builds directly.
 Responses are shaped so that the official `openai` SDK parses them. Plain Python: nothing
 here touches Ray or tensors.

@@ -37,7 +37,7 @@ ONE_B = DemoSpec(
 
 
 def gpu_section(assets: DemoAssets, args: argparse.Namespace) -> dict:
-    """Every figure of the GPU section, keyed as the README quotes them."""
+    """Every figure of the GPU section, keyed as docs/performance.md quotes them."""
     names = list(assets.adapters)[:ADAPTERS]
     out: dict = {
         "gpu": torch.cuda.get_device_name(),

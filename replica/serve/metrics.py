@@ -24,7 +24,7 @@ class _Cumulative:
         key = tuple(sorted((tags or {}).items()))
         if key not in self._last and total == 0:
             # Ray exports a counter only once it holds a value, and inc() refuses 0: record
-            # the zero itself, so that a counter the README lists exists from the start
+            # the zero itself, so that a counter the docs list exists from the start
             self.counter._record(0.0, tags=tags)
         last = self._last.get(key, 0)
         new = total - last if total >= last else total

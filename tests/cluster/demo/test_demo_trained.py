@@ -24,7 +24,7 @@ from tests.oracle import hf_logits, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 HELD_OUT = 30  # per task, drawn with another seed than training
-MIN_ACCURACY = 0.9  # exact match; measured 2026-11-24: every task 30/30 (see the README)
+MIN_ACCURACY = 0.9  # exact match; measured 2026-11-24: every task 30/30 (docs/getting-started.md)
 
 
 @pytest.fixture(scope="module")
