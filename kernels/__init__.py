@@ -11,7 +11,8 @@
                                block_size, scale, sliding_window, soft_cap=cap)  # [D, H, hd]
     plan = make_expert_plan(topk_ids, num_experts, seg)  # MoE pairs sorted by expert
     y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
-    eseg = expert_segments(plan, seg, rows_per_expert)  # expert LoRA as lora_shrink/expand
+    inter = expert_lora_shrink(x_sorted, a, plan, seg, max_rank)  # expert LoRA, grouped by
+    expert_lora_expand(y, inter, b, plan, seg, slice_offsets)   # (adapter, expert)
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -60,6 +61,8 @@ __all__ = [
     "make_expert_plan",
     "expert_segments",
     "moe_grouped_gemm",
+    "expert_lora_shrink",
+    "expert_lora_expand",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -294,6 +297,65 @@ def moe_grouped_gemm(
     if x.stride(1) != 1 or w.stride(2) != 1:
         raise ValueError("moe_grouped_gemm: x and w need unit stride along K")
     return implementation(x, "moe").moe_grouped_gemm(x, w, plan)
+
+
+def expert_lora_shrink(
+    x: torch.Tensor,  # [P, in]: the plan's pairs' inputs in sorted order
+    a: torch.Tensor,  # [num_slices, E * rows, in]: an expert A arena (lora_a_buffer)
+    plan: ExpertPlan,
+    seg: SegmentInfo,  # the step's segments (one per sequence) and slot table
+    max_rank: int,  # R: the intermediate's columns per slice
+) -> torch.Tensor:  # [P, num_slices*R] float32
+    """Semantics, per sorted pair i with token t = plan.tokens[i] in segment g, slot
+    s = seg_slots[g] != 0, expert e = plan.experts[i], r = slot_ranks[s],
+    o = slot_offsets[s] + e * rows (rows = a.shape[1] / E: each expert's block):
+
+        out[i, j*R : j*R+r] = x[i].float() @ a[j, o : o+r].float()ᵀ
+
+    zero elsewhere: lora_shrink with each adapter's expert e held at its slot's rows of
+    expert block e. Pairs run grouped by (adapter, expert) (kernels.expert_segments);
+    arena rows outside those groups' rank rows are never read into a result. See
+    kernels.moe_reference.expert_lora_reference.
+    """
+    _check_expert_lora(x, a.shape[1], plan, seg, "expert_lora_shrink")
+    _check_shrink(x, a, seg, max_rank)
+    return implementation(x, "moe").expert_lora_shrink(x, a, plan, seg, max_rank)
+
+
+def expert_lora_expand(
+    y: torch.Tensor,  # [P, out_total], updated in place
+    inter: torch.Tensor,  # [P, num_slices*R] float32, from expert_lora_shrink
+    b: torch.Tensor,  # [out_total, E * rows]: an expert B arena (lora_b_buffer)
+    plan: ExpertPlan,
+    seg: SegmentInfo,
+    slice_offsets: list[int],  # host ints, [num_slices+1]
+) -> torch.Tensor:  # y
+    """Semantics, per sorted pair i (s, e, r, o as in expert_lora_shrink), per slice j
+    with columns cols_j = slice_offsets[j] : slice_offsets[j+1]:
+
+        y[i, cols_j] += slot_scalings[s] * inter[i, j*R : j*R+r] @ b[cols_j, o : o+r]ᵀ
+
+    accumulated in fp32 and rounded once into y.dtype; base (slot 0) rows left
+    bit-identical. See kernels.moe_reference.expert_lora_reference.
+    """
+    _check_expert_lora(y, b.shape[1], plan, seg, "expert_lora_expand")
+    _check_expand(y, inter, b, seg, slice_offsets)
+    return implementation(y, "moe").expert_lora_expand(y, inter, b, plan, seg, slice_offsets)
+
+
+def _check_expert_lora(
+    x: torch.Tensor, arena_rows: int, plan: ExpertPlan, seg: SegmentInfo, name: str
+) -> None:
+    if x.dim() != 2 or x.shape[0] != plan.num_pairs or arena_rows % plan.num_experts:
+        raise ValueError(
+            f"{name}: {tuple(x.shape)} must have the plan's {plan.num_pairs} rows and the "
+            f"arena's {arena_rows} rows a block per each of {plan.num_experts} experts"
+        )
+    if seg.num_segments != plan.num_segments:
+        raise ValueError(
+            f"{name}: the plan was built over {plan.num_segments} segments, seg has "
+            f"{seg.num_segments}"
+        )
 
 
 def paged_decode_attention(

@@ -8,6 +8,11 @@ after two scalar loads. Each expert's weight tile is read once per row block, so
 expert's rows share its weights (vLLM's fused_moe groups tokens the same way; here the
 rows arrive already sorted by expert, see kernels.moe_plan). Tiles are widened to fp32
 before tl.dot, accumulation is fp32, one rounding into x's dtype on store.
+
+Expert LoRA is the SGMV kernels (kernels.sgmv_triton) over the plan's (adapter, expert)
+groups (kernels.expert_segments): one program per group, reading its adapter's rank rows
+of that expert's block once for all its pairs; decode steps (one pair per group) take
+the BGMV decode kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_plan import ExpertPlan
+from kernels import sgmv_triton
+from kernels.moe_plan import ExpertPlan, expert_segments
+from kernels.segments import SegmentInfo
 
 
 @triton.jit
@@ -80,3 +87,27 @@ def moe_grouped_gemm(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
+
+
+def expert_lora_shrink(
+    x: torch.Tensor,  # [P, in], sorted pairs
+    a: torch.Tensor,  # [num_slices, E * rows, in]: an expert A arena
+    plan: ExpertPlan,
+    seg: SegmentInfo,
+    max_rank: int,
+) -> torch.Tensor:  # [P, num_slices * R] float32
+    """The SGMV shrink over the plan's (adapter, expert) groups (kernels.expert_segments)."""
+    eseg = expert_segments(plan, seg, a.shape[1] // plan.num_experts)
+    return sgmv_triton.lora_shrink(x, a, eseg, max_rank, None)
+
+
+def expert_lora_expand(
+    y: torch.Tensor,  # [P, out_total], updated in place
+    inter: torch.Tensor,  # [P, num_slices * R] float32
+    b: torch.Tensor,  # [out_total, E * rows]: an expert B arena
+    plan: ExpertPlan,
+    seg: SegmentInfo,
+    slice_offsets: list[int],
+) -> torch.Tensor:  # y
+    eseg = expert_segments(plan, seg, b.shape[1] // plan.num_experts)
+    return sgmv_triton.lora_expand(y, inter, b, eseg, slice_offsets)

@@ -66,13 +66,22 @@ EVERYTHING = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
 PHI3 = {"attn": ["qkv_proj", "o_proj"], "all": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
+# PEFT target_parameters on transformers 5's stacked experts (the 3D expert layout)
+EXPERTS = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+           "rank_pattern": {"layers.0.mlp.experts.down_proj": 4}}  # fmt: skip
+
+
 def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]:
     """Two peft adapters of a family's model: rank 8 on attention, rank 16 on everything
-    (Phi-3's adapters target its fused qkv_proj and gate_up_proj)."""
+    (Phi-3's adapters target its fused qkv_proj and gate_up_proj; on a mixture of experts
+    "all" adds the experts' stacked parameters, layer 0's down at rank 4)."""
     targets = PHI3 if family.startswith("phi3") else {"attn": ATTENTION, "all": EVERYTHING}
+    experts = EXPERTS if family in ("mixtral", "qwen3moe") else {}
     return {
         "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),
-        "all": peft_adapter(model_dir, root / "all", targets["all"], r=16, alpha=8, seed=2),
+        "all": peft_adapter(
+            model_dir, root / "all", targets["all"], r=16, alpha=8, seed=2, **experts
+        ),
     }
 
 

@@ -47,6 +47,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                    "sliding_window": 8, "sliding_window_pattern": 2}),
     "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": 12,
                             "tie_word_embeddings": False}),
+    # top-2 of 4 experts on every layer, renormalised; Mistral's window
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": 12, "tie_word_embeddings": False}),
+    # top-2 of 8 experts of 32 columns, not renormalised; layer 1 of 3 dense
+    # (mlp_only_layers); Qwen3's q/k norms and head_dim ≠ hidden / heads
+    "qwen3moe": ("Qwen3MoeConfig", {"head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "norm_topk_prob": False,
+                                    "num_hidden_layers": 3, "mlp_only_layers": [1],
+                                    "tie_word_embeddings": False}),
 }  # fmt: skip
 # At demo size (the bench's models) the shapes and settings of the real checkpoints instead
 # of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
@@ -54,6 +63,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 # and query_pre_attn_scalar = head_dim, with head_dim 64 = hidden / heads.
 DEMO_QUIRKS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 128, "use_sliding_window": False},
+    # a small Qwen3-MoE: 8 experts of 256 columns, top-2, every layer sparse (Qwen3-30B-A3B
+    # has 128 of 768, top-8, renormalised)
+    "qwen3moe": {"head_dim": 64, "moe_intermediate_size": 256, "num_hidden_layers": 8,
+                 "mlp_only_layers": [], "norm_topk_prob": True},
+    "mixtral": {"intermediate_size": 384},
     "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
 }  # fmt: skip
@@ -121,6 +135,9 @@ def _draw(
         # Gemma norms each branch's output to unit rms, and its embedding writes ~6 (std
         # 6/sqrt(h) times sqrt(h)): branches of 2·6 keep the tied head from echoing the input
         return 2 * logit_std - 1 + 0.2 * noise
+    if name.endswith("mlp.gate.weight"):  # an MoE router: logits of std ~4, so that the
+        # top-k choices are clear (rounding never flips one between implementations)
+        return noise * 4.0 / math.sqrt(shape[-1])
     if "norm" in name:  # Gemma stores w of x̂·(1+w): both land near identity
         return (0.0 if gemma else 1.0) + 0.2 * noise
     if name.endswith("bias"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from replica.config import EngineConfig
-from replica.model.lora import MODULE_GROUPS, VOCAB_GROUPS
+from replica.model.lora import EXPERT_GROUPS, VOCAB_GROUPS, layer_groups
 from replica.model.lora_slots import block_rows
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
@@ -33,18 +33,21 @@ def slot_bytes(
     """Device bytes of `max_rank` arena rows on one rank: [num_slices, R, in] of A and
     [out, R] of B per projection group and layer (and, with `vocab`, of embed_tokens and
     lm_head once), what LoRASlotBuffers allocates per max_rank rows (with max_rank 1: the
-    bytes of one rank row)."""
+    bytes of one rank row). A sparse layer's expert groups hold those rows once per
+    expert: an expert adapter's real size, E x (gate, up, down) x r rows per layer."""
     if tp_size == 1:
-        shapes = spec.module_shapes() | spec.vocab_module_shapes()
+        shapes = spec.module_shapes() | spec.vocab_module_shapes() | spec.expert_shapes()
     else:
         shapes = TPShard(spec, 0, tp_size).lora_shapes()
-    per_layer = 0
-    for names in MODULE_GROUPS.values():
-        in_features = shapes[names[0]][0]
-        out_total = sum(shapes[n][1] for n in names)
-        per_layer += (len(names) * in_features + out_total) * max_rank
+    rows = 0
+    for layer in range(spec.num_layers):
+        for group, names in layer_groups(spec, layer).items():
+            in_features = shapes[names[0]][0]
+            out_total = sum(shapes[n][1] for n in names)
+            copies = spec.num_experts if group in EXPERT_GROUPS else 1
+            rows += copies * (len(names) * in_features + out_total) * max_rank
     once = sum(sum(shapes[g]) * max_rank for g in VOCAB_GROUPS) if vocab else 0
-    return (per_layer * spec.num_layers + once) * dtype.itemsize
+    return (rows + once) * dtype.itemsize
 
 
 def default_budget(

@@ -29,6 +29,12 @@ Weights come from adapter_model.safetensors or, from older trainers (PEFT's
 save_pretrained(safe_serialization=False)), adapter_model.bin, read with
 torch.load(weights_only=True); safetensors wins when both are there.
 
+Expert LoRA on a mixture of experts is read from either layout its keys show, per-expert
+2D modules or PEFT target_parameters 3D (model/expert_adapters.py), and held per
+(layer, expert_gate_proj / expert_up_proj / expert_down_proj) as A [E, r_m, in] and B
+[E, out, r_m] (experts the adapter leaves out: zeros), with the same rank and scaling
+rules per expert module.
+
 What adapter_config.json may hold is model/peft_config.py's; refused here: LoRA on
 embed_tokens / lm_head, and tensors of modules the family does not have.
 layers_to_transform / layers_pattern are served as written: the file must hold weights
@@ -48,6 +54,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from replica.model.expert_adapters import (
+    EXPERT_MODULES,
+    expert_parts,
+    is_expert_key,
+    stack_experts,
+)
 from replica.model.peft_config import (
     PEFT_DEFAULT_ALPHA,
     AdapterFormatError,
@@ -61,7 +73,7 @@ from replica.model.peft_config import (
 from replica.model.spec import ModelSpec
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-              "embed_tokens", "lm_head")  # fmt: skip
+              "embed_tokens", "lm_head", *EXPERT_MODULES)  # fmt: skip
 # An adapter directory's weights file, in order of preference (the .bin: older trainers)
 WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # base_model.model.<the decoder's prefix>layers.N.(self_attn|mlp).<module>.lora_(A|B).weight;
@@ -111,8 +123,8 @@ class LoRAAdapterWeights:
     def group_rank(self, modules: tuple[str, ...]) -> int:
         """The rank rows a projection group computes with: its largest module's rank, over
         every layer (0 when the adapter targets none of `modules`)."""
-        return max(
-            (a.shape[0] for (_, m), (a, _b) in self.weights.items() if m in modules), default=0
+        return max(  # A [r, in], or an expert module's [E, r, in]
+            (a.shape[-2] for (_, m), (a, _b) in self.weights.items() if m in modules), default=0
         )
 
     def select(self, select: SelectLoRA) -> LoRAAdapterWeights:
@@ -207,12 +219,17 @@ def convert_peft_tensors(
     in_layers = layer_filter(name, config)
     rslora = bool(config.get("use_rslora"))
 
-    pairs: dict[tuple[int, str], _Module] = {}
+    # (layer, module, expert) -> its tensors; expert -1: not an expert module
+    pairs: dict[tuple[int, str, int], _Module] = {}
     multimodal = len(spec.weight_prefixes) > 1
     shapes, fused = spec.module_shapes(), spec.fused_modules()
-    shapes |= spec.vocab_module_shapes()
+    shapes |= spec.vocab_module_shapes() | spec.expert_shapes()
+    expert_tensors = {}
     for key, tensor in tensors.items():
         if multimodal and _VISION.match(key):
+            continue
+        if is_expert_key(key):
+            expert_tensors[key] = tensor
             continue
         if _VOCAB_COPY.match(key):
             if tensor.dim() != 2 or tensor.shape[0] != spec.vocab_size:
@@ -231,7 +248,7 @@ def convert_peft_tensors(
                 )
             module, which = v.group(1) or v.group(3), v.group(2) or v.group(4)
             path = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
-            pairs.setdefault((VOCAB_LAYER, module), _Module(path)).tensors[which] = tensor
+            pairs.setdefault((VOCAB_LAYER, module, -1), _Module(path)).tensors[which] = tensor
             continue
         m = _KEY.match(key)
         if m is None:
@@ -255,23 +272,24 @@ def convert_peft_tensors(
                 f"{name}: tensor {key!r} targets layer {layer}, model has {spec.num_layers}"
             )
         path = key.removeprefix(_PEFT_PREFIX).removesuffix(f".lora_{which}.weight")
-        if in_layers is not None and not in_layers(path):
-            shown = f"layers_to_transform={config['layers_to_transform']!r}"
-            if config.get("layers_pattern"):
-                shown += f", layers_pattern={config['layers_pattern']!r}"
-            raise AdapterFormatError(f"{name}: tensor {key!r} is in a layer outside {shown}")
-        pairs.setdefault((layer, module), _Module(path)).tensors[which] = tensor
+        _check_layer_filter(name, config, in_layers, path, key)
+        pairs.setdefault((layer, module, -1), _Module(path)).tensors[which] = tensor
+    for part in expert_parts(name, expert_tensors, spec) if expert_tensors else ():
+        _check_layer_filter(name, config, in_layers, part.path, part.path)
+        entry = _Module(part.path, {"A": part.a, "B": part.b})
+        pairs[(part.layer, part.module, part.expert)] = entry
     if not pairs:
         raise AdapterFormatError(f"{name}: the adapter holds no LoRA weights")
 
     # (layer, module, A [r_m, in], B [out, r_m], r_m, s_m), validated
     modules = []
-    for (layer, module), entry in sorted(pairs.items()):
+    for (layer, mod, expert), entry in sorted(pairs.items()):
         ab = entry.tensors
+        module = mod if expert < 0 else f"{mod} expert {expert}"  # what messages name
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
             raise AdapterFormatError(f"{name}: layer {layer} {module} lacks lora_{missing}")
-        parts = fused.get(module, (module,))
+        parts = fused.get(mod, (mod,))
         in_f, out_f = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
         r_key = pattern_key(rank_pattern, entry.path)
         r_m = rank_pattern.get(r_key, r)
@@ -302,7 +320,7 @@ def convert_peft_tensors(
             raise AdapterFormatError(f"{name}: layer {layer} {module}: NaN or infinite weights")
         alpha_m = alpha_pattern.get(pattern_key(alpha_pattern, entry.path), alpha)
         s_m = alpha_m / math.sqrt(r_m) if rslora else alpha_m / r_m
-        modules.append((layer, module, parts, a, b, r_m, s_m))
+        modules.append((layer, module, parts, a, b, r_m, s_m, expert))
 
     rank = max(m[5] for m in modules)
     if rank > max_lora_rank:
@@ -317,9 +335,13 @@ def convert_peft_tensors(
     scaling = _adapter_scaling(default, [m[6] for m in modules])
 
     weights = {}
-    for layer, _module, parts, a, b, _r_m, s_m in modules:
+    experts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for layer, _module, parts, a, b, _r_m, s_m, expert in modules:
         if s_m != scaling:  # only when modules' scalings differ (then scaling != 0)
             b = (b.to(torch.promote_types(b.dtype, torch.float32)) * (s_m / scaling)).to(b.dtype)
+        if expert >= 0:
+            experts.setdefault((layer, parts[0]), {})[expert] = (a, b)
+            continue
         # A fused module's delta is B·A with B's rows split among its parts: each part
         # is the exact LoRA (A, its rows of B)
         row = 0
@@ -327,8 +349,20 @@ def convert_peft_tensors(
             rows = shapes[part][1]
             weights[(layer, part)] = (a.contiguous(), b[row : row + rows].contiguous())
             row += rows
+    for key, per_expert in experts.items():
+        weights[key] = stack_experts(per_expert, spec.num_experts)
     targets = tuple(m for m in TARGETABLE if any(k[1] == m for k in weights))
     return LoRAAdapterWeights(name, rank, scaling, targets, weights)
+
+
+def _check_layer_filter(
+    name: str, config: dict, in_layers: Callable[[str], bool] | None, path: str, key: str
+) -> None:
+    if in_layers is not None and not in_layers(path):
+        shown = f"layers_to_transform={config['layers_to_transform']!r}"
+        if config.get("layers_pattern"):
+            shown += f", layers_pattern={config['layers_pattern']!r}"
+        raise AdapterFormatError(f"{name}: tensor {key!r} is in a layer outside {shown}")
 
 
 def _adapter_scaling(default: float, module_scalings: list[float]) -> float:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import SegmentInfo
+from replica.model.spec import ModelSpec
 
 # Fused projection groups of one decoder layer, in the order their outputs are laid out.
 MODULE_GROUPS: dict[str, tuple[str, ...]] = {
@@ -28,6 +29,17 @@ EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
     "experts_gate_up": ("expert_gate_proj", "expert_up_proj"),
     "experts_down": ("expert_down_proj",),
 }
+
+
+def layer_groups(spec: ModelSpec, layer: int) -> dict[str, tuple[str, ...]]:
+    """The projection groups of `layer` with their slices: attention, then the dense
+    MLP's, or on a sparse layer its experts'."""
+    groups = {g: MODULE_GROUPS[g] for g in ("qkv_proj", "o_proj")}
+    if spec.is_sparse(layer):
+        return groups | EXPERT_GROUPS
+    return groups | {g: MODULE_GROUPS[g] for g in ("gate_up_proj", "down_proj")}
+
+
 # The vocabulary modules, model-level groups of one slice (with engine.lora_embeddings):
 # the embedding's A is read by token id (kernels.lora_embedding_shrink), the head's rows
 # are the logit rows.

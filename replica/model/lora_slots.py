@@ -7,6 +7,12 @@ adapters at their own rank: a rank-8 adapter takes an eighth of a rank-64 one. T
 class only owns memory and copies weights in; which adapter lives in which slot and
 which rows is the slot pool's decision (replica/adapters). Slot 0 is the base model:
 rank 0, no rows, so a segment on slot 0 adds nothing.
+
+A sparse (mixture-of-experts) layer has expert groups instead of the dense MLP's: their
+arenas hold one block of rows per expert ([num_slices, E * num_rows, in]), the adapter's
+expert e at rows e * num_rows + [offset, offset + rank): the same offset in every block,
+so one slot offset still names every row it owns, and an expert adapter takes its real
+E x (gate, up, down) x rank rows per layer (replica/adapters/memory.py counts them).
 """
 
 from __future__ import annotations
@@ -19,9 +25,16 @@ import torch
 import kernels
 from replica.device import StagedBuffer, StepProgress
 from replica.model.adapter_weights import VOCAB_LAYER, LoRAAdapterWeights
-from replica.model.lora import MODULE_GROUPS, VOCAB_GROUPS, LoRABuffers
+from replica.model.lora import (
+    EXPERT_GROUPS,
+    MODULE_GROUPS,
+    VOCAB_GROUPS,
+    LoRABuffers,
+    layer_groups,
+)
 from replica.model.spec import ModelSpec
 
+_GROUPS = MODULE_GROUPS | EXPERT_GROUPS  # a layer group's module names
 MIN_BLOCK_ROWS = 8  # ranks 1..8 take 8 rows: smaller blocks would only grow the slot tables
 
 
@@ -74,22 +87,28 @@ class LoRASlotBuffers:
         self.spec, self.max_rank = spec, max_rank
         self.num_rows = arena_rows(num_slots, max_rank)
         self.num_slots = num_slot_handles(self.num_rows)
-        shapes = shapes or spec.module_shapes() | spec.vocab_module_shapes()
+        shapes = shapes or (
+            spec.module_shapes() | spec.vocab_module_shapes() | spec.expert_shapes()
+        )
         # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
+        # (expert groups excepted: their rows are (token, expert) pairs, not tokens)
         self.layers: list[dict[str, LoRABuffers]] = []
         self.workspace_cols = 0
-        for _ in range(spec.num_layers):
+        for layer in range(spec.num_layers):
             groups = {}
-            for group, names in MODULE_GROUPS.items():
+            for group, names in layer_groups(spec, layer).items():
                 in_f = shapes[names[0]][0]
                 offsets = [0]
                 for n in names:
                     offsets.append(offsets[-1] + shapes[n][1])
-                a = kernels.lora_a_buffer(len(names), self.num_rows, in_f, device, dtype)
-                b = kernels.lora_b_buffer(offsets[-1], self.num_rows, device, dtype)
+                experts = group in EXPERT_GROUPS
+                rows = self.num_rows * (spec.num_experts if experts else 1)
+                a = kernels.lora_a_buffer(len(names), rows, in_f, device, dtype)
+                b = kernels.lora_b_buffer(offsets[-1], rows, device, dtype)
                 buf = LoRABuffers(a, b, offsets, names, max_rank, self.workspace_cols)
                 groups[group] = buf
-                self.workspace_cols += buf.width
+                if not experts:
+                    self.workspace_cols += buf.width
             self.layers.append(groups)
         # embed_tokens, lm_head: one slice each, their own intermediates (not the
         # workspace's: the head's rows are the logit rows, not the step's tokens)
@@ -99,7 +118,8 @@ class LoRASlotBuffers:
             a = kernels.lora_a_buffer(1, self.num_rows, in_f, device, dtype)
             b = kernels.lora_b_buffer(out_f, self.num_rows, device, dtype)
             self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)
-        self.groups = (*MODULE_GROUPS, *self.vocab)  # the slot table's rank columns
+        experts = tuple(EXPERT_GROUPS) if spec.num_experts else ()
+        self.groups = (*MODULE_GROUPS, *experts, *self.vocab)  # the slot table's rank columns
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         n = self.num_slots
@@ -149,7 +169,7 @@ class LoRASlotBuffers:
         r = adapter.rank
         if row0 < 0 or row0 + r > self.num_rows:
             raise ValueError(f"rows [{row0}, {row0 + r}) outside the arena's {self.num_rows}")
-        group_ranks = {g: adapter.group_rank(MODULE_GROUPS[g]) for g in MODULE_GROUPS}
+        group_ranks = {g: adapter.group_rank(_GROUPS.get(g, (g,))) for g in self.groups}
         for layer, groups in enumerate(self.layers):
             if progress is not None:
                 progress.wait_layer(layer)
@@ -157,16 +177,21 @@ class LoRASlotBuffers:
                 if not group_ranks[group]:
                     continue  # rank 0 for this group: its rows are never read
                 a, b = self._targets[layer][group]
+                blocks = self.spec.num_experts if group in EXPERT_GROUPS else 1
                 for j, m in enumerate(buf.slice_names):
                     cols = slice(buf.slice_offsets[j], buf.slice_offsets[j + 1])
-                    _write_rows(a[j], b[:, cols], row0, group_ranks[group], adapter, layer, m)
+                    ab = adapter.weights.get((layer, m))
+                    for e in range(blocks):  # expert e's rows: block e of the arenas
+                        part = ab if ab is None or blocks == 1 else (ab[0][e], ab[1][e])
+                        first = e * self.num_rows + row0
+                        _write_rows(a[j], b[:, cols], first, group_ranks[group], part)
         for group in self.vocab:
             if (VOCAB_LAYER, group) not in adapter.weights:
                 continue  # rank 0 for this group
             if progress is not None:
                 progress.wait_layer(0 if group == "embed_tokens" else len(self.layers))
             a, b = self._targets[-1][group]
-            _write_rows(a[0], b, row0, None, adapter, VOCAB_LAYER, group)
+            _write_rows(a[0], b, row0, None, adapter.weights[(VOCAB_LAYER, group)])
 
     def activate(self, slot: int, row0: int, adapter: LoRAAdapterWeights) -> None:
         """Make written rows visible to batches as `slot` (main thread, once the copies
@@ -174,7 +199,7 @@ class LoRASlotBuffers:
         if slot == 0:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
         for group in self.groups:
-            self.table.ranks[group][slot] = adapter.group_rank(MODULE_GROUPS.get(group, (group,)))
+            self.table.ranks[group][slot] = adapter.group_rank(_GROUPS.get(group, (group,)))
         self.table.scalings[slot] = adapter.scaling
         self.table.offsets[slot] = row0
 
@@ -242,15 +267,13 @@ def _write_rows(
     b: np.ndarray | torch.Tensor,
     row0: int,
     group_rank: int | None,
-    adapter: LoRAAdapterWeights,
-    layer: int,
-    module: str,
+    ab: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
-    """One module's A [rows, in] and B [rows, out] views from row0: its own rank's rows,
-    then zeros up to the group's rank (a smaller module of the group, a module the adapter
-    does not target, or a layer it skips: the group's rank rows are read in every layer,
-    and stale rows would be another adapter's weights). group_rank None: its own rows."""
-    ab = adapter.weights.get((layer, module))
+    """One module's (A [r, in], B [out, r]) (None: not targeted here) into the A
+    [rows, in] and B [rows, out] views from row0: its own rank's rows, then zeros up to
+    the group's rank (a smaller module of the group, a module the adapter does not
+    target, or a layer it skips: the group's rank rows are read in every layer, and stale
+    rows would be another adapter's weights). group_rank None: its own rows."""
     r = 0 if ab is None else ab[0].shape[0]
     if r:
         _fill(a[row0 : row0 + r], ab[0])

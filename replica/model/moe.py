@@ -9,8 +9,9 @@ only), so one grouped GEMM per projection reads each expert's stacked weights
 SGLang add it: gate/up LoRA to the first GEMM's output before the activation, down LoRA
 to each expert's output before the weighted sum over the k experts; both run as the
 ordinary multi-LoRA ops over (adapter, expert) groups of the same sort
-(kernels.expert_segments): an adapter's expert e rows sit in expert e's block of the
-expert arenas. Nothing here reads a device value, so the decode step stays graph-safe.
+(kernels.expert_lora_shrink / expert_lora_expand): an adapter's expert e rows sit in
+expert e's block of the expert arenas. Nothing here reads a device value, so the decode
+step stays graph-safe.
 
 Tensor parallelism: each rank holds every expert's share of the intermediate columns
 (gate/up rows, down columns), LoRA split the same way (gate/up B by rows; down A by
@@ -99,11 +100,10 @@ class SparseMoE:
         buf, seg = self.lora.get(group), lora.get(group)
         if buf is None or seg is None or not seg.has_lora:
             return
-        eseg = kernels.expert_segments(plan, seg, buf.a.shape[1] // self.num_experts)
-        inter = kernels.lora_shrink(x, buf.a, eseg, buf.max_rank)
+        inter = kernels.expert_lora_shrink(x, buf.a, plan, seg, buf.max_rank)
         if group == "experts_gate_up":
-            kernels.lora_expand(y, inter, buf.b, eseg, buf.slice_offsets)
+            kernels.expert_lora_expand(y, inter, buf.b, plan, seg, buf.slice_offsets)
             return
         if self.comm is not None:  # down: A split by input columns, a partial sum
             self.comm.all_reduce(inter, "lora")
-        kernels.lora_expand(y[:, self.cols], inter, buf.b, eseg, buf.slice_offsets)
+        kernels.expert_lora_expand(y[:, self.cols], inter, buf.b, plan, seg, buf.slice_offsets)

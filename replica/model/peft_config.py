@@ -2,8 +2,9 @@
 
 Refused, naming the field: PEFT features that are not a plain additive low-rank delta on
 the served base model (DoRA, modules_to_save, trainable tokens, layer replication, a bias,
-fan_in_fan_out, QALoRA, aLoRA, target_parameters, Arrow, BD-LoRA, KaSA, and
-init_lora_weights that rewrite the base weights: PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA).
+fan_in_fan_out, QALoRA, aLoRA, Arrow, BD-LoRA, KaSA, and init_lora_weights that rewrite
+the base weights: PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA); target_parameters other than a
+mixture of experts' stacked gate_up_proj / down_proj (model/expert_adapters.py reads those).
 rank_pattern / alpha_pattern keys and layers_to_transform / layers_pattern are matched as
 PEFT matches them (see pattern_key and layer_filter).
 """
@@ -36,11 +37,13 @@ _REFUSED_FIELDS = {
     "use_qalora": "QALoRA (LoRA on pooled inputs)",
     "lora_bias": "a bias on lora_B",
     "alora_invocation_tokens": "aLoRA (active only after its invocation tokens)",
-    "target_parameters": "LoRA on parameters (target_parameters)",
     "arrow_config": "Arrow routing",
     "use_bdlora": "BD-LoRA (block-diagonal factors)",
     "kasa_config": "KaSA (truncated base weights and a singular-value diagonal)",
 }
+# target_parameters served: the stacked experts of transformers 5's MoE blocks (PEFT
+# saves them as written, e.g. mlp.experts.gate_up_proj, and may add the bare names)
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 _SUBCONFIGS = {"arrow_config", "use_bdlora", "kasa_config"}
 # init_lora_weights values whose init rewrites the base weights (PEFT does it again when it
 # loads the adapter): the adapter is a delta on that modified base, not on ours
@@ -171,6 +174,14 @@ def check_config(name: str, config: dict) -> None:
         value = config.get(key)
         if value is not None if key in _SUBCONFIGS else value:
             raise AdapterFormatError(f"{name}: {key}={value!r}: {what} is not supported")
+    params = config.get("target_parameters") or []
+    others = [p for p in params if str(p).rpartition(".")[2] not in EXPERT_PARAMETERS]
+    if not isinstance(params, list) or others:
+        raise AdapterFormatError(
+            f"{name}: target_parameters={config['target_parameters']!r}: LoRA on parameters "
+            "is supported only on a mixture of experts' stacked experts.gate_up_proj and "
+            "experts.down_proj"
+        )
     if config.get("bias", "none") != "none":
         raise AdapterFormatError(f"{name}: bias={config['bias']!r} is not supported (only 'none')")
     if config.get("fan_in_fan_out"):

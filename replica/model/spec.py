@@ -129,11 +129,12 @@ class ModelSpec:
         )
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of one expert's projections ({} for a dense model)."""
+        """(in_features, out_features) of one expert's gate, up and down projections, by
+        their LoRA module names ({} for a dense model)."""
         if not self.num_experts:
             return {}
         h, i = self.hidden_size, self.moe_intermediate_size
-        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {"expert_gate_proj": (h, i), "expert_up_proj": (h, i), "expert_down_proj": (i, h)}
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""

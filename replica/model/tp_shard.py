@@ -128,6 +128,10 @@ class TPShard:
         for m in ROW_PARALLEL:
             start, stop = self.in_range(m)
             shapes[m] = (stop - start, self.spec.hidden_size // self.size)
+        if self.spec.num_experts:  # one expert's share, like the dense MLP's
+            i = self.spec.moe_intermediate_size // self.size
+            shapes |= {"expert_gate_proj": (h, i), "expert_up_proj": (h, i),
+                       "expert_down_proj": (i, h // self.size)}  # fmt: skip
         return shapes
 
     def slice_lora(self, module: str, a: Array, b: Array) -> tuple[Array, Array]:
@@ -142,6 +146,12 @@ class TPShard:
         if module in COLUMN_PARALLEL:
             start, stop = self.out_range(module)
             return a, b[start:stop]
+        if module in ("expert_gate_proj", "expert_up_proj"):  # A [E, r, H], B [E, I, r]
+            start, stop = self.expert_range
+            return a, b[:, start:stop]
+        if module == "expert_down_proj":  # A [E, r, I], B [E, H, r]
+            (i0, i1), (h0, h1) = self.expert_range, self.hidden_range
+            return a[:, :, i0:i1], b[:, h0:h1]
         i0, i1 = self.in_range(module)
         h0, h1 = self.hidden_range
         return a[:, i0:i1], b[h0:h1]

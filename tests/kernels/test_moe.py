@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import backend, expert_segments, make_expert_plan, make_segment_infos
+from kernels import backend, make_expert_plan, make_segment_infos
 from kernels.moe_reference import expert_lora_reference, moe_grouped_gemm_reference
 from tests.conftest import TEST_DEVICE
 
@@ -102,15 +102,16 @@ def test_graph_safe_torch_path_equals_eager_and_reads_no_device_value(load):
 
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("load", LOADS)
-@pytest.mark.parametrize("graph_safe", [False, True], ids=["eager", "graph-safe"])
-def test_expert_lora_matches_reference(name, load, graph_safe):
+@pytest.mark.parametrize("mode", ["prefill", "decode", "graph-safe"])
+def test_expert_lora_matches_reference(name, load, mode):
     """gate/up-like (2 slices) expert LoRA of three adapters (ranks 8, 16, 4) and the base,
-    in segments of mixed lengths (one token each when graph-safe)."""
+    in segments of mixed lengths, of one token each (decode: the torch path's per-pair
+    gather), and graph-safe (one token each, no device read)."""
     gen = torch.Generator().manual_seed(21 + LOADS.index(load))
-    lens = [1] * 6 if graph_safe else [3, 1, 5, 2, 4]
+    lens = [3, 1, 5, 2, 4] if mode == "prefill" else [1] * 6
     slots = [1, 0, 2, 3, 1, 2][: len(lens)]
     ranks = [0, 8, 16, 4]
-    seg = segments(lens, slots, ranks, graph_safe)
+    seg = segments(lens, slots, ranks, mode == "graph-safe")
     t = sum(lens)
     ids = topk_ids(load, t, gen)
     plan = make_expert_plan(ids, E, seg)
@@ -133,8 +134,7 @@ def test_expert_lora_matches_reference(name, load, graph_safe):
         x, a, b, pair_slots, plan.experts, seg.slot_ranks, seg.slot_scalings,
         seg.slot_offsets, rows, slice_offsets,
     )  # fmt: skip
-    eseg = expert_segments(plan, seg, rows)
     with backend.forced_backend(name):
-        inter = kernels.lora_shrink(x, a, eseg, 16)
-        got = kernels.lora_expand(y0.clone(), inter, b, eseg, slice_offsets)
+        inter = kernels.expert_lora_shrink(x, a, plan, seg, 16)
+        got = kernels.expert_lora_expand(y0.clone(), inter, b, plan, seg, slice_offsets)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

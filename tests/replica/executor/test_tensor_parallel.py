@@ -289,11 +289,13 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
         assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "qwen3moe"])
 def test_families_equal_tp1(family, tmp_path):
     """Qwen3 (q/k norms, head_dim ≠ hidden / heads), Gemma 2 (soft-caps, windows, four
-    norms, scaled embedding) and Phi-3 (fused checkpoint projections, partial rotary) on 2
-    ranks: logits and a staggered mixed batch equal TP=1, adapters included."""
+    norms, scaled embedding), Phi-3 (fused checkpoint projections, partial rotary) and
+    Qwen3-MoE (every expert's columns split, gate/up by rows and down by columns, their
+    expert LoRA likewise; a dense layer between) on 2 ranks: logits and a staggered mixed
+    batch equal TP=1, adapters included."""
     from cluster.demo.families import family_model_dir
     from tests.oracle import family_adapters
 

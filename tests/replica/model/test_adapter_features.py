@@ -262,7 +262,7 @@ def test_mixed_batch_matches_peft(engine, refs):
         ("use_qalora", True, "use_qalora=True: QALoRA"),
         ("lora_bias", True, "lora_bias=True: a bias on lora_B is not supported"),
         ("alora_invocation_tokens", [7, 8], r"alora_invocation_tokens=\[7, 8\]: aLoRA"),
-        ("target_parameters", ["mlp.experts.down_proj"], "target_parameters=.*not supported"),
+        ("target_parameters", ["self_attn.q_proj.weight"], "target_parameters=.*only on a mixture"),
         ("arrow_config", {"top_k": 3}, "arrow_config=.*: Arrow routing is not supported"),
         ("use_bdlora", {"nblocks": 2}, "use_bdlora=.*: BD-LoRA"),
         ("kasa_config", {}, "kasa_config={}: KaSA"),  # PEFT makes a default KaSA config of {}

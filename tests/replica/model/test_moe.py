@@ -1,0 +1,278 @@
+"""Mixtures of experts against the outside oracle: transformers (eager) + PEFT, fp32.
+
+Mixtral (every layer sparse, renormalised top-2 of 4) and Qwen3-MoE (top-2 of 8 without
+renormalising, q/k norms, layer 1 dense through mlp_only_layers), tiny random-weight
+models from cluster/demo/families.py in the Hub's per-expert layout. Their routers are
+drawn large, and every test prompt's top-k margin is checked, so fp32 rounding never flips
+an expert choice between us and transformers.
+
+Adapters: attention-only and PEFT target_parameters (3D, experts' gate_up and down, with a
+rank_pattern) written by peft itself, checked against PEFT in one mixed batch with chunked
+prefill; per-expert 2D adapters (what transformers-4 PEFT writes; transformers 5 cannot
+load them) checked against the base with each expert's delta merged into its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cluster.demo.families import family_model_dir
+from replica.model.adapter_weights import load_peft_adapter
+from replica.model.peft_config import AdapterFormatError
+from replica.model.spec import load_model_spec
+from tests.oracle import check_mixed_batch, family_adapters, hf_greedy, hf_logits, hf_model
+from tests.replica.model.test_families import GREEDY, NEW_TOKENS, engine_for, prompts
+
+MOE = ["mixtral", "qwen3moe"]
+MARGIN = 1e-4  # smallest k-th vs (k+1)-th router logit gap: our hidden states match
+# transformers' to ~1e-5, so no expert choice can flip
+
+
+def router_margin(model, prompt: list[int], k: int) -> float:
+    """The smallest gap between the k-th and (k+1)-th router logit of any token and layer
+    over the prompt (transformers; the softmax keeps their order)."""
+    gaps = []
+
+    def hook(_module, _args, out):
+        logits = out[0].float().sort(dim=-1, descending=True).values
+        gaps.append((logits[:, k - 1] - logits[:, k]).min().item())
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith("mlp.gate") and hasattr(m, "top_k")]  # fmt: skip
+    try:
+        hf_logits(model, prompt)
+    finally:
+        for h in handles:
+            h.remove()
+    assert gaps, "no router ran"
+    return min(gaps)
+
+
+@pytest.fixture(scope="module")
+def adapters_of(tmp_path_factory):
+    """family -> (model dir, its two peft adapters), each built once for the module."""
+    built: dict[str, tuple[Path, dict[str, Path]]] = {}
+
+    def get(name: str) -> tuple[Path, dict[str, Path]]:
+        if name not in built:
+            model_dir = family_model_dir(name)
+            root = tmp_path_factory.mktemp(name)
+            built[name] = model_dir, family_adapters(name, model_dir, root)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(params=MOE)
+def moe(request, adapters_of):
+    return request.param, *adapters_of(request.param)
+
+
+def test_moe_base_and_adapters_match_transformers_and_peft_in_one_mixed_batch(moe):
+    name, model_dir, adapters = moe
+    spec = load_model_spec(model_dir)
+    ps = prompts(spec.vocab_size)
+    for adapter in (None, *adapters.values()):
+        ref = hf_model(model_dir, adapter, eager=True)
+        for p in ps:
+            assert router_margin(ref, p, spec.num_experts_per_tok) > MARGIN, (name, adapter)
+    eng = engine_for(model_dir, adapters)
+    got = check_mixed_batch(eng, model_dir, adapters, ps, NEW_TOKENS)
+    assert got[None] != got["all"], f"{name}: the expert adapter should change the continuation"
+
+
+def per_expert_adapter(model_dir: Path, out: Path, seed: int) -> Path:
+    """A 2D per-expert adapter (the family's expert names and block) on every sparse
+    layer's experts 0..2 (the rest untouched): rsLoRA, rank 8 with one expert at rank 4
+    and its own alpha through rank_pattern / alpha_pattern."""
+    spec = load_model_spec(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    block = spec.moe_block
+    tensors = {}
+    for layer in range(spec.num_layers):
+        if not spec.is_sparse(layer):
+            continue
+        for e in range(3):
+            r = 4 if (layer, e) == (0, 1) else 8
+            for proj, (i, o) in zip(spec.expert_names, spec.expert_shapes().values()):
+                key = f"base_model.model.model.layers.{layer}.{block}.experts.{e}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, i, generator=g) / math.sqrt(i)
+                tensors[f"{key}.lora_B.weight"] = torch.randn(o, r, generator=g) / math.sqrt(r)
+    out.mkdir(parents=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    pattern = f"layers.0.{block}.experts.1.{spec.expert_names[0]}"
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_rslora": True,
+              "target_modules": list(spec.expert_names),
+              "rank_pattern": {f"layers.0.{block}.experts.1.*": 4},
+              "alpha_pattern": {pattern: 6}}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def merged_base(model_dir: Path, adapter: Path, out: Path) -> Path:
+    """The base with each expert's scaling · B·A added to its weights (PEFT's rules for
+    rsLoRA and the patterns, read back from the adapter's config)."""
+    from replica.model.peft_config import pattern_key
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    shutil.copytree(model_dir, out)
+    weights = load_file(out / "model.safetensors")
+    lora = load_file(adapter / "adapter_model.safetensors")
+    for key, a in lora.items():
+        if not key.endswith("lora_A.weight"):
+            continue
+        b = lora[key.replace("lora_A", "lora_B")]
+        path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        r = config["rank_pattern"].get(pattern_key(config["rank_pattern"], path), config["r"])
+        alpha = config["alpha_pattern"].get(pattern_key(config["alpha_pattern"], path),
+                                            config["lora_alpha"])  # fmt: skip
+        assert a.shape[0] == r
+        weights[path + ".weight"] += alpha / math.sqrt(r) * (b @ a)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_per_expert_2d_adapter_equals_the_merged_base(family, tmp_path):
+    model_dir = family_model_dir(family)
+    adapter = per_expert_adapter(model_dir, tmp_path / "2d", seed=5)
+    ref = hf_model(merged_base(model_dir, adapter, tmp_path / "merged"), eager=True)
+    eng = engine_for(model_dir, {"2d": adapter})
+    ps = prompts(eng.spec.vocab_size)
+    for p in ps:
+        assert router_margin(ref, p, eng.spec.num_experts_per_tok) > MARGIN
+        diff = (eng.score(p, "2d") - hf_logits(ref, p)).abs().max().item()
+        assert diff < 2e-4, f"{family}: max |logit diff| {diff}"
+    outputs = eng.generate([(p, GREEDY, a) for p in ps for a in ("2d", None)])
+    base = hf_model(model_dir, eager=True)
+    want = [hf_greedy(m, p, NEW_TOKENS) for p in ps for m in (ref, base)]
+    assert [s.output_ids for s in outputs] == want
+    assert want[0] != want[1], "the adapter should change the continuation"
+
+
+def test_expert_adapter_weights_are_counted_at_their_real_size(moe):
+    """An expert adapter holds E x (gate, up, down) x r rows per sparse layer: its
+    converted bytes and the arena bytes one rank row costs."""
+    from replica.adapters.memory import slot_bytes
+    from replica.model.lora_slots import LoRASlotBuffers
+
+    name, model_dir, adapters = moe
+    spec = load_model_spec(model_dir)
+    w = load_peft_adapter(adapters["all"], spec, 64)
+    experts = sum(a.nbytes + b.nbytes for (_, m), (a, b) in w.weights.items()
+                  if m.startswith("expert_"))  # fmt: skip
+    # the file's 3D pairs at their own ranks (PEFT gives gate_up 2r on Qwen3-MoE, our
+    # rank_pattern layer 0's down 4): lora_A [E·r, in] (kept once for gate and once for
+    # up), lora_B [out, E·r]
+    want, file = 0, load_file(adapters["all"] / "adapter_model.safetensors")
+    for key, a in file.items():
+        if ".experts." in key and "lora_A" in key:
+            gate_up = a.shape[1] == spec.hidden_size  # down's A reads the intermediate
+            want += ((2 if gate_up else 1) * a.numel() + file[key.replace("_A", "_B")].numel()) * 4
+    assert experts == want
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    assert bufs.nbytes() == slot_bytes(spec, bufs.num_rows, torch.float32)
+
+
+def test_unreadable_expert_layouts_are_refused_saying_what_was_found(tmp_path):
+    model_dir = family_model_dir("qwen3moe")
+    spec = load_model_spec(model_dir)
+    from replica.model.adapter_weights import convert_peft_tensors
+
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
+    cases = {
+        # a fused 2D gate_up per expert: neither layout
+        "model.layers.0.mlp.experts.gate_up.0.lora_A.weight": "layout this server cannot read",
+        # a 3D pair of neither the gate_up nor the down shapes
+        "model.layers.0.mlp.experts.lora_A.weight": "fit neither",
+        # per-expert keys on the dense layer 1
+        "model.layers.1.mlp.experts.0.gate_proj.lora_A.weight": "a dense layer",
+    }
+    for key, match in cases.items():
+        a = torch.zeros(8 * 4, 10) if "experts.lora" in key else torch.zeros(4, 64)
+        b = torch.zeros(64, 8 * 4) if "experts.lora" in key else torch.zeros(32, 4)
+        tensors = {f"base_model.model.{key}": a,
+                   f"base_model.model.{key.replace('lora_A', 'lora_B')}": b}  # fmt: skip
+        with pytest.raises(AdapterFormatError, match=match):
+            convert_peft_tensors("x", config, tensors, spec, 64)
+    dense = load_model_spec(family_model_dir("qwen3"))
+    with pytest.raises(AdapterFormatError, match="has no experts"):
+        convert_peft_tensors("x", config, tensors, dense, 64)
+
+
+def test_prefix_cache_and_static_decode_with_an_moe_base(adapters_of):
+    """Prefix-cache hits and the fixed-shape decode step (no device read) give the eager,
+    uncached tokens on Qwen3-MoE with an expert adapter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model_dir, adapters = adapters_of("qwen3moe")
+    ps = prompts(256)
+    requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
+    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
+
+    cached = engine_for(model_dir, adapters, enable_prefix_caching=True)
+    cached.generate(requests)
+    again = cached.generate(requests)
+    assert [s.output_ids for s in again] == want
+    assert all(s.num_cached_tokens > 0 for s, (p, _, _) in zip(again, requests) if len(p) > 8)
+
+    eng = engine_for(model_dir, adapters)
+    runner = eng.executor
+    runner.static_decode = runner.make_static_decode(8)  # buckets up to the 6 sequences
+    reads: list[str] = []
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket) in ("aten._local_scalar_dense", "aten.item"):
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    real_run, used = runner.static_decode.run, []
+
+    def traced(*a):
+        used.append(1)
+        with ScalarReads():
+            return real_run(*a)
+
+    runner.static_decode.run = traced
+    assert [s.output_ids for s in eng.generate(requests)] == want
+    assert used and not reads, reads[:3]
+
+
+# config.json as the Hub ships them (abridged to the fields the spec reads)
+MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "rope_theta": 1e6, "sliding_window": None}  # fmt: skip
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "vocab_size": 151936, "use_sliding_window": False,
+                 "sliding_window": None, "rope_theta": 1e6}  # fmt: skip
+
+
+def test_hub_moe_configs_read_as_transformers_fills_them_in():
+    from replica.model.spec import ModelConfigError, spec_from_dict
+
+    m = spec_from_dict(MIXTRAL_8X7B)
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == (8, 2, 14336)
+    assert m.norm_topk_prob and m.moe_block == "block_sparse_moe" and m.expert_names[0] == "w1"
+    assert all(m.is_sparse(i) for i in range(32)) and m.window(0) is None
+    q = spec_from_dict(QWEN3_30B_A3B)
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size) == (128, 8, 768)
+    assert q.norm_topk_prob and q.qk_norm and q.dense_layers == ()
+    # about 30.5B parameters, as the model card says
+    assert 30.0e9 < q.num_parameters() < 31.0e9, q.num_parameters()
+    step = spec_from_dict({**QWEN3_30B_A3B, "decoder_sparse_step": 2, "mlp_only_layers": [5]})
+    assert step.dense_layers == tuple(sorted({*range(0, 48, 2), 5}))
+    assert spec_from_dict({**QWEN3_30B_A3B, "norm_topk_prob": None}).norm_topk_prob is False
+    with pytest.raises(ModelConfigError, match="num_experts_per_tok=9"):
+        spec_from_dict({**MIXTRAL_8X7B, "num_experts_per_tok": 9})
