@@ -267,15 +267,15 @@ class Bench:
 
         while True:
             now = time.perf_counter()
+            while not b_flood and self.args.rate > 0 and next_b <= min(now, end):
+                submit("B", next_b)  # on B's clock, however long the last step took
+                next_b += 1.0 / self.args.rate
             if now >= end and (all(r.first is not None for r in trace.requests)
                                or now >= end + DRAIN_CAP_S):  # fmt: skip
                 break
             for tenant, (n, _) in loops.items():
                 while n and in_flight[tenant] < n:
                     submit(tenant, now)
-            while not b_flood and self.args.rate > 0 and next_b <= min(now, end):
-                submit("B", next_b)
-                next_b += 1.0 / self.args.rate
             started = time.perf_counter()
             outputs = eng.step()
             now = time.perf_counter()
