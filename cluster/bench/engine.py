@@ -13,7 +13,10 @@ LOAD_DELAY_DEFAULT_MS): the load stall ratios compare loads that cost what real 
 
 `--family` runs the decode-step measurement (decode_step_overhead_vs_bytes) on random-weight
 demo-sized models of other families (cluster/demo/families.py), with PEFT adapters of the
-same ranks and targets as the demo's written for each model's shapes.
+same ranks and targets as the demo's written for each model's shapes. On a mixture of
+experts (qwen3moe, mixtral) every adapter is an expert adapter: its MLP targets are every
+expert's gate/up/down (per-expert keys), and the family also reports prefill and decode
+tok/s, base and LoRA.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype
 from replica.engine.engine import LLMEngine
 from replica.engine.sequence import Sequence
+from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import block_rows
 from replica.model.peft_config import peft_config_rank
-from replica.model.spec import ModelSpec, load_model_spec
+from replica.model.spec import MLP_MODULES, ModelSpec, load_model_spec
 from replica.wire import SamplingParams
 
 
@@ -132,7 +136,8 @@ LOAD_DELAY_HOW = (
     "slept after each adapter's slot write (the copy into device memory): on the loader "
     "thread with overlapped loading, inside the step with sync loading; churn runs only"
 )
-FAMILIES = ("llama", "qwen3", "gemma2")
+FAMILIES = ("llama", "qwen3", "gemma2", "qwen3moe", "mixtral")
+MOE_FAMILIES = ("qwen3moe", "mixtral")
 
 
 def _subset_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
@@ -610,7 +615,7 @@ def _decode_step(
             lora_runs.append(_steady_decode_step(eng, prompts, names))
         base_s, lora_s = statistics.median(base_runs), statistics.median(lora_runs)
         base_bytes = sum(t.nbytes for t in eng.executor.model.step_weights())
-        lora_bytes = sum(eng.adapters.host_cache.get(n).nbytes for n in names)
+        lora_bytes = sum(_step_bytes(eng.adapters.host_cache.get(n), eng.spec) for n in names)
     finally:
         eng.shutdown()
     step_ratio = lora_s / base_s
@@ -623,6 +628,17 @@ def _decode_step(
         "decode_step_overhead_vs_bytes": step_ratio / bytes_ratio,
         "decode_batch": len(names),
     }
+
+
+def _step_bytes(adapter: LoRAAdapterWeights, spec: ModelSpec) -> int:
+    """Bytes of `adapter` one decode token reads: all of it, but of its expert LoRA only
+    the k of E experts the token is routed to. (The base side counts every expert: 16
+    tokens routed top-2 of 8 leave each expert idle with probability (6/8)^16 = 1%.)"""
+    total = 0
+    for (_, module), (a, b) in adapter.weights.items():
+        share = spec.num_experts_per_tok / spec.num_experts if module.startswith("expert_") else 1
+        total += int((a.nbytes + b.nbytes) * share)
+    return total
 
 
 def _steady_decode_step(eng: LLMEngine, prompts, adapters, steps: int = 12) -> float:
@@ -665,6 +681,8 @@ def _families(args: argparse.Namespace, report: dict) -> dict:
         with tempfile.TemporaryDirectory(prefix=f"lorafleet-bench-{family}-") as tmp:
             assets = family_adapters(model_dir, spec, Path(tmp), n)
             figures = _decode_step(assets, n, args, kv_bytes=_kv_bytes(args, spec))
+            if family in MOE_FAMILIES:
+                figures |= _moe_throughput(assets, n, args, _kv_bytes(args, spec), figures)
         out[family] = {"model": f"family_model_dir({family!r}, size='demo')", **figures}
     return out
 
@@ -683,12 +701,11 @@ def family_adapters(model_dir: Path, spec: ModelSpec, out: Path, n: int) -> Demo
     adapters = {}
     for name, r, alpha, targets, rslora in _adapter_plans(DemoSpec(num_adapters=n)):
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        if spec.num_experts:  # an expert adapter: every expert's MLP projections too
+            targets = tuple(dict.fromkeys((*targets, *MLP_MODULES)))
         tensors = {}
         for i in range(spec.num_layers):
-            for mod in targets:
-                n_in, n_out = shapes[mod]
-                group = "mlp" if mod in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                key = f"base_model.model.model.layers.{i}.{group}.{mod}"
+            for key, n_in, n_out in _adapter_modules(spec, shapes, i, targets):
                 # weights of std ~1/sqrt(in): std(scaling * B @ A) = LORA_REL / sqrt(in)
                 a_std, b_std = n_in**-0.5, LORA_REL / math.sqrt(r) / scaling
                 tensors[f"{key}.lora_A.weight"] = _randn(seed, f"{name}/{key}.A", (r, n_in), a_std)
@@ -703,6 +720,70 @@ def family_adapters(model_dir: Path, spec: ModelSpec, out: Path, n: int) -> Demo
     return DemoAssets(out, model_dir, adapters)
 
 
+def _adapter_modules(
+    spec: ModelSpec, shapes: dict, layer: int, targets: tuple[str, ...]
+) -> list[tuple[str, int, int]]:
+    """(PEFT key less .lora_A.weight, in, out) of each target in `layer`; an MLP target
+    on a sparse layer is every expert's (the Hub's per-expert 2D keys)."""
+    out = []
+    for mod in targets:
+        if mod not in MLP_MODULES:
+            out.append((f"base_model.model.model.layers.{layer}.self_attn.{mod}", *shapes[mod]))
+        elif not spec.is_sparse(layer):
+            out.append((f"base_model.model.model.layers.{layer}.mlp.{mod}", *shapes[mod]))
+        else:
+            name = spec.expert_names[MLP_MODULES.index(mod)]
+            n_in, n_out = spec.expert_shapes()[f"expert_{mod}"]
+            block = f"base_model.model.model.layers.{layer}.{spec.moe_block}.experts"
+            out += [(f"{block}.{e}.{name}", n_in, n_out) for e in range(spec.num_experts)]
+    return out
+
+
+def _moe_throughput(
+    assets: DemoAssets, n_adapters: int, args: argparse.Namespace, kv_bytes: int, decode: dict
+) -> dict:
+    """Prefill tok/s of `n_adapters` prompts of --prompt-len, base and each on its own
+    expert adapter (rounds alternated, medians); decode tok/s from the decode-step medians."""
+    names = list(assets.adapters)[:n_adapters]
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
+                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
+                       kv_cache_bytes=kv_bytes, tp_size=args.tp,
+                       max_num_batched_tokens=n_adapters * args.prompt_len)  # fmt: skip
+    eng = LLMEngine(cfg)
+    try:
+        for name in names:
+            eng.load_adapter(name, assets.adapters[name])
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
+        _prefill_s(eng, prompts, names)  # warm: every adapter in its slot
+        base, lora = [], []
+        for _ in range(DECODE_ROUNDS):
+            base.append(_prefill_s(eng, prompts, [None] * len(names)))
+            lora.append(_prefill_s(eng, prompts, names))
+    finally:
+        eng.shutdown()
+    tokens = len(names) * args.prompt_len
+    batch = decode["decode_batch"]
+    return {
+        "prefill_tok_s_base": tokens / statistics.median(base),
+        "prefill_tok_s_lora": tokens / statistics.median(lora),
+        "decode_tok_s_base": batch / decode["decode_step_base_s"],
+        "decode_tok_s_lora": batch / decode["decode_step_16_adapters_s"],
+    }
+
+
+def _prefill_s(eng: LLMEngine, prompts, adapters) -> float:
+    """Seconds to prefill every prompt (one step when the token budget holds them all)."""
+    sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    seqs = [eng.add_request(p, sampling, a) for p, a in zip(prompts, adapters)]
+    t0 = time.perf_counter()
+    for _ in range(10_000):
+        eng.step()
+        if all(s.output_ids for s in seqs):
+            break
+    return time.perf_counter() - t0
+
+
 def _print_families(families: dict, args: argparse.Namespace) -> None:
     n = min(16, args.adapters)
     print(f"\ndecode_step_overhead_vs_bytes by family (demo size, batch {n} over {n} adapters "
@@ -712,6 +793,11 @@ def _print_families(families: dict, args: argparse.Namespace) -> None:
               f"{r['decode_step_ratio_16_adapters_vs_base']:.3f} vs bytes ratio "
               f"{r['decode_bytes_ratio_16_adapters_vs_base']:.3f}; base step "
               f"{ms(r['decode_step_base_s'], 1)} ms)")  # fmt: skip
+        if "prefill_tok_s_base" in r:
+            print(f"           prefill tok/s base {r['prefill_tok_s_base']:.0f}, LoRA "
+                  f"{r['prefill_tok_s_lora']:.0f}; decode tok/s base "
+                  f"{r['decode_tok_s_base']:.0f}, LoRA {r['decode_tok_s_lora']:.0f} "
+                  "(every adapter on the experts)")  # fmt: skip
 
 
 # -- sampling features: half the rows with penalties + logprobs vs all plain ---------------------
