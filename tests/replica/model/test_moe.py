@@ -179,6 +179,18 @@ def test_expert_adapter_weights_are_counted_at_their_real_size(moe):
     assert experts == want
     bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
     assert bufs.nbytes() == slot_bytes(spec, bufs.num_rows, torch.float32)
+    # through the object store's numpy payload, a TP rank's shard of the experts: the same
+    from replica.adapters.packing import pack_adapter, unpack_adapter
+    from replica.model.tp_shard import TPShard
+
+    shard = TPShard(spec, 1, 2)
+    got = unpack_adapter(pack_adapter(w), select=shard.slice_lora).weights
+    want = w.select(shard.slice_lora).weights
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k][0], want[k][0]) and torch.equal(got[k][1], want[k][1])
+               for k in want)  # fmt: skip
+    a, b = want[(0, "expert_down_proj")]  # down: A by the rank's intermediate columns
+    assert a.shape[2] == spec.moe_intermediate_size // 2 and b.shape[1] == spec.hidden_size // 2
 
 
 def test_unreadable_expert_layouts_are_refused_saying_what_was_found(tmp_path):
