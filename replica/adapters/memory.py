@@ -36,7 +36,7 @@ def slot_bytes(
     bytes of one rank row). A sparse layer's expert groups hold those rows once per
     expert: an expert adapter's real size, E x (gate, up, down) x r rows per layer."""
     if tp_size == 1:
-        shapes = spec.module_shapes() | spec.vocab_module_shapes() | spec.expert_shapes()
+        shapes = spec.lora_shapes()
     else:
         shapes = TPShard(spec, 0, tp_size).lora_shapes()
     rows = 0

@@ -72,8 +72,9 @@ from replica.model.peft_config import (
 )
 from replica.model.spec import ModelSpec
 
-TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-              "embed_tokens", "lm_head", *EXPERT_MODULES)  # fmt: skip
+TARGETABLE = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
+              "gate_up_proj", "down_proj", "embed_tokens", "lm_head",
+              *EXPERT_MODULES)  # fmt: skip
 # An adapter directory's weights file, in order of preference (the .bin: older trainers)
 WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # base_model.model.<the decoder's prefix>layers.N.(self_attn|mlp).<module>.lora_(A|B).weight;
@@ -336,19 +337,14 @@ def convert_peft_tensors(
 
     weights = {}
     experts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for layer, _module, parts, a, b, _r_m, s_m, expert in modules:
+    for layer, module, parts, a, b, _r_m, s_m, expert in modules:
         if s_m != scaling:  # only when modules' scalings differ (then scaling != 0)
             b = (b.to(torch.promote_types(b.dtype, torch.float32)) * (s_m / scaling)).to(b.dtype)
         if expert >= 0:
             experts.setdefault((layer, parts[0]), {})[expert] = (a, b)
             continue
-        # A fused module's delta is B·A with B's rows split among its parts: each part
-        # is the exact LoRA (A, its rows of B)
-        row = 0
-        for part in parts:
-            rows = shapes[part][1]
-            weights[(layer, part)] = (a.contiguous(), b[row : row + rows].contiguous())
-            row += rows
+        # a fused module (Phi-3's qkv_proj) stays fused: one slice of its group
+        weights[(layer, module)] = (a.contiguous(), b.contiguous())
     for key, per_expert in experts.items():
         weights[key] = stack_experts(per_expert, spec.num_experts)
     targets = tuple(m for m in TARGETABLE if any(k[1] == m for k in weights))

@@ -34,7 +34,6 @@ from replica.model.lora import (
 )
 from replica.model.spec import ModelSpec
 
-_GROUPS = MODULE_GROUPS | EXPERT_GROUPS  # a layer group's module names
 MIN_BLOCK_ROWS = 8  # ranks 1..8 take 8 rows: smaller blocks would only grow the slot tables
 
 
@@ -87,16 +86,16 @@ class LoRASlotBuffers:
         self.spec, self.max_rank = spec, max_rank
         self.num_rows = arena_rows(num_slots, max_rank)
         self.num_slots = num_slot_handles(self.num_rows)
-        shapes = shapes or (
-            spec.module_shapes() | spec.vocab_module_shapes() | spec.expert_shapes()
-        )
+        shapes = shapes or spec.lora_shapes()
         # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
         # (expert groups excepted: their rows are (token, expert) pairs, not tokens)
         self.layers: list[dict[str, LoRABuffers]] = []
         self.workspace_cols = 0
+        self._modules: dict[str, tuple[str, ...]] = {}  # group -> its modules (slices)
         for layer in range(spec.num_layers):
             groups = {}
             for group, names in layer_groups(spec, layer).items():
+                self._modules[group] = names
                 in_f = shapes[names[0]][0]
                 offsets = [0]
                 for n in names:
@@ -169,7 +168,7 @@ class LoRASlotBuffers:
         r = adapter.rank
         if row0 < 0 or row0 + r > self.num_rows:
             raise ValueError(f"rows [{row0}, {row0 + r}) outside the arena's {self.num_rows}")
-        group_ranks = {g: adapter.group_rank(_GROUPS.get(g, (g,))) for g in self.groups}
+        group_ranks = {g: adapter.group_rank(self._modules.get(g, (g,))) for g in self.groups}
         for layer, groups in enumerate(self.layers):
             if progress is not None:
                 progress.wait_layer(layer)
@@ -199,7 +198,7 @@ class LoRASlotBuffers:
         if slot == 0:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
         for group in self.groups:
-            self.table.ranks[group][slot] = adapter.group_rank(_GROUPS.get(group, (group,)))
+            self.table.ranks[group][slot] = adapter.group_rank(self._modules.get(group, (group,)))
         self.table.scalings[slot] = adapter.scaling
         self.table.offsets[slot] = row0
 

@@ -157,6 +157,17 @@ class ModelSpec:
             "lm_head": (self.hidden_size, self.vocab_size),
         }
 
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of every module an adapter may target: the projections, a fused
+        checkpoint's fused ones (held fused: model/lora.py layer_groups), the vocabulary
+        modules and one expert's."""
+        shapes = self.module_shapes()
+        fused = {
+            name: (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
+            for name, parts in self.fused_modules().items()
+        }
+        return shapes | fused | self.vocab_module_shapes() | self.expert_shapes()
+
     def fused_modules(self) -> dict[str, tuple[str, ...]]:
         """The checkpoint's fused projections (name -> its parts, in row order)."""
         fused = {}

@@ -128,6 +128,8 @@ class TPShard:
         for m in ROW_PARALLEL:
             start, stop = self.in_range(m)
             shapes[m] = (stop - start, self.spec.hidden_size // self.size)
+        for name, parts in self.spec.fused_modules().items():  # held fused: its parts' rows
+            shapes[name] = (whole[parts[0]][0], sum(shapes[p][1] for p in parts))
         if self.spec.num_experts:  # one expert's share, like the dense MLP's
             i = self.spec.moe_intermediate_size // self.size
             shapes |= {"expert_gate_proj": (h, i), "expert_up_proj": (h, i),
@@ -146,6 +148,14 @@ class TPShard:
         if module in COLUMN_PARALLEL:
             start, stop = self.out_range(module)
             return a, b[start:stop]
+        fused = self.spec.fused_modules()
+        if module in fused:  # B's rows: each part's share, from its rows of the fused B
+            rows, first, whole = [], 0, self.spec.module_shapes()
+            for part in fused[module]:
+                start, stop = self.out_range(part)
+                rows.extend(range(first + start, first + stop))
+                first += whole[part][1]
+            return a, b[rows]
         if module in ("expert_gate_proj", "expert_up_proj"):  # A [E, r, H], B [E, I, r]
             start, stop = self.expert_range
             return a, b[:, start:stop]

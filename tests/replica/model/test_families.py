@@ -78,6 +78,29 @@ def test_family_matches_transformers_and_peft_in_one_mixed_batch(family):
     assert got[None] != got["all"], f"{name}: the adapter should change the continuation"
 
 
+def test_phi3_fused_projections_are_held_fused(tmp_path):
+    """Phi-3's adapters target qkv_proj and gate_up_proj: each is one slice of its group
+    (A stored once, not once per part), and the memory budget counts it so."""
+    from replica.adapters.memory import slot_bytes
+    from replica.model.adapter_weights import load_peft_adapter
+    from replica.model.spec import load_model_spec
+
+    model_dir = family_model_dir("phi3")
+    spec = load_model_spec(model_dir)
+    adapter = load_peft_adapter(family_adapters("phi3", model_dir, tmp_path)["all"], spec, 64)
+    assert {m for _, m in adapter.weights} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    eng = engine_for(model_dir, {})
+    try:
+        groups = eng.executor.lora.layers[0]
+        assert groups["qkv_proj"].slice_names == ("qkv_proj",)
+        assert groups["gate_up_proj"].slice_names == ("gate_up_proj",)
+    finally:
+        eng.shutdown()
+    h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    fused = h + (q + 2 * kv) + (q + h) + h + 2 * i + (i + h)  # A + B rows of each group
+    assert slot_bytes(spec, 1, torch.float32) == 4 * spec.num_layers * fused
+
+
 def test_gemma3_multimodal_checkpoint_in_transformers5_layout(tmp_path):
     """transformers 5 keeps the language model under model.language_model.*; the Hub's
     files (and save_pretrained) under language_model.model.*: both serve the same."""
