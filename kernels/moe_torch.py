@@ -9,15 +9,18 @@ matmul, each row keeping its own expert's result. A decode step's P = T*k rows c
 most experts anyway, so that reads about the bytes the per-expert loop reads, for E
 times the (small) arithmetic.
 
-Expert LoRA runs as the multi-LoRA ops over the plan's (adapter, expert) groups
-(kernels.expert_segments). Eager decode steps (every group one pair) gather each pair's
-own rank rows of its adapter's expert, batched by rank: a few ops per projection, and
-exactly the rows the step needs (the segmented runs of kernels.sgmv_torch, built for
-one adapter per segment, split this scatter of small groups across expert blocks into a
-dozen runs per op). Larger groups (prefill) and graph-safe steps use kernels.sgmv_torch.
+Expert LoRA runs over the plan's (adapter, expert) groups (kernels.expert_segments):
+per rank, each group's rank rows of its adapter's expert block gathered once and its
+pairs padded to the longest group's, one bmm per rank and projection (decode: a pair per
+group). A few ops per projection for the rows the step needs; the segmented runs of
+kernels.sgmv_torch, built for one adapter per segment, split this scatter of groups
+across expert blocks into a run per group (prefill: 128 runs a projection for 16
+adapters of 8 experts). Graph-safe steps use kernels.sgmv_torch's per-token path.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,19 +80,20 @@ def expert_lora_shrink(
     max_rank: int,
 ) -> torch.Tensor:  # [P, num_slices * R] float32
     rows = a.shape[1] // plan.num_experts
-    if plan.graph_safe or plan.max_group_rows > _GATHER_MAX_ROWS:
+    if plan.graph_safe:
         return sgmv_torch.lora_shrink(x, a, expert_segments(plan, seg, rows), max_rank)
-    num_slices = a.shape[0]
-    out = torch.zeros(x.shape[0], num_slices * max_rank, dtype=torch.float32, device=x.device)
+    p, num_slices = x.shape[0], a.shape[0]
+    out = torch.zeros(p, num_slices * max_rank, dtype=torch.float32, device=x.device)
     rank_major = a.permute(1, 0, 2)  # [E * rows, num_slices, in]: a view
-    for r, pairs, arena_rows, _ in _pairs_by_rank(plan, seg, rows):
-        n = pairs.shape[0]
-        w = rank_major.index_select(0, arena_rows).view(n, r * num_slices, -1)
-        xs = x.index_select(0, pairs).float()[:, None, :]  # [n, 1, in]
-        res = torch.bmm(xs, w.float().transpose(1, 2))  # [n, 1, r*ns]; a row on the left:
-        # MKL's batched [1, in] x [in, r*ns] ran 3.5x as fast as [r*ns, in] x [in, 1]
-        res = res.view(n, r, num_slices).transpose(1, 2)  # [n, ns, r]
-        out.view(x.shape[0], num_slices, max_rank)[:, :, :r].index_copy_(0, pairs, res)
+    for grp in _groups_by_rank(plan, seg, rows):
+        g, m, r = grp.padded.shape[0], grp.padded.shape[1], grp.rank
+        xs = x.index_select(0, grp.padded.view(-1)).view(g, m, -1).float()  # [g, m, in]
+        w = rank_major.index_select(0, grp.arena_rows).view(g, r * num_slices, -1)
+        # rows on the left: MKL's batched [m, in] x [in, r*ns] ran 3.5x as fast as
+        # [r*ns, in] x [in, m] for decode's m = 1
+        res = torch.bmm(xs, w.float().transpose(1, 2))  # [g, m, r*ns], (c, j) order
+        res = res.view(g * m, r, num_slices).transpose(1, 2).index_select(0, grp.keep)
+        out.view(p, num_slices, max_rank)[:, :, :r].index_copy_(0, grp.pairs, res)
     return out
 
 
@@ -102,53 +106,70 @@ def expert_lora_expand(
     slice_offsets: list[int],
 ) -> torch.Tensor:  # y
     rows = b.shape[1] // plan.num_experts
-    if plan.graph_safe or plan.max_group_rows > _GATHER_MAX_ROWS:
+    if plan.graph_safe:
         return sgmv_torch.lora_expand(y, inter, b, expert_segments(plan, seg, rows), slice_offsets)
     num_slices = len(slice_offsets) - 1
     r_max = inter.shape[1] // num_slices
     rank_rows = b.t()  # [E * rows, out_total]: rows contiguous in the torch layout
-    for r, pairs, arena_rows, scale in _pairs_by_rank(plan, seg, rows):
-        n = pairs.shape[0]
-        t = inter.index_select(0, pairs).view(n, num_slices, r_max)[:, :, :r] * scale
-        w = rank_rows.index_select(0, arena_rows).view(n, r, -1)  # [n, r, out_total]
-        # every slice's intermediate times every column, one bmm (slice j keeps cols_j:
-        # num_slices x the small arithmetic, one contiguous read of the rows)
-        res = torch.bmm(t, w.float())  # [n, ns, out_total]
-        acc = y.index_select(0, pairs).float()
+    for grp in _groups_by_rank(plan, seg, rows):
+        g, m, r = grp.padded.shape[0], grp.padded.shape[1], grp.rank
+        t = inter.index_select(0, grp.padded.view(-1)).view(g, m, num_slices, r_max)
+        t = t[..., :r] * grp.scale  # [g, m, ns, r]
+        w = rank_rows.index_select(0, grp.arena_rows).view(g, r, -1).float()  # [g, r, out]
+        # every slice's intermediate times every column in one bmm (slice j keeps its
+        # columns: num_slices x the small arithmetic, one contiguous read of the rows)
+        res = torch.bmm(t.reshape(g, m * num_slices, r), w)  # [g, m*ns, out]
+        res = res.view(g * m, num_slices, -1).index_select(0, grp.keep)  # [n, ns, out]
+        acc = y.index_select(0, grp.pairs).float()
         for j in range(num_slices):
             c0, c1 = slice_offsets[j], slice_offsets[j + 1]
             acc[:, c0:c1] += res[:, j, c0:c1]
-        y.index_copy_(0, pairs, acc.to(y.dtype))
+        y.index_copy_(0, grp.pairs, acc.to(y.dtype))
     return y
 
 
-# Pairs per (adapter, expert) group up to which a group's rank rows are gathered per pair
-# (decode: every group one pair); above, the segmented runs of kernels.sgmv_torch, which
-# read each group's rows once for all its pairs.
-_GATHER_MAX_ROWS = 1
-# The last _pairs_by_rank result and its inputs (held, so their ids stay theirs): one
+@dataclass(frozen=True)
+class _Groups:
+    """The (adapter, expert) groups of one rank r, their pairs padded to the largest's m
+    (a pad repeats the group's first pair: computed, then dropped)."""
+
+    rank: int
+    padded: torch.Tensor  # [g, m] int64: sorted pair rows, padded
+    keep: torch.Tensor  # [n] int64: the real ones' places in padded.view(-1)
+    pairs: torch.Tensor  # [n] int64: padded.view(-1)[keep]
+    arena_rows: torch.Tensor  # [g * r] int64: each group's adapter rows in its expert block
+    scale: torch.Tensor  # [g, 1, 1, 1] float32: each group's adapter scaling
+
+
+# The last _groups_by_rank result and its inputs (held, so their ids stay theirs): one
 # layer's four expert LoRA ops share it.
 _memo: list = [None, None, 0, None]
 
 
-def _pairs_by_rank(
-    plan: ExpertPlan, seg: SegmentInfo, rows: int
-) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per rank r of the pairs' adapters (ranks 0 left out): (r, [n] sorted pair rows,
-    [n*r] arena rows of each pair's adapter in its expert's block, [n, 1, 1] scalings).
-    Reads which ranks occur on the host (free on CPU: this path runs only there, or when
-    forced)."""
+def _groups_by_rank(plan: ExpertPlan, seg: SegmentInfo, rows: int) -> list[_Groups]:
+    """The plan's non-empty (adapter, expert) groups with a nonzero rank, by rank. Reads
+    which ranks occur and the longest group on the host (free on CPU: this path runs only
+    there, or when forced)."""
     if _memo[0] is plan and _memo[1] is seg and _memo[2] == rows:
         return _memo[3]
-    token_seg = torch.searchsorted(seg.seg_indptr[1:].long(), plan.tokens, right=True)
-    slot = seg.seg_slots.long().index_select(0, token_seg)  # each pair's slot
-    rank = seg.slot_ranks.index_select(0, slot)  # 0 for slot 0 and untargeted groups
-    first = seg.slot_offsets.index_select(0, slot).long() + plan.experts * rows
-    scale = seg.slot_scalings.index_select(0, slot)
-    groups = []
+    eseg = expert_segments(plan, seg, rows)  # groups of contiguous sorted pairs
+    start = eseg.seg_indptr[:-1].long()
+    count = eseg.seg_indptr[1:].long() - start
+    vslot = eseg.seg_slots.long()
+    rank = torch.where(count > 0, eseg.slot_ranks.index_select(0, vslot), 0)
+    first = eseg.slot_offsets.index_select(0, vslot).long()
+    scale = eseg.slot_scalings.index_select(0, vslot)
+    out = []
     for r in sorted(set(rank.tolist()) - {0}):
-        pairs = (rank == r).nonzero().squeeze(1)
-        arena = first.index_select(0, pairs)[:, None] + torch.arange(r, device=first.device)
-        groups.append((r, pairs, arena.reshape(-1), scale.index_select(0, pairs)[:, None, None]))
-    _memo[:] = [plan, seg, rows, groups]
-    return groups
+        sel = (rank == r).nonzero().squeeze(1)
+        n = count.index_select(0, sel)
+        m = int(n.max())
+        i = torch.arange(m, device=n.device)
+        padded = start.index_select(0, sel)[:, None] + torch.minimum(i[None, :], n[:, None] - 1)
+        keep = (i[None, :] < n[:, None]).view(-1).nonzero().squeeze(1)
+        arena = first.index_select(0, sel)[:, None] + torch.arange(r, device=n.device)
+        pairs = padded.view(-1).index_select(0, keep)
+        scales = scale.index_select(0, sel)[:, None, None, None]
+        out.append(_Groups(r, padded, keep, pairs, arena.view(-1), scales))
+    _memo[:] = [plan, seg, rows, out]
+    return out
