@@ -92,7 +92,7 @@ def expert_lora_shrink(
         # rows on the left: MKL's batched [m, in] x [in, r*ns] ran 3.5x as fast as
         # [r*ns, in] x [in, m] for decode's m = 1
         res = torch.bmm(xs, w.float().transpose(1, 2))  # [g, m, r*ns], (c, j) order
-        res = res.view(g * m, r, num_slices).transpose(1, 2).index_select(0, grp.keep)
+        res = _kept(res.view(g * m, r, num_slices).transpose(1, 2), grp.keep)
         out.view(p, num_slices, max_rank)[:, :, :r].index_copy_(0, grp.pairs, res)
     return out
 
@@ -119,7 +119,7 @@ def expert_lora_expand(
         # every slice's intermediate times every column in one bmm (slice j keeps its
         # columns: num_slices x the small arithmetic, one contiguous read of the rows)
         res = torch.bmm(t.reshape(g, m * num_slices, r), w)  # [g, m*ns, out]
-        res = res.view(g * m, num_slices, -1).index_select(0, grp.keep)  # [n, ns, out]
+        res = _kept(res.view(g * m, num_slices, -1), grp.keep)  # [n, ns, out]
         acc = y.index_select(0, grp.pairs).float()
         for j in range(num_slices):
             c0, c1 = slice_offsets[j], slice_offsets[j + 1]
@@ -135,10 +135,15 @@ class _Groups:
 
     rank: int
     padded: torch.Tensor  # [g, m] int64: sorted pair rows, padded
-    keep: torch.Tensor  # [n] int64: the real ones' places in padded.view(-1)
+    keep: torch.Tensor | None  # [n] int64: the real ones' places in padded.view(-1);
+    # None when every group has m pairs (decode: one each), nothing padded
     pairs: torch.Tensor  # [n] int64: padded.view(-1)[keep]
     arena_rows: torch.Tensor  # [g * r] int64: each group's adapter rows in its expert block
     scale: torch.Tensor  # [g, 1, 1, 1] float32: each group's adapter scaling
+
+
+def _kept(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return t if keep is None else t.index_select(0, keep)
 
 
 # The last _groups_by_rank result and its inputs (held, so their ids stay theirs): one
@@ -167,8 +172,10 @@ def _groups_by_rank(plan: ExpertPlan, seg: SegmentInfo, rows: int) -> list[_Grou
         i = torch.arange(m, device=n.device)
         padded = start.index_select(0, sel)[:, None] + torch.minimum(i[None, :], n[:, None] - 1)
         keep = (i[None, :] < n[:, None]).view(-1).nonzero().squeeze(1)
+        if keep.shape[0] == padded.numel():
+            keep = None
         arena = first.index_select(0, sel)[:, None] + torch.arange(r, device=n.device)
-        pairs = padded.view(-1).index_select(0, keep)
+        pairs = _kept(padded.view(-1), keep)
         scales = scale.index_select(0, sel)[:, None, None, None]
         out.append(_Groups(r, padded, keep, pairs, arena.view(-1), scales))
     _memo[:] = [plan, seg, rows, out]
