@@ -176,18 +176,14 @@ def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(decode_fam
         assert seq.output_ids == hf_greedy(ref, longer, NEW_TOKENS), (name, adapter)
 
 
-def test_static_decode_path_equals_eager(decode_family):
-    """The fixed-shape decode step that CUDA graphs replay: the eager
-    engine's tokens, and no device value read inside the step."""
+def traced_static_decode(runner, max_seqs: int) -> tuple[list[int], list[str]]:
+    """Make `runner` take its fixed-shape decode step (the one CUDA graphs replay) for up
+    to `max_seqs` sequences and record it: (one entry per step it ran, the device values
+    those steps read)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    name, model_dir, adapters = decode_family
-    ps = prompts(256)
-    requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
-    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
-    eng = engine_for(model_dir, adapters)
-    runner = eng.executor
-    runner.static_decode = runner.make_static_decode(eng.config.max_num_seqs)
+    runner.static_decode = runner.make_static_decode(max_seqs)
+    used: list[int] = []
     reads: list[str] = []
 
     class ScalarReads(TorchDispatchMode):
@@ -196,7 +192,7 @@ def test_static_decode_path_equals_eager(decode_family):
                 reads.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    real_run, used = runner.static_decode.run, []
+    real_run = runner.static_decode.run
 
     def traced(*a):
         used.append(1)
@@ -204,6 +200,18 @@ def test_static_decode_path_equals_eager(decode_family):
             return real_run(*a)
 
     runner.static_decode.run = traced
+    return used, reads
+
+
+def test_static_decode_path_equals_eager(decode_family):
+    """The fixed-shape decode step that CUDA graphs replay: the eager
+    engine's tokens, and no device value read inside the step."""
+    name, model_dir, adapters = decode_family
+    ps = prompts(256)
+    requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
+    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
+    eng = engine_for(model_dir, adapters)
+    used, reads = traced_static_decode(eng.executor, eng.config.max_num_seqs)
     assert [s.output_ids for s in eng.generate(requests)] == want, name
     assert used, "no step took the static decode path"
     assert not reads, f"{name}: the static step read device values: {reads[:3]}"

@@ -28,7 +28,13 @@ from replica.model.adapter_weights import load_peft_adapter
 from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import load_model_spec
 from tests.oracle import check_mixed_batch, family_adapters, hf_greedy, hf_logits, hf_model
-from tests.replica.model.test_families import GREEDY, NEW_TOKENS, engine_for, prompts
+from tests.replica.model.test_families import (
+    GREEDY,
+    NEW_TOKENS,
+    engine_for,
+    prompts,
+    traced_static_decode,
+)
 
 MOE = ["mixtral", "qwen3moe"]
 MARGIN = 1e-4  # smallest k-th vs (k+1)-th router logit gap: our hidden states match
@@ -222,8 +228,6 @@ def test_unreadable_expert_layouts_are_refused_saying_what_was_found(tmp_path):
 def test_prefix_cache_and_static_decode_with_an_moe_base(adapters_of):
     """Prefix-cache hits and the fixed-shape decode step (no device read) give the eager,
     uncached tokens on Qwen3-MoE with an expert adapter."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     model_dir, adapters = adapters_of("qwen3moe")
     ps = prompts(256)
     requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
@@ -236,24 +240,7 @@ def test_prefix_cache_and_static_decode_with_an_moe_base(adapters_of):
     assert all(s.num_cached_tokens > 0 for s, (p, _, _) in zip(again, requests) if len(p) > 8)
 
     eng = engine_for(model_dir, adapters)
-    runner = eng.executor
-    runner.static_decode = runner.make_static_decode(8)  # buckets up to the 6 sequences
-    reads: list[str] = []
-
-    class ScalarReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func.overloadpacket) in ("aten._local_scalar_dense", "aten.item"):
-                reads.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    real_run, used = runner.static_decode.run, []
-
-    def traced(*a):
-        used.append(1)
-        with ScalarReads():
-            return real_run(*a)
-
-    runner.static_decode.run = traced
+    used, reads = traced_static_decode(eng.executor, 8)  # buckets up to the 6 sequences
     assert [s.output_ids for s in eng.generate(requests)] == want
     assert used and not reads, reads[:3]
 
