@@ -223,8 +223,7 @@ def convert_peft_tensors(
     # (layer, module, expert) -> its tensors; expert -1: not an expert module
     pairs: dict[tuple[int, str, int], _Module] = {}
     multimodal = len(spec.weight_prefixes) > 1
-    shapes, fused = spec.module_shapes(), spec.fused_modules()
-    shapes |= spec.vocab_module_shapes() | spec.expert_shapes()
+    shapes, fused = spec.lora_shapes(), spec.fused_modules()
     expert_tensors = {}
     for key, tensor in tensors.items():
         if multimodal and _VISION.match(key):
