@@ -1,7 +1,8 @@
 """Multi-LoRA kernels: the only public names, one dispatch point.
 
     seg = make_segment_info(seg_lens, seg_slots, slot_ranks, slot_scalings, slot_offsets, device)
-    segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, scalings, offsets, device)
+    segs = make_segment_infos(seg_lens, seg_slots, {group: ranks}, scalings, {group: offsets},
+                              device)
     inter = lora_shrink(x, a, seg, max_rank[, out])  # [T, num_slices*R] float32
     lora_expand(y, inter, b, seg, slice_offsets)     # y += LoRA delta, in place
     inter = lora_embedding_shrink(ids, a, seg, max_rank)  # an embedding LoRA's x·Aᵀ
@@ -17,7 +18,8 @@
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
 owns rows [slot_offsets[s], slot_offsets[s] + slot_ranks[s]) of both (the same rows in
-every layer's arenas), so a rank-8 adapter holds 8 rows where a rank-64 one holds 64.
+every layer's arenas of one projection group; each group's SegmentInfo carries its own
+ranks and offsets), so a rank-8 adapter holds 8 rows where a rank-64 one holds 64.
 The intermediate keeps a fixed [T, num_slices*R] layout, R = max_lora_rank: slice j of
 a token's adapter lands in columns [j*R, j*R + rank).
 

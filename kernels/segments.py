@@ -24,8 +24,9 @@ class SegmentInfo:
     seg_slots: torch.Tensor  # [G] int32: adapter slot per segment; 0 = base model (no LoRA)
     slot_ranks: torch.Tensor  # [S] int32: rank of the adapter in each slot (0 for slot 0)
     slot_scalings: torch.Tensor  # [S] float32: alpha/r (or alpha/sqrt(r) for rsLoRA) per slot
-    # [S] int32: the first arena row of each slot's adapter (its rank rows are
-    # [offset, offset + rank) of every A/B arena; 0 for slot 0 and free slots)
+    # [S] int32: the first arena row of each slot's adapter in this group's arenas (its
+    # rank rows are [offset, offset + rank) of every layer's A/B arena of the group; 0
+    # for slot 0 and free slots)
     slot_offsets: torch.Tensor
     max_seg_len: int  # host: longest segment, sizes the Triton grid without a sync
     has_lora: bool  # host: False when every segment is slot 0 (the whole LoRA path is skipped)
@@ -43,18 +44,21 @@ def make_segment_infos(
     seg_slots: Sequence[int],
     group_ranks: Mapping[str, Sequence[int]],
     slot_scalings: Sequence[float],
-    slot_offsets: Sequence[int],
+    group_offsets: Mapping[str, Sequence[int]],
     device: torch.device | str = "cpu",
     copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
     seg_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    slot_tensors: tuple[Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor] | None = None,
+    slot_tensors: tuple[Mapping[str, torch.Tensor], torch.Tensor, Mapping[str, torch.Tensor]]
+    | None = None,
 ) -> dict[str, SegmentInfo]:
     """One SegmentInfo per projection group from host lists: the same segments (their
-    device tensors shared), each group's own slot ranks. `copy` moves a host tensor to
-    `device` (default `.to(device)`; the engine passes a pinned, non_blocking copy).
+    device tensors shared), each group's own slot ranks and arena offsets. `copy` moves a
+    host tensor to `device` (default `.to(device)`; the engine passes a pinned,
+    non_blocking copy).
     Values already on the device are used instead of copies of the host lists:
     `seg_tensors` (indptr, slots: the caller copied them with its other metadata) and
-    `slot_tensors` (ranks per group, scalings, offsets: kept on the device between steps).
+    `slot_tensors` (ranks per group, scalings, offsets per group: kept on the device
+    between steps).
 
     has_lora is False when no non-empty segment runs on a slot with a nonzero rank for
     that group: the whole LoRA path is skipped, which changes nothing in the output."""
@@ -74,7 +78,9 @@ def make_segment_infos(
             g: move(torch.tensor(list(r), dtype=torch.int32)) for g, r in group_ranks.items()
         }
         scalings_dev = move(torch.tensor(list(slot_scalings), dtype=torch.float32))
-        offsets_dev = move(torch.tensor(list(slot_offsets), dtype=torch.int32))
+        offsets_dev = {
+            g: move(torch.tensor(list(group_offsets[g]), dtype=torch.int32)) for g in group_ranks
+        }
     else:
         ranks_dev, scalings_dev, offsets_dev = slot_tensors
     used = {s for s, n in zip(seg_slots, seg_lens) if n > 0 and s != 0}
@@ -87,7 +93,7 @@ def make_segment_infos(
             seg_slots=slots_dev,
             slot_ranks=ranks_dev[group],
             slot_scalings=scalings_dev,
-            slot_offsets=offsets_dev,
+            slot_offsets=offsets_dev[group],
             max_seg_len=max(seg_lens, default=0),
             has_lora=any(ranks[s] > 0 for s in used),
         )
@@ -105,6 +111,6 @@ def make_segment_info(
 ) -> SegmentInfo:
     """The SegmentInfo of one projection group (see make_segment_infos)."""
     infos = make_segment_infos(
-        seg_lens, seg_slots, {"": slot_ranks}, slot_scalings, slot_offsets, device, copy
+        seg_lens, seg_slots, {"": slot_ranks}, slot_scalings, {"": slot_offsets}, device, copy
     )
     return infos[""]

@@ -4,9 +4,10 @@ Every figure is measured on this machine in this run; each ratio is printed
 next to the ceiling the hardware allows. `--json PATH` writes all of them.
 
 Churn is real: each churn run's engine gets adapter memory (rank rows, the unit the slot
-pool allocates in: an adapter of rank r holds a block of next-pow2(r) rows, at least 8)
-of about --memory-share of what its workload's adapters need together, so adapters are
-evicted and loaded again; the bench fails if a churn run evicted nothing. The demo's
+pool allocates in: an adapter of rank r holds a block of next-pow2(r) rows, at least 8,
+in each projection group it targets) of about --memory-share of what its workload's
+adapters need together in qkv_proj, the group every demo adapter targets and so the
+one they fill first, so adapters are evicted and loaded again; the bench fails if a churn run evicted nothing. The demo's
 adapter loads are tiny copies (hidden 512), so each churn load also sleeps --load-delay-ms
 in the slot write (by default what copying a rank-16 adapter of a 7B Llama shape costs,
 LOAD_DELAY_DEFAULT_MS): the load stall ratios compare loads that cost what real ones do.
@@ -330,7 +331,9 @@ def _llama_bench(args: argparse.Namespace, report: dict) -> list[str]:
 
 class _ChurnMemory:
     """Engine settings of the churn runs: adapter memory of about args.memory_share of the
-    rank rows the workload's adapters need together (block_rows of each), in whole blocks
+    rank rows the workload's adapters need together in qkv_proj (block_rows of each: all
+    of them target q_proj and v_proj; the other groups' arenas, as large, hold fewer of
+    them), in whole blocks
     of max_lora_rank (the unit replica/adapters/memory.py sizes the arenas in) and less
     than the whole when a block can be spared, given as engine.adapter_memory_bytes."""
 
@@ -471,8 +474,8 @@ def _delay_loads(eng: LLMEngine, delay_s: float) -> None:
     writer = eng.adapters.prefetcher.buffers
     write = writer.write
 
-    def delayed_write(row0, adapter, progress=None):
-        write(row0, adapter, progress)
+    def delayed_write(rows, adapter, progress=None):
+        write(rows, adapter, progress)
         if adapter.rank > 0:
             time.sleep(delay_s)
 

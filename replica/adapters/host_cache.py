@@ -32,10 +32,14 @@ class HostCache:
             self._shrink()
         return adapter
 
+    def peek(self, name: str) -> LoRAAdapterWeights | None:
+        """A staged adapter (None if not in host memory); no fetch, no LRU touch."""
+        with self._lock:
+            return self._items.get(name)
+
     def rank_of(self, name: str) -> int | None:
         """The rank of a staged adapter (None if not in host memory); no fetch, no LRU touch."""
-        with self._lock:
-            hit = self._items.get(name)
+        hit = self.peek(name)
         return None if hit is None else hit.rank
 
     def drop(self, name: str) -> None:

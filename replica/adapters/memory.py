@@ -1,13 +1,15 @@
 """How much device memory a replica gives adapter weights: sized from a budget, not fixed.
 
-Adapters live in arenas of rank rows (LoRASlotBuffers), each at its own rank: a rank
-row costs the same in every layer and projection (slot_bytes(spec, 1, ...)), and an
-adapter of rank r holds block_rows(r) of them, the next power of two. The budget is
-engine.adapter_memory_bytes, by default a share of the device memory the base weights
-and the KV cache leave (CUDA) or a set size (CPU); it is kept as num_slots, the arenas
-holding num_slots - 1 adapters of max_lora_rank (and 8x as many of rank 8 when
-max_lora_rank is 64). The per-batch adapter limit follows: num_slots - 1 (so whatever
-the batch holds, one max-rank block stays free of it), at most max_num_seqs.
+Adapters live in arenas of rank rows (LoRASlotBuffers), one per projection group, each
+adapter at its own rank in each group: every group's arenas have the same rows,
+slot_bytes(spec, 1, ...) is what one rank row costs in all of them, and an adapter of
+rank r in a group holds block_rows(r) of that group's rows, the next power of two (none
+in a group it does not target). The budget is engine.adapter_memory_bytes, by default a
+share of the device memory the base weights and the KV cache leave (CUDA) or a set size
+(CPU); it is kept as num_slots, the arenas holding num_slots - 1 adapters of
+max_lora_rank in every group (and 8x as many of rank 8 when max_lora_rank is 64). The
+per-batch adapter limit follows: num_slots - 1 (so whatever the batch holds, one
+max-rank block stays free of it), at most max_num_seqs.
 """
 
 from __future__ import annotations

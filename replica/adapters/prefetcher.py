@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from replica.adapters.host_cache import HostCache
-from replica.adapters.slot_pool import AdapterSlotPool
+from replica.adapters.slot_pool import AdapterSlotPool, Ranks
 from replica.device import LoadHandle, StepProgress, wait_any
 from replica.model.lora_slots import LoRASlotBuffers
 
@@ -24,7 +24,7 @@ class _InFlight:
     slot: int
     handle: LoadHandle
     started: float
-    meta: dict  # filled by the job: the adapter's weights (rank, scaling, targets)
+    meta: dict  # filled by the job: the adapter's weights and its rank per group
 
 
 @dataclass
@@ -42,12 +42,15 @@ class Prefetcher:
         loader,
         window: int,
         max_inflight: int,
-        rank_of: Callable[[str], int | None],
+        ranks_of: Callable[[str], Ranks],
     ) -> None:
-        """`rank_of(name)`: an adapter's rank without fetching it (None: unknown), so a
-        load reserves exactly the rows its rank needs."""
+        """`ranks_of(name)`: an adapter's rank per group, or one rank, without fetching
+        it (None: unknown), so a load reserves the rows its ranks need; what it reserved
+        beyond its weights' ranks per group is given back when it lands."""
         self.pool, self.buffers, self.host_cache, self.loader = pool, buffers, host_cache, loader
-        self.rank_of = rank_of
+        self.ranks_of = ranks_of
+        # each landed adapter's exact rank per group: its next load reserves just that
+        self.known_ranks: dict[str, dict[str, int]] = {}
         self.window, self.max_inflight = window, max_inflight
         self._inflight: dict[str, _InFlight] = {}
         self.loads_started = 0
@@ -81,8 +84,11 @@ class Prefetcher:
                 self.pool.cancel(job.slot)
                 failures.append(LoadFailure(name, e))
                 continue
-            self.buffers.activate(job.slot, self.pool.slots[job.slot].row0, job.meta["adapter"])
+            ranks = job.meta["ranks"]
+            self.pool.shrink(job.slot, ranks)
+            self.buffers.activate(job.slot, self.pool.slots[job.slot].offsets, job.meta["adapter"])
             self.pool.mark_ready(job.slot)
+            self.known_ranks[name] = ranks
             latency = time.perf_counter() - job.started
             self.loads_done += 1
             self.load_seconds += latency
@@ -117,17 +123,18 @@ class Prefetcher:
             if self.pool.state(name) is not None:
                 continue
             # an adapter wanted by an older request stays; one nobody waits for goes first;
-            # the slot's block must hold the new adapter's rank
-            rank = self.rank_of(name)
+            # the slot's blocks (or free ones) must hold the new adapter's ranks
+            ranks = self.reserve_ranks(name)
             free = [
                 i for i in ending
-                if self.pool.slots[i].adapter not in names[:k] and self.pool.fits(i, rank)
+                if self.pool.slots[i].adapter not in names[:k]
+                and self.pool.can_hand_over(i, ranks)
             ]  # fmt: skip
             if not free:
                 break
             idx = min(free, key=lambda i: self.pool.slots[i].adapter in names)
             ending.remove(idx)
-            self.pool.hand_over(name, idx)
+            self.pool.hand_over(name, idx, ranks)
             self._submit(name, idx, progress)
             self.handovers += 1
             started += 1
@@ -142,8 +149,18 @@ class Prefetcher:
                 names.append(n)
         return names
 
+    def reserve_ranks(self, name: str) -> Ranks:
+        """What a load of `name` reserves: its ranks per group once it has landed here,
+        else what ranks_of knows."""
+        known = self.known_ranks.get(name)
+        return known if known is not None else self.ranks_of(name)
+
+    def forget(self, name: str) -> None:
+        """`name` was unloaded or registered anew: its ranks are not known any more."""
+        self.known_ranks.pop(name, None)
+
     def start(self, name: str, protected: set[str] = frozenset()) -> bool:
-        slot = self.pool.reserve(name, protected, self.rank_of(name))
+        slot = self.pool.reserve(name, protected, self.reserve_ranks(name))
         if slot is None:
             return False
         self._submit(name, slot)
@@ -152,14 +169,15 @@ class Prefetcher:
     def _submit(self, name: str, slot: int, progress: StepProgress | None = None) -> None:
         self.buffers.clear(slot)
         meta: dict = {}
-        row0 = self.pool.slots[slot].row0
+        rows = self.pool.slots[slot].offsets
 
         def job() -> None:
             weights = self.host_cache.get(name)
-            if not self.pool.fits(slot, weights.rank):  # staged anew with another rank
-                raise ValueError(f"{name}: rank {weights.rank} does not fit its reserved rows")
-            self.buffers.write(row0, weights, progress)
-            meta["adapter"] = weights
+            ranks = self.buffers.group_ranks(weights)
+            if not self.pool.fits(slot, ranks):  # staged anew with other ranks
+                raise ValueError(f"{name}: ranks {ranks} do not fit its reserved rows")
+            self.buffers.write(rows, weights, progress)
+            meta["adapter"], meta["ranks"] = weights, ranks
 
         started = time.perf_counter()
         self.loads_started += 1

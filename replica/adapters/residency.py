@@ -21,7 +21,7 @@ import torch
 from replica.adapters.eviction import make_policy
 from replica.adapters.host_cache import HostCache
 from replica.adapters.prefetcher import LoadFailure, Prefetcher
-from replica.adapters.slot_pool import AdapterSlotPool, SlotState
+from replica.adapters.slot_pool import AdapterSlotPool, Ranks, SlotState
 from replica.adapters.sources import AdapterLocator, AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
 from replica.device import InlineLoader, SideStreamLoader, StepProgress
@@ -60,13 +60,15 @@ class AdapterResidency:
         self.source, self.buffers, self.device = source, buffers, device
         staged, slots = stage(_WithBase(source))
         self.host_cache = HostCache(staged, c.host_cache_bytes)
-        self.pool = AdapterSlotPool(c.num_slots, make_policy(c.eviction_policy), c.max_lora_rank)
+        self.pool = AdapterSlotPool(
+            c.num_slots, make_policy(c.eviction_policy), c.max_lora_rank, buffers.groups
+        )
         self.sync = c.adapter_loading == "sync"
         self.loader = InlineLoader(device) if self.sync else SideStreamLoader(device)
         window = c.max_loras_per_batch if self.sync else c.prefetch_window
         self.prefetcher = Prefetcher(
             self.pool, slots, self.host_cache, self.loader, window, c.max_loads_in_flight,
-            self.rank_of,
+            self.ranks_of,
         )  # fmt: skip
         self.max_loads_in_flight = c.max_loads_in_flight
         self.unloading: set[str] = set()  # refused for new requests; weights go when unused
@@ -82,6 +84,7 @@ class AdapterResidency:
             raise RequestError(f"adapter {name!r} is being unloaded: requests on it still run")
         self.source.add(name, path)
         self.host_cache.drop(name)
+        self.prefetcher.forget(name)
         try:
             return self.host_cache.get(name)
         except Exception:
@@ -108,13 +111,16 @@ class AdapterResidency:
             if self.pool.evict(name):  # the slot's rank is zeroed when it is reserved again
                 self.source.remove(name)
                 self.host_cache.drop(name)
+                self.prefetcher.forget(name)
                 self.unloading.discard(name)
 
-    def rank_of(self, name: str) -> int | None:
-        """`name`'s rank without fetching it: the host copy's, else the source's record."""
-        rank = self.host_cache.rank_of(name)
-        if rank is not None:
-            return rank
+    def ranks_of(self, name: str) -> Ranks:
+        """`name`'s rank without fetching it: per projection group from the host copy,
+        else one rank, the source's record (its largest module's: a load reserves it in
+        every group and gives back what the weights do not use); None when unknown."""
+        staged = self.host_cache.peek(name)
+        if staged is not None:
+            return self.buffers.group_ranks(staged)
         if name == BASE_KEY:
             return 0
         return getattr(self.source, "rank_of", lambda _: None)(name)

@@ -17,15 +17,16 @@ from typing import Any, Protocol
 from replica.adapters.sources import AdapterLocator
 from replica.device import StepProgress
 from replica.model.adapter_weights import LoRAAdapterWeights
-from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.lora_slots import LoRASlotBuffers, Rows
 from replica.model.tp_shard import TPShard
 
 
 class RankLoads(Protocol):
     """Loads on ranks 1..N-1 (the executor's TPGroup): start them, then wait for all."""
 
-    def load_on_ranks(self, row0: int, name: str, locator: AdapterLocator) -> list[Any]:
-        """Ranks 1..N-1 start copying their shards of `name` into arena rows from `row0`."""
+    def load_on_ranks(self, rows: dict[str, int], name: str, locator: AdapterLocator) -> list[Any]:
+        """Ranks 1..N-1 start copying their shards of `name` into each group's arena rows
+        from `rows[group]`."""
 
     def wait_loads(self, pending: list[Any]) -> None:
         """Block until every started load is done; raise if a rank failed."""
@@ -54,19 +55,24 @@ class ShardedSlotWriter:
         self.local, self.group, self.locate = local, group, locate
 
     def write(
-        self, row0: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
+        self, rows: Rows, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
     ) -> None:
         """Runs on rank 0's loader thread; returns once every rank holds the adapter.
         No hand-over under TP (the engine never passes `progress`): the other ranks' copies
         could not be ordered behind rank 0's layers."""
         if progress is not None:
             raise ValueError("slot hand-over is not supported with tensor parallelism")
-        pending = self.group.load_on_ranks(row0, adapter.name, self.locate(adapter.name))
-        self.local.write(row0, adapter)
+        if isinstance(rows, int):
+            rows = dict.fromkeys(self.local.groups, rows)
+        pending = self.group.load_on_ranks(dict(rows), adapter.name, self.locate(adapter.name))
+        self.local.write(rows, adapter)
         self.group.wait_loads(pending)
 
-    def activate(self, slot: int, row0: int, adapter: LoRAAdapterWeights) -> None:
-        self.local.activate(slot, row0, adapter)  # host state: only rank 0 plans batches
+    def group_ranks(self, adapter: LoRAAdapterWeights) -> dict[str, int]:
+        return self.local.group_ranks(adapter)  # a shard's ranks are the whole adapter's
+
+    def activate(self, slot: int, rows: Rows, adapter: LoRAAdapterWeights) -> None:
+        self.local.activate(slot, rows, adapter)  # host state: only rank 0 plans batches
 
     def clear(self, slot: int) -> None:
         self.local.clear(slot)

@@ -2,26 +2,38 @@
 
 Host-only bookkeeping over LoRASlotBuffers. A slot is a handle (an index into the
 per-slot rank/scaling/offset tables the kernels read); the weights live in arena rows,
-a block sized by the adapter's own rank (replica/adapters/arena.py), so a rank-8
-adapter holds an eighth of what a rank-64 one does. Index ranges:
+one arena per projection group (qkv_proj, o_proj, ...; replica/adapters/arena.py), and
+in each the adapter holds a block sized by its own rank there: a rank-8 adapter holds an
+eighth of what a rank-64 one does, a rank_pattern adapter with rank-64 attention and a
+rank-8 MLP holds 64 rows of the attention arenas and 8 of the MLP's, and a q/v adapter
+holds no rows of the MLP arenas. A load whose rank per group is not known yet reserves
+its largest rank (or max_lora_rank) everywhere and gives the rest back once its weights
+are in place (shrink). Index ranges:
   slot 0          the base model: pinned, always READY, holds no rows, never evicted
   slots 1..S-1    adapters: FREE -> LOADING (a copy is in flight) -> READY -> (evicted) FREE
 An adapter may be evicted only when READY, unreferenced (no sequence in the running
-batch uses it) and unpinned; LOADING slots are never touched. When no free block fits
-an adapter, the policy picks the aligned region whose occupants are cheapest to evict.
+batch uses it) and unpinned; LOADING slots are never touched. When some group has no
+free block that fits, the policy picks that group's aligned region whose occupants are
+cheapest to evict (evicting frees their rows in every group).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from replica.adapters.arena import RowArena
 from replica.adapters.eviction import EvictionPolicy
 from replica.model.lora_slots import arena_rows, block_rows, num_slot_handles
+
+# An adapter's rank per projection group (missing groups: 0, no rows there), one rank for
+# every group, or None: not known yet (max_lora_rank everywhere).
+Ranks = Mapping[str, int] | int | None
+ONE_GROUP = ("lora",)  # a pool with a single arena (the slot-pool tests use plain names)
 
 
 class SlotState(enum.Enum):
@@ -38,17 +50,37 @@ class Slot:
     refs: int = 0  # sequences in the running batch using this slot
     pinned: bool = False
     used: bool = False  # some sequence ran on this load of the slot (a useful prefetch)
-    row0: int = 0  # first arena row of the adapter's block
-    rows: int = 0  # the block's rows (block_rows(rank); 0 when free)
+    # per projection group holding rows: (first arena row, block rows = block_rows(rank))
+    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """The first arena row of each group's block (what the slot buffers write at)."""
+        return {g: row0 for g, (row0, _) in self.blocks.items()}
+
+    @property
+    def rows(self) -> int:
+        """Arena rows held, summed over groups."""
+        return sum(rows for _, rows in self.blocks.values())
 
 
 class AdapterSlotPool:
-    def __init__(self, num_slots: int, policy: EvictionPolicy, max_rank: int = 64) -> None:
-        """Room for num_slots - 1 adapters of max_rank (more of lower ranks)."""
+    def __init__(
+        self,
+        num_slots: int,
+        policy: EvictionPolicy,
+        max_rank: int = 64,
+        groups: tuple[str, ...] = ONE_GROUP,
+    ) -> None:
+        """Room for num_slots - 1 adapters of max_rank in every group of `groups` (more of
+        lower ranks, or targeting fewer groups): one arena of rows per group."""
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2: slot 0 is the base model, adapters need one")
-        self.arena = RowArena(arena_rows(num_slots, max_rank), max_rank)
-        self.slots = [Slot(i) for i in range(num_slot_handles(self.arena.num_rows))]
+        rows = arena_rows(num_slots, max_rank)
+        self.arenas = {g: RowArena(rows, max_rank) for g in groups}
+        self.num_rows = rows  # of each group's arena
+        self.max_rank_adapters = num_slots - 1
+        self.slots = [Slot(i) for i in range(num_slot_handles(rows))]
         self.slots[0] = Slot(0, None, SlotState.READY, pinned=True)
         self.policy, self.max_rank = policy, max_rank
         self._by_name: dict[str, int] = {}
@@ -69,13 +101,14 @@ class AdapterSlotPool:
 
     @property
     def num_free(self) -> int:
-        """Loads of any rank that evict no one: whole free blocks of max_lora_rank."""
-        return self.arena.free_top_blocks()
+        """Loads of any rank that evict no one: whole free blocks of max_lora_rank in the
+        fullest group's arena."""
+        return min(arena.free_top_blocks() for arena in self.arenas.values())
 
     @property
     def rows_used(self) -> int:
-        """Arena rows held by adapters (loading or ready): the sum of their blocks."""
-        return self.arena.rows_used
+        """Arena rows held by adapters (loading or ready), summed over the groups' arenas."""
+        return sum(arena.rows_used for arena in self.arenas.values())
 
     def occupancy(self) -> dict[str, int]:
         """Adapters (slot 0 aside) by state, and free as num_free."""
@@ -85,43 +118,97 @@ class AdapterSlotPool:
         counts[SlotState.FREE.value] = self.num_free
         return counts
 
+    def block_sizes(self, ranks: Ranks) -> dict[str, int]:
+        """The rows `ranks` needs in each group (groups needing none left out)."""
+        if ranks is None or isinstance(ranks, int):
+            rank = self.max_rank if ranks is None else ranks
+            ranks = dict.fromkeys(self.arenas, rank)
+        unknown = set(ranks) - set(self.arenas)
+        if unknown:
+            raise ValueError(
+                f"ranks for groups {sorted(unknown)}: the pool has {list(self.arenas)}"
+            )
+        sizes = {g: block_rows(r) for g, r in ranks.items()}
+        return {g: n for g, n in sizes.items() if n}
+
     # -- transitions ---------------------------------------------------------------------------
 
     def reserve(
-        self, name: str, protected: set[str] = frozenset(), rank: int | None = None
+        self, name: str, protected: set[str] = frozenset(), ranks: Ranks = None
     ) -> int | None:
-        """A slot and rows for `name` (rank `rank`; unknown: max_lora_rank) to be loaded
-        into (marked LOADING), evicting if needed; None when nothing can be evicted.
-        Adapters in `protected` (wanted by requests about to run) are not evicted."""
+        """A slot and rows for `name` (its `ranks`, see Ranks) to be loaded into (marked
+        LOADING), evicting if needed; None when nothing can be evicted. Adapters in
+        `protected` (wanted by requests about to run) are not evicted."""
         if name in self._by_name:
             raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
-        size = block_rows(self.max_rank if rank is None else rank)
+        sizes = self.block_sizes(ranks)
+        if not self._can_place(sizes, protected):
+            return None
         if not self._free_handles and not self._evict_one(protected):
             return None
-        start = 0 if size == 0 else self._rows_for(size, protected)
-        if start is None:
-            return None
+        starts = self._blocks_for(sizes, protected)
         slot = self.slots[self._free_handles.pop()]
-        self.arena.take(start, size, slot.index)
-        slot.row0, slot.rows = start, size
+        for g, size in sizes.items():
+            self.arenas[g].take(starts[g], size, slot.index)
+            slot.blocks[g] = (starts[g], size)
         self._claim(slot, name)
         return slot.index
 
-    def fits(self, index: int, rank: int | None) -> bool:
-        """Whether slot `index`'s block can hold an adapter of `rank` (hand-over)."""
-        return block_rows(self.max_rank if rank is None else rank) <= self.slots[index].rows
+    def fits(self, index: int, ranks: Ranks) -> bool:
+        """Whether slot `index`'s blocks can hold an adapter of `ranks` (hand-over, and a
+        load checking what it reserved against the weights it fetched)."""
+        blocks = self.slots[index].blocks
+        return all(size <= blocks.get(g, (0, 0))[1] for g, size in self.block_sizes(ranks).items())
 
-    def hand_over(self, name: str, index: int) -> None:
-        """Give slot `index` and its whole block to `name` (LOADING) while the sequences
+    def shrink(self, index: int, ranks: Mapping[str, int]) -> None:
+        """Give back the rows of slot `index` that its adapter's `ranks` (exact, known once
+        its weights are) do not need: a reservation made for an unknown or single rank
+        keeps only its own rank's block per group (aligned: a block's first rows are an
+        aligned block of any smaller size). Only while no step reads the slot: LOADING,
+        or READY and unreferenced."""
+        slot = self.slots[index]
+        assert slot.state is SlotState.LOADING or not slot.refs, slot
+        need = self.block_sizes(ranks)
+        for g, (row0, rows) in list(slot.blocks.items()):
+            keep = need.get(g, 0)
+            if keep >= rows:
+                continue
+            self.arenas[g].give_back(row0 + keep, rows - keep)
+            if keep:
+                self.arenas[g].size[row0 : row0 + keep] = keep
+                slot.blocks[g] = (row0, keep)
+            else:
+                del slot.blocks[g]
+
+    def can_hand_over(self, index: int, ranks: Ranks) -> bool:
+        """Whether an adapter of `ranks` can be handed slot `index`: each group's block is
+        large enough, or, in a group where the slot holds no rows, a free block is."""
+        blocks = self.slots[index].blocks
+        return all(
+            size <= blocks[g][1] if g in blocks else self.arenas[g].find_free(size) is not None
+            for g, size in self.block_sizes(ranks).items()
+        )
+
+    def hand_over(self, name: str, index: int, ranks: Ranks = None) -> None:
+        """Give slot `index` and its whole blocks to `name` (LOADING) while the sequences
         that reference it run their last step: its adapter is evicted now and the refs
         drain when they finish. The caller orders the new copies after that step's reads
-        (StepProgress) and checks fits(): the block is kept whole, since the running step
-        still reads its rows and no other adapter may be written there meanwhile."""
+        (StepProgress) and checks can_hand_over(): the blocks are kept whole, since the
+        running step still reads their rows and no other adapter may be written there
+        meanwhile; a group where `ranks` needs rows the slot lacks gets a free block
+        (no running sequence reads free rows)."""
         slot = self.slots[index]
         if slot.pinned or slot.state is not SlotState.READY:
             raise ValueError(f"slot {index} cannot be handed over: {slot}")
         if name in self._by_name:
             raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
+        if not self.can_hand_over(index, ranks):
+            raise ValueError(f"slot {index} cannot hold {name!r} of ranks {ranks}")
+        for g, size in self.block_sizes(ranks).items():
+            if g not in slot.blocks:
+                start = self.arenas[g].find_free(size)
+                self.arenas[g].take(start, size, index)
+                slot.blocks[g] = (start, size)
         self._forget(slot)
         self.num_evictions += 1
         self._claim(slot, name)
@@ -168,21 +255,24 @@ class AdapterSlotPool:
     def check_integrity(self) -> None:
         base = self.slots[0]
         assert base.pinned and base.state is SlotState.READY and base.adapter is None, base
-        assert base.rows == 0, base
+        assert not base.blocks, base
         for name, i in self._by_name.items():
             assert self.slots[i].adapter == name and self.slots[i].state is not SlotState.FREE
-        owned = np.full(self.arena.num_rows, -1, dtype=np.int32)
+        owned = {g: np.full(self.num_rows, -1, dtype=np.int32) for g in self.arenas}
         for s in self.slots[1:]:
             assert s.refs >= 0
             assert (s.state is SlotState.FREE) == (s.adapter is None), s
             assert s.state is SlotState.READY or s.refs == 0, s
             if s.adapter is not None:
                 assert self._by_name.get(s.adapter) == s.index, s
-                assert s.rows == 0 or s.row0 % s.rows == 0, s
-                owned[s.row0 : s.row0 + s.rows] = s.index
+                for g, (row0, rows) in s.blocks.items():
+                    assert rows and row0 % rows == 0, s
+                    assert (self.arenas[g].size[row0 : row0 + rows] == rows).all(), s
+                    owned[g][row0 : row0 + rows] = s.index
             else:
-                assert s.rows == 0 and s.index in self._free_handles, s
-        assert (owned == self.arena.owner).all(), "arena rows and slots disagree"
+                assert not s.blocks and s.index in self._free_handles, s
+        for g, arena in self.arenas.items():
+            assert (owned[g] == arena.owner).all(), f"{g}: arena rows and slots disagree"
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -194,6 +284,26 @@ class AdapterSlotPool:
             and s.adapter not in protected
         }  # fmt: skip
 
+    def _costs(self, protected: set[str]) -> np.ndarray:
+        """Per slot, its place in the policy's eviction order (first to go: cheapest);
+        inf for slots that may not be evicted."""
+        candidates = self._evictable(protected)
+        cost = np.full(len(self.slots), math.inf)
+        for rank, name in enumerate(self.policy.eviction_order(candidates)):
+            cost[candidates[name].index] = rank
+        return cost
+
+    def _can_place(self, sizes: dict[str, int], protected: set[str]) -> bool:
+        """Whether every group has a free block or a region it may evict, checked before
+        evicting anything: evictions only free rows, so each group's answer holds after
+        the others' evictions, and a load that cannot be placed evicts no one."""
+        cost = self._costs(protected)
+        return all(
+            self.arenas[g].find_free(size) is not None
+            or self.arenas[g].cheapest_region(size, cost) is not None
+            for g, size in sizes.items()
+        )
+
     def _evict_one(self, protected: set[str]) -> bool:
         """Free a handle (every one is taken): the policy's victim among all adapters."""
         candidates = self._evictable(protected)
@@ -204,22 +314,21 @@ class AdapterSlotPool:
         self.num_evictions += 1
         return True
 
-    def _rows_for(self, size: int, protected: set[str]) -> int | None:
-        """A free aligned block of `size` rows, evicting one region's occupants if needed."""
-        start = self.arena.find_free(size)
-        if start is not None:
-            return start
-        candidates = self._evictable(protected)
-        cost = np.full(len(self.slots), math.inf)
-        for rank, name in enumerate(self.policy.eviction_order(candidates)):
-            cost[candidates[name].index] = rank  # first to go: cheapest
-        start = self.arena.cheapest_region(size, cost)
-        if start is None:
-            return None
-        for index in self.arena.region_owners(start, size):
-            self._drop(self.slots[index])
-            self.num_evictions += 1
-        return start
+    def _blocks_for(self, sizes: dict[str, int], protected: set[str]) -> dict[str, int]:
+        """A free aligned block per group (largest first), evicting one region's occupants
+        in a group that has none (_can_place said each group can)."""
+        starts = {}
+        for g, size in sorted(sizes.items(), key=lambda item: -item[1]):
+            arena = self.arenas[g]
+            start = arena.find_free(size)
+            if start is None:
+                start = arena.cheapest_region(size, self._costs(protected))
+                assert start is not None, (g, size)
+                for index in arena.region_owners(start, size):
+                    self._drop(self.slots[index])
+                    self.num_evictions += 1
+            starts[g] = start
+        return starts
 
     def _claim(self, slot: Slot, name: str) -> None:
         """`slot` (with its rows taken) starts loading `name`."""
@@ -236,6 +345,7 @@ class AdapterSlotPool:
         self._free(slot)
 
     def _free(self, slot: Slot) -> None:
-        self.arena.give_back(slot.row0, slot.rows)
-        slot.adapter, slot.state, slot.row0, slot.rows = None, SlotState.FREE, 0, 0
+        for g, (row0, rows) in slot.blocks.items():
+            self.arenas[g].give_back(row0, rows)
+        slot.adapter, slot.state, slot.blocks = None, SlotState.FREE, {}
         self._free_handles.append(slot.index)

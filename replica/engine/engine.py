@@ -54,8 +54,8 @@ class LLMEngine:
         rank = c.max_lora_rank
         row = slot_bytes(self.spec, 1, self.dtype, c.tp_size, c.lora_embeddings)
         log.info(
-            "adapter arenas: %d rank rows of %d bytes (%d adapters at rank %d, %d at rank 8); "
-            "up to %d adapters per batch",
+            "adapter arenas: %d rank rows per projection group, %d bytes a row in every "
+            "group (%d adapters at rank %d, %d at rank 8); up to %d adapters per batch",
             arena_rows(c.num_slots, rank), row, c.num_slots - 1, rank,
             arena_rows(c.num_slots, rank) // block_rows(8), c.max_loras_per_batch,
         )  # fmt: skip

@@ -53,9 +53,10 @@ class Telemetry:
             "num_running": len(sched.running),
             "free_slots": pool.num_free,
             # sized from memory: num_slots - 1 adapters of max_lora_rank fit (more of lower
-            # ranks), adapter_rows_used of adapter_rows rank rows are held
-            "num_slots": pool.arena.num_rows // pool.arena.top + 1,
-            "adapter_rows": pool.arena.num_rows,
+            # ranks or targeting fewer projection groups); adapter_rows_used of adapter_rows
+            # rank rows are held, both summed over the groups' arenas
+            "num_slots": pool.max_rank_adapters + 1,
+            "adapter_rows": pool.num_rows * len(pool.arenas),
             "adapter_rows_used": pool.rows_used,
             "adapter_loads": self.adapters.prefetcher.loads_started,
             # leak checks (tests/reliability): all blocks free and no slot referenced when idle

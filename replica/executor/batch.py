@@ -15,7 +15,7 @@ from kernels import SegmentInfo, make_segment_infos
 from replica.device import to_device, to_device_packed
 from replica.model.attention import AttentionMetadata
 from replica.model.decoder import ForwardBatch
-from replica.model.lora_slots import SlotTable
+from replica.model.lora_slots import SlotTable, SlotTensorViews
 
 
 @dataclass
@@ -42,7 +42,7 @@ def build_batch(
     block_size: int,
     slots: SlotTable,
     device: torch.device,
-    slot_tensors: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor] | None = None,
+    slot_tensors: SlotTensorViews | None = None,
 ) -> tuple[ForwardBatch, torch.Tensor]:
     """The plan's ForwardBatch and its sampled rows (device): host tensors, one copy.
     `slot_tensors`: the slot table already on the device (SlotTensors.tensors()), else
@@ -97,7 +97,7 @@ def _logit_segments(
     plan: BatchPlan,
     slots: SlotTable,
     device: torch.device,
-    slot_tensors: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor] | None,
+    slot_tensors: SlotTensorViews | None,
 ) -> SegmentInfo:
     """lm_head LoRA's SegmentInfo over the logit rows: runs of rows of one sequence (rows
     are ordered by sequence within each kind: sampled rows, then prompt-logprob rows)."""
@@ -114,10 +114,12 @@ def _logit_segments(
             last = g
     on_device = None
     if slot_tensors is not None:
-        on_device = ({"lm_head": slot_tensors[0]["lm_head"]}, slot_tensors[1], slot_tensors[2])
+        ranks, scalings, offsets = slot_tensors
+        on_device = ({"lm_head": ranks["lm_head"]}, scalings, {"lm_head": offsets["lm_head"]})
     infos = make_segment_infos(
-        lens, seg_slots, {"lm_head": slots.ranks["lm_head"]}, slots.scalings, slots.offsets,
-        device, lambda t: to_device(t, device), None, on_device,
+        lens, seg_slots, {"lm_head": slots.ranks["lm_head"]}, slots.scalings,
+        {"lm_head": slots.offsets["lm_head"]}, device, lambda t: to_device(t, device), None,
+        on_device,
     )  # fmt: skip
     return infos["lm_head"]
 

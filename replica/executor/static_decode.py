@@ -205,7 +205,7 @@ class StaticDecode:
                 seg_slots=t["token_slots"][rows],
                 slot_ranks=self.slot_tensors.ranks[group],
                 slot_scalings=self.slot_tensors.scalings,
-                slot_offsets=self.slot_tensors.offsets,
+                slot_offsets=self.slot_tensors.offsets[group],
                 max_seg_len=1,
                 has_lora=lora,
                 graph_safe=True,

@@ -147,10 +147,12 @@ class TPGroup:
 
     # -- adapters ------------------------------------------------------------------------------
 
-    def load_on_ranks(self, row0: int, name: str, locator: AdapterLocator) -> list[ray.ObjectRef]:
-        """Ranks 1..N-1 start loading their shards of `name` into arena rows from `row0`
-        (rank 0's choice)."""
-        return [w.load.remote(row0, name, locator, LOAD_TIMEOUT_S) for w in self.workers]
+    def load_on_ranks(
+        self, rows: dict[str, int], name: str, locator: AdapterLocator
+    ) -> list[ray.ObjectRef]:
+        """Ranks 1..N-1 start loading their shards of `name` into each group's arena rows
+        from `rows[group]` (rank 0's choice)."""
+        return [w.load.remote(rows, name, locator, LOAD_TIMEOUT_S) for w in self.workers]
 
     def wait_loads(self, pending: list[ray.ObjectRef]) -> None:
         try:

@@ -91,13 +91,15 @@ class TPWorker:
         self.loader.shutdown()
         return steps
 
-    def load(self, row0: int, name: str, locator: AdapterLocator, timeout_s: float) -> None:
-        """Copy this rank's shard of adapter `name` into arena rows from `row0`; returns
-        once it is there."""
+    def load(
+        self, rows: dict[str, int], name: str, locator: AdapterLocator, timeout_s: float
+    ) -> None:
+        """Copy this rank's shard of adapter `name` into each group's arena rows from
+        `rows[group]`; returns once it is there."""
         if self.locators.update(name, locator):
             self.host_cache.drop(name)
         weights = self.host_cache.get(name)
-        self.loader.submit(lambda: self.runner.lora.write(row0, weights)).wait(timeout_s)
+        self.loader.submit(lambda: self.runner.lora.write(rows, weights)).wait(timeout_s)
 
     def slot_weights(
         self, layer: int, group: str, row0: int, rank: int

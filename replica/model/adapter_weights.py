@@ -2,18 +2,18 @@
 
 Engine layout: per layer, per target module, A `[r_m, in]` and B `[out, r_m]` at the
 module's own rank, plus one rank (the largest module's) and one scaling per adapter: the
-engine reserves `rank` arena rows for the adapter, computes each projection group at the
-largest rank of its modules (LoRAAdapterWeights.group_rank), and multiplies every
-module's delta by `scaling`.
+engine holds and computes each projection group at the largest rank of its modules
+(LoRAAdapterWeights.group_rank; `rank` is what a load reserves before its weights are
+known), and multiplies every module's delta by `scaling`.
 
 PEFT is more general: `rank_pattern` and `alpha_pattern` give a module its own rank r_m and
 alpha_m, so its own scaling s_m = alpha_m / r_m (alpha_m / sqrt(r_m) with rsLoRA). Such an
 adapter is converted exactly:
 
 - each module keeps its own rank: host and object-store bytes are the real ones, and a
-  group computes only as many rank rows as its largest module has (a rank-64 attention
-  with a rank-8 MLP costs rank-8 work in the MLP). The slot's arena block is sized by the
-  largest rank in every group (one row offset per slot), so device rows are not saved;
+  group holds and computes only as many rank rows as its largest module has (a rank-64
+  attention with a rank-8 MLP holds 8 device rows per layer in the MLP arenas and costs
+  rank-8 work there);
 - its scaling is the default one (lora_alpha / r) when a module uses it, else the one most
   modules use; a module whose scaling differs has the ratio folded into its B
   (B_m · s_m / scaling), in fp32 and stored back in B's dtype (one extra rounding for a
@@ -121,12 +121,18 @@ class LoRAAdapterWeights:
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
+    def module_ranks(self) -> dict[str, int]:
+        """Each targeted module's largest rank over the layers."""
+        ranks: dict[str, int] = {}
+        for (_, m), (a, _b) in self.weights.items():  # A [r, in], or an expert's [E, r, in]
+            ranks[m] = max(ranks.get(m, 0), a.shape[-2])
+        return ranks
+
     def group_rank(self, modules: tuple[str, ...]) -> int:
-        """The rank rows a projection group computes with: its largest module's rank, over
-        every layer (0 when the adapter targets none of `modules`)."""
-        return max(  # A [r, in], or an expert module's [E, r, in]
-            (a.shape[-2] for (_, m), (a, _b) in self.weights.items() if m in modules), default=0
-        )
+        """The rank rows a projection group holds and computes with: its largest module's
+        rank, over every layer (0 when the adapter targets none of `modules`)."""
+        ranks = self.module_ranks()
+        return max((ranks.get(m, 0) for m in modules), default=0)
 
     def select(self, select: SelectLoRA) -> LoRAAdapterWeights:
         """A copy keeping only the part `select` picks of each module's weights (the

@@ -1,12 +1,13 @@
 """Device memory for adapters: per projection, arenas of rank rows; per slot, a rank,
-a scaling and the arena offset of its rows.
+a scaling and, per projection group, the arena offset of its rows.
 
-An adapter of rank r holds r rows (in a block of block_rows(r): the next power of two)
-at the same offset of every layer's and projection's arenas, so the budget holds
-adapters at their own rank: a rank-8 adapter takes an eighth of a rank-64 one. This
-class only owns memory and copies weights in; which adapter lives in which slot and
-which rows is the slot pool's decision (replica/adapters). Slot 0 is the base model:
-rank 0, no rows, so a segment on slot 0 adds nothing.
+An adapter whose rank in a projection group is r holds r rows there (in a block of
+block_rows(r): the next power of two), at one offset per group, the same in every
+layer's arenas of that group, so the budget holds adapters at their own rank per group:
+a rank-8 adapter takes an eighth of a rank-64 one, and a group it does not target costs
+it nothing. This class only owns memory and copies weights in; which adapter lives in
+which slot and which rows is the slot pool's decision (replica/adapters). Slot 0 is the
+base model: rank 0, no rows, so a segment on slot 0 adds nothing.
 
 A sparse (mixture-of-experts) layer has expert groups instead of the dense MLP's: their
 arenas hold one block of rows per expert ([num_slices, E * num_rows, in]), the adapter's
@@ -17,6 +18,7 @@ E x (gate, up, down) x rank rows per layer (replica/adapters/memory.py counts th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,14 +58,21 @@ def num_slot_handles(num_rows: int) -> int:
     return num_rows // MIN_BLOCK_ROWS + 2
 
 
+# The first arena row of an adapter's block per projection group (an int: the same row
+# in every group).
+Rows = Mapping[str, int] | int
+# The slot table on the device: (ranks per group, scalings, offsets per group).
+SlotTensorViews = tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class SlotTable:
-    """The host view of every slot a step runs with: ranks per projection group (0 where
-    the adapter does not target it), scalings, first arena rows."""
+    """The host view of every slot a step runs with, per projection group the ranks (0
+    where the adapter does not target it) and first arena rows; the scalings."""
 
     ranks: dict[str, list[int]]
     scalings: list[float]
-    offsets: list[int]
+    offsets: dict[str, list[int]]
 
 
 class LoRASlotBuffers:
@@ -122,7 +131,9 @@ class LoRASlotBuffers:
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         n = self.num_slots
-        self.table = SlotTable({g: [0] * n for g in self.groups}, [0.0] * n, [0] * n)
+        self.table = SlotTable(
+            {g: [0] * n for g in self.groups}, [0.0] * n, {g: [0] * n for g in self.groups}
+        )
         # What write() copies into, per layer and group: numpy views of the arenas on CPU
         # (a write is ~100 small copies, and numpy slicing costs a tenth of torch's: the
         # write took 1.3-2.9 ms, mostly indexing, for adapters of 0.85-18.6 MB); the
@@ -144,14 +155,26 @@ class LoRASlotBuffers:
         """A copy of the slot table (what a step runs with while slots change)."""
         t = self.table
         return SlotTable(
-            {g: list(r) for g, r in t.ranks.items()}, list(t.scalings), list(t.offsets)
+            {g: list(r) for g, r in t.ranks.items()},
+            list(t.scalings),
+            {g: list(o) for g, o in t.offsets.items()},
         )
 
+    def group_ranks(self, adapter: LoRAAdapterWeights) -> dict[str, int]:
+        """The rank rows `adapter` needs in each group's arenas (0: none), what the slot
+        pool reserves: its largest module's rank in the group (LoRAAdapterWeights.group_rank)."""
+        ranks = adapter.module_ranks()  # one pass over the weights, not one per group
+        return {
+            g: max((ranks.get(m, 0) for m in self._modules.get(g, (g,))), default=0)
+            for g in self.groups
+        }
+
     def write(
-        self, row0: int, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
+        self, rows: Rows, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
     ) -> None:
-        """Copy `adapter` into arena rows [row0, row0 + rank) (zeros for the slices of a
-        targeted group that it does not target: the group's rank covers every slice).
+        """Copy `adapter` into each group's arena rows [rows[g], rows[g] + its rank there)
+        (zeros for the slices of a targeted group that it does not target: the group's
+        rank covers every slice).
 
         The copies are issued on the current stream; callers choose it (the prefetcher
         runs this on a side stream and records an event after). No slot reads the rows
@@ -165,10 +188,13 @@ class LoRASlotBuffers:
             )
         if adapter.rank > self.max_rank:
             raise ValueError(f"{adapter.name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
-        r = adapter.rank
-        if row0 < 0 or row0 + r > self.num_rows:
-            raise ValueError(f"rows [{row0}, {row0 + r}) outside the arena's {self.num_rows}")
-        group_ranks = {g: adapter.group_rank(self._modules.get(g, (g,))) for g in self.groups}
+        group_ranks = self.group_ranks(adapter)
+        first = _first_rows(rows, group_ranks)
+        for g, r in group_ranks.items():
+            if r and not 0 <= first[g] <= self.num_rows - r:
+                raise ValueError(
+                    f"{g}: rows [{first[g]}, {first[g] + r}) outside the arena's {self.num_rows}"
+                )
         for layer, groups in enumerate(self.layers):
             if progress is not None:
                 progress.wait_layer(layer)
@@ -182,32 +208,34 @@ class LoRASlotBuffers:
                     ab = adapter.weights.get((layer, m))
                     for e in range(blocks):  # expert e's rows: block e of the arenas
                         part = ab if ab is None or blocks == 1 else (ab[0][e], ab[1][e])
-                        first = e * self.num_rows + row0
-                        _write_rows(a[j], b[:, cols], first, group_ranks[group], part)
+                        row0 = e * self.num_rows + first[group]
+                        _write_rows(a[j], b[:, cols], row0, group_ranks[group], part)
         for group in self.vocab:
             if (VOCAB_LAYER, group) not in adapter.weights:
                 continue  # rank 0 for this group
             if progress is not None:
                 progress.wait_layer(0 if group == "embed_tokens" else len(self.layers))
             a, b = self._targets[-1][group]
-            _write_rows(a[0], b, row0, None, adapter.weights[(VOCAB_LAYER, group)])
+            _write_rows(a[0], b, first[group], None, adapter.weights[(VOCAB_LAYER, group)])
 
-    def activate(self, slot: int, row0: int, adapter: LoRAAdapterWeights) -> None:
+    def activate(self, slot: int, rows: Rows, adapter: LoRAAdapterWeights) -> None:
         """Make written rows visible to batches as `slot` (main thread, once the copies
         are done)."""
         if slot == 0:
             raise ValueError("slot 0 is the pinned base slot and never holds an adapter")
-        for group in self.groups:
-            self.table.ranks[group][slot] = adapter.group_rank(self._modules.get(group, (group,)))
+        group_ranks = self.group_ranks(adapter)
+        first = _first_rows(rows, group_ranks)
+        for group, rank in group_ranks.items():
+            self.table.ranks[group][slot] = rank
+            self.table.offsets[group][slot] = first[group] if rank else 0
         self.table.scalings[slot] = adapter.scaling
-        self.table.offsets[slot] = row0
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (weights stay until overwritten; rank 0 disables them)."""
-        for ranks in self.table.ranks.values():
-            ranks[slot] = 0
+        for group in self.groups:
+            self.table.ranks[group][slot] = 0
+            self.table.offsets[group][slot] = 0
         self.table.scalings[slot] = 0.0
-        self.table.offsets[slot] = 0
 
 
 class SlotTensors:
@@ -220,15 +248,13 @@ class SlotTensors:
         self, num_slots: int, device: torch.device, groups: tuple[str, ...] = tuple(MODULE_GROUPS)
     ) -> None:
         self.groups = groups
-        layout = {g: (torch.int32, (num_slots,)) for g in groups}
-        layout |= {
-            "scalings": (torch.float32, (num_slots,)),
-            "offsets": (torch.int32, (num_slots,)),
-        }
+        layout = {f"ranks.{g}": (torch.int32, (num_slots,)) for g in groups}
+        layout |= {f"offsets.{g}": (torch.int32, (num_slots,)) for g in groups}
+        layout["scalings"] = (torch.float32, (num_slots,))
         self._buffer = StagedBuffer(layout, device)
-        self.ranks = {g: self._buffer.device[g] for g in groups}
+        self.ranks = {g: self._buffer.device[f"ranks.{g}"] for g in groups}
+        self.offsets = {g: self._buffer.device[f"offsets.{g}"] for g in groups}
         self.scalings = self._buffer.device["scalings"]
-        self.offsets = self._buffer.device["offsets"]
         self._sent: tuple | None = None
         self.uploads = 0  # how often the values changed (tests: not every step)
 
@@ -236,22 +262,32 @@ class SlotTensors:
         values = (
             tuple(tuple(table.ranks[g]) for g in self.groups),
             tuple(table.scalings),
-            tuple(table.offsets),
+            tuple(tuple(table.offsets[g]) for g in self.groups),
         )
         if values == self._sent:
             return
         host = self._buffer.writable()
-        for g, group_ranks in zip(self.groups, values[0]):
-            host[g].copy_(torch.tensor(group_ranks, dtype=torch.int32))
+        for g, group_ranks, group_offsets in zip(self.groups, values[0], values[2]):
+            host[f"ranks.{g}"].copy_(torch.tensor(group_ranks, dtype=torch.int32))
+            host[f"offsets.{g}"].copy_(torch.tensor(group_offsets, dtype=torch.int32))
         host["scalings"].copy_(torch.tensor(values[1], dtype=torch.float32))
-        host["offsets"].copy_(torch.tensor(values[2], dtype=torch.int32))
         self._buffer.upload()
         self._sent = values
         self.uploads += 1
 
-    def tensors(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(ranks per group, scalings, offsets): make_segment_infos' slot_tensors."""
+    def tensors(self) -> SlotTensorViews:
+        """(ranks per group, scalings, offsets per group): make_segment_infos' slot_tensors."""
         return self.ranks, self.scalings, self.offsets
+
+
+def _first_rows(rows: Rows, group_ranks: dict[str, int]) -> dict[str, int]:
+    """Each targeted group's first arena row (an int: the same in every group)."""
+    if isinstance(rows, int):
+        return dict.fromkeys(group_ranks, rows)
+    missing = [g for g, r in group_ranks.items() if r and g not in rows]
+    if missing:
+        raise ValueError(f"no arena rows given for the groups {missing} the adapter targets")
+    return {g: rows.get(g, 0) for g in group_ranks}
 
 
 def _copy_target(buf: torch.Tensor) -> np.ndarray | torch.Tensor:

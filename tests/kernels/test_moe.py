@@ -47,7 +47,7 @@ def topk_ids(load: str, t: int, gen: torch.Generator) -> torch.Tensor:
 def segments(lens: list[int], slots: list[int], ranks: list[int], graph_safe: bool = False):
     scalings = [0.0] + [0.5 + 0.25 * s for s in range(1, len(ranks))]
     offsets = [0] + [16 * (s - 1) for s in range(1, len(ranks))]  # 16-row blocks
-    seg = make_segment_infos(lens, slots, {"g": ranks}, scalings, offsets, TEST_DEVICE)["g"]
+    seg = make_segment_infos(lens, slots, {"g": ranks}, scalings, {"g": offsets}, TEST_DEVICE)["g"]
     if graph_safe:
         seg = type(seg)(**{**seg.__dict__, "graph_safe": True})
     return seg

@@ -105,7 +105,8 @@ def test_a_budget_below_one_adapter_of_max_rank_is_a_config_error_at_start(tiny)
         LLMEngine(cfg)
     # a smaller max rank makes the same budget enough: 3 adapters of rank 16
     eng = LLMEngine(cfg.model_copy(update={"max_lora_rank": 16}))
-    assert eng.residency()["num_slots"] == 4 and eng.residency()["adapter_rows"] == 48
+    assert eng.residency()["num_slots"] == 4
+    assert eng.residency()["adapter_rows"] == 48 * 4  # in each of the 4 groups' arenas
     with pytest.raises(ValidationError, match="not both"):
         EngineConfig(model="m", num_slots=4, adapter_memory_bytes=1 << 20)
 
@@ -153,10 +154,11 @@ def one_batch_equals_peft(eng: LLMEngine, tiny, names: dict, first_step=None) ->
 
 
 def test_adapters_hold_their_own_rank_and_five_share_two_max_rank_blocks_like_peft(tiny):
-    """Arenas sized for 2 adapters of rank 64 (128 rank rows) hold the tiny adapters of
-    ranks 64, 32, 16 and 8 plus a second rank-8 one at once (64+32+16+8+8 rows): all
-    five run in one batch, decode what transformers + PEFT decode, and the rows held
-    are exactly their ranks'."""
+    """Arenas sized for 2 adapters of rank 64 (128 rank rows a group) hold the tiny
+    adapters of ranks 64, 32, 16 and 8 plus a second rank-8 one at once (64+32+16+8+8
+    rows of qkv_proj, which all target): all five run in one batch, decode what
+    transformers + PEFT decode, and each group's rows held are exactly the ranks of the
+    adapters targeting it (rank 64 and 8 target every group, 16 attention, 32 q/v)."""
     spec = load_model_spec(tiny.model_dir)
     cfg = EngineConfig(
         model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=3,
@@ -169,8 +171,10 @@ def test_adapters_hold_their_own_rank_and_five_share_two_max_rank_blocks_like_pe
     assert sorted(by_rank) == [8, 16, 32, 64]
 
     def holds_their_ranks(eng: LLMEngine) -> None:
-        assert eng.adapters.pool.rows_used == 64 + 32 + 16 + 8 + 8 == 128
-        assert eng.residency()["adapter_rows_used"] * row == 128 * row
+        used = {g: arena.rows_used for g, arena in eng.adapters.pool.arenas.items()}
+        mlp = 64 + 8 + 8
+        assert used == {"qkv_proj": 128, "o_proj": mlp + 16, "gate_up_proj": mlp, "down_proj": mlp}
+        assert eng.residency()["adapter_rows_used"] == sum(used.values())
 
     names = {f"r{r}": p for r, p in by_rank.items()} | {"r8-again": by_rank[8]}
     one_batch_equals_peft(eng, tiny, names, holds_their_ranks)
@@ -185,16 +189,67 @@ def peft_rank(path) -> int:
 
 def test_a_load_reserves_its_rank_before_the_weights_are_in_host_memory(tiny):
     """With nothing staged in host memory the rank comes from the source's record
-    (adapter_config.json here, the AdapterStore in a cluster): a rank-8 adapter's first
-    load takes 8 rows, not a max-rank block."""
+    (adapter_config.json here, the AdapterStore in a cluster): a rank-16 adapter's first
+    load takes 16 rows of each group, not a max-rank block, and gives back the groups its
+    weights do not target (it targets attention only) once they are in place; its next
+    load reserves just those."""
     cfg = EngineConfig(
         model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=3
     )
     eng = LLMEngine(cfg)
-    path = next(p for p in tiny.adapters.values() if peft_rank(p) == 8)
-    eng.load_adapter("r8", path)
-    eng.adapters.host_cache.drop("r8")  # as a host cache under pressure would
-    assert eng.adapters.host_cache.rank_of("r8") is None and eng.adapters.rank_of("r8") == 8
-    eng.generate([([5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "r8")])
-    slot = eng.adapters.pool.slots[eng.adapters.pool.ready_slot("r8")]
-    assert (slot.rows, eng.adapters.pool.rows_used) == (8, 8)
+    pool = eng.adapters.pool
+    path = next(p for p in tiny.adapters.values() if peft_rank(p) == 16)
+    eng.load_adapter("r16", path)
+    eng.adapters.host_cache.drop("r16")  # as a host cache under pressure would
+    assert eng.adapters.host_cache.rank_of("r16") is None and eng.adapters.ranks_of("r16") == 16
+    reserved = {}
+    real_write = eng.executor.lora.write
+
+    def write(rows, weights, progress=None):
+        reserved.update(pool.slots[pool._by_name["r16"]].blocks)
+        real_write(rows, weights, progress)
+
+    eng.adapters.prefetcher.buffers.write = write
+    eng.generate([([5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "r16")])
+    assert {g: rows for g, (_, rows) in reserved.items()} == dict.fromkeys(pool.arenas, 16)
+    slot = pool.slots[pool.ready_slot("r16")]
+    assert {g: rows for g, (_, rows) in slot.blocks.items()} == {"qkv_proj": 16, "o_proj": 16}
+    assert pool.rows_used == 32
+    assert pool.evict("r16") and pool.rows_used == 0
+    eng.adapters.host_cache.drop("r16")
+    eng.generate([([5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "r16")])
+    assert pool.rows_used == 32 and pool.num_evictions == 0
+
+
+def test_adapters_of_different_groups_share_memory_at_their_own_offsets_like_peft(tiny, tmp_path):
+    """Arenas sized for one rank-64 adapter (64 rows a group): a rank-32 q/v adapter, a
+    rank-32 MLP adapter and a rank-8 adapter of every module hold 40 rows of qkv_proj,
+    8 of o_proj and 40 of each MLP group, so all three run in one batch without an
+    eviction (a block of its largest rank in every group each, 72 rows, could not), the
+    rank-8 one at row 0 of o_proj and row 32 of the others; each decodes what
+    transformers + PEFT decode."""
+    from tests.replica.model.test_adapter_features import build_peft_adapter
+
+    attn = build_peft_adapter(tiny.model_dir, tmp_path / "attn", 0, r=32, lora_alpha=32,
+                              target_modules=["q_proj", "v_proj"])  # fmt: skip
+    mlp = build_peft_adapter(tiny.model_dir, tmp_path / "mlp", 1, r=32, lora_alpha=16,
+                             target_modules=["gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    every = next(p for p in tiny.adapters.values() if peft_rank(p) == 8)
+    cfg = EngineConfig(
+        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=2,
+        max_loras_per_batch=3, adapter_loading="sync", max_loads_in_flight=3,
+    )  # fmt: skip
+    eng = LLMEngine(cfg)
+    assert eng.adapters.pool.num_rows == 64
+
+    def own_groups_and_offsets(eng: LLMEngine) -> None:
+        held = {s.adapter: s.offsets for s in eng.adapters.pool.slots if s.adapter}
+        assert held == {
+            "attn": {"qkv_proj": 0},
+            "mlp": {"gate_up_proj": 0, "down_proj": 0},
+            "every": {"qkv_proj": 32, "o_proj": 0, "gate_up_proj": 32, "down_proj": 32},
+        }
+
+    names = {"attn": attn, "mlp": mlp, "every": every}
+    one_batch_equals_peft(eng, tiny, names, own_groups_and_offsets)
+    assert eng.adapters.pool.num_evictions == 0

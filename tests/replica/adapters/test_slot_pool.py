@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replica.adapters.eviction import FIFOPolicy, LRUPolicy, make_policy
-from replica.adapters.slot_pool import AdapterSlotPool, SlotState
+from replica.adapters.slot_pool import AdapterSlotPool, Ranks, SlotState
 
 
 def test_lru_and_fifo_pick_different_victims():
@@ -21,8 +23,8 @@ def test_lru_and_fifo_pick_different_victims():
         make_policy("random")
 
 
-def ready(pool: AdapterSlotPool, name: str, rank: int | None = None) -> int:
-    slot = pool.reserve(name, rank=rank)
+def ready(pool: AdapterSlotPool, name: str, ranks: Ranks = None) -> int:
+    slot = pool.reserve(name, ranks=ranks)
     assert slot is not None
     pool.mark_ready(slot)
     pool.check_integrity()
@@ -37,7 +39,7 @@ def test_base_slot_is_pinned_and_never_handed_out():
         slot = ready(pool, f"x{i}")
         assert slot != 0
         assert pool.slots[0].state is SlotState.READY and pool.slots[0].pinned
-    assert pool.num_evictions == 10 and pool.slots[0].rows == 0
+    assert pool.num_evictions == 10 and not pool.slots[0].blocks
 
 
 def test_referenced_and_loading_slots_are_never_evicted():
@@ -48,9 +50,9 @@ def test_referenced_and_loading_slots_are_never_evicted():
     assert pool.reserve("c") is None  # a is referenced, b is in flight
     pool.mark_ready(b)
     assert pool.reserve("c", protected={"b"}) is None  # b is wanted by a waiting request
-    rows_b = pool.slots[b].row0
+    rows_b = pool.slots[b].blocks
     c = pool.reserve("c")
-    assert pool.slots[c].row0 == rows_b and pool.state("b") is None
+    assert pool.slots[c].blocks == rows_b and pool.state("b") is None
     pool.release(a)
     pool.check_integrity()
     assert not pool.evict("c")  # still loading
@@ -75,9 +77,10 @@ def test_adapters_hold_their_rank_in_aligned_blocks_packed_tight():
     pool = AdapterSlotPool(17, LRUPolicy(), max_rank=64)  # 16 blocks of 64 rows
     ranks = [8, 16, 32, 64] * 4 + [4, 12]  # the order the demo adapters arrive in
     for i, r in enumerate(ranks):
-        slot = pool.slots[pool.reserve(f"a{i}", rank=r)]
+        slot = pool.slots[pool.reserve(f"a{i}", ranks=r)]
         pool.check_integrity()
-        assert slot.rows == {4: 8, 12: 16}.get(r, r) and slot.row0 % slot.rows == 0
+        (row0, rows), *_ = slot.blocks.values()
+        assert rows == {4: 8, 12: 16}.get(r, r) and row0 % rows == 0
     assert pool.rows_used == 4 * (8 + 16 + 32 + 64) + 8 + 16 == 504
     assert pool.num_free == 16 - 8  # 504 rows in 8 blocks of 64: no block half used
     assert pool.occupancy() == {"free": 8, "loading": 18, "ready": 0}
@@ -88,33 +91,167 @@ def test_a_large_adapter_evicts_the_cheapest_aligned_region():
     the one whose most recently used occupant is oldest; referenced, loading and
     protected adapters keep their region."""
     pool = AdapterSlotPool(3, LRUPolicy(), max_rank=64)  # two blocks of 64 rows
-    small = [ready(pool, f"s{i}", rank=8) for i in range(8)]  # block 0, all of it
-    assert pool.slots[ready(pool, "big", rank=64)].row0 == 64  # block 1
+    small = [ready(pool, f"s{i}", ranks=8) for i in range(8)]  # block 0, all of it
+    assert pool.slots[ready(pool, "big", ranks=64)].offsets == {"lora": 64}  # block 1
     assert pool.num_free == 0
     for s in small:  # the small ones were used since: big is the cheapest region
         pool.acquire(s)
         pool.release(s)
-    new = pool.reserve("new", rank=64)
-    assert pool.state("big") is None and pool.slots[new].row0 == 64
+    new = pool.reserve("new", ranks=64)
+    assert pool.state("big") is None and pool.slots[new].offsets == {"lora": 64}
     assert all(pool.state(f"s{i}") is SlotState.READY for i in range(8))
     assert pool.num_evictions == 1
     pool.mark_ready(new)
     pool.acquire(new)  # referenced: block 1 stays, so all eight small ones go together
-    again = pool.reserve("again", rank=64)
-    assert pool.slots[again].row0 == 0 and pool.num_evictions == 9
+    again = pool.reserve("again", ranks=64)
+    assert pool.slots[again].offsets == {"lora": 0} and pool.num_evictions == 9
     pool.check_integrity()
     pool.mark_ready(again)
     # rank 8 fits into neither block now: one referenced, one protected
-    assert pool.reserve("tiny", protected={"again"}, rank=8) is None
+    assert pool.reserve("tiny", protected={"again"}, ranks=8) is None
     pool.check_integrity()
 
 
 def test_hand_over_keeps_the_whole_block_and_needs_it_to_fit():
     pool = AdapterSlotPool(3, LRUPolicy(), max_rank=64)
-    a = ready(pool, "a", rank=16)
+    a = ready(pool, "a", ranks=16)
     assert pool.slots[a].rows == 16
     assert pool.fits(a, 16) and pool.fits(a, 9) and not pool.fits(a, 32)
-    pool.hand_over("b", a)
+    assert not pool.can_hand_over(a, 32) and not pool.can_hand_over(a, None)
+    with pytest.raises(ValueError, match="cannot hold 'b'"):
+        pool.hand_over("b", a, 32)
+    pool.hand_over("b", a, 9)
     assert pool.state("a") is None and pool.state("b") is SlotState.LOADING
     assert pool.slots[a].rows == 16 and pool.rows_used == 16
     pool.check_integrity()
+
+
+def test_hand_over_takes_a_free_block_in_a_group_the_slot_holds_no_rows_of():
+    """A q/v adapter's slot handed to an adapter of every module: its qkv_proj block is
+    kept whole and the other groups get free blocks (rows no running sequence reads); a
+    group whose block is too small, or with no free block, rules the slot out."""
+    pool = AdapterSlotPool(3, LRUPolicy(), max_rank=64, groups=GROUPS)
+    qv = ready(pool, "qv", {"qkv_proj": 64})
+    ready(pool, "mlp", {"gate_up_proj": 64, "down_proj": 64})
+    assert pool.can_hand_over(qv, {"qkv_proj": 64, "o_proj": 64, "down_proj": 64})
+    assert not pool.can_hand_over(qv, {"o_proj": 64, "down_proj": 128})
+    pool.hand_over("all", qv, 64)
+    assert pool.slots[qv].offsets == {
+        "qkv_proj": 0, "o_proj": 0, "gate_up_proj": 64, "down_proj": 64,
+    }  # fmt: skip
+    pool.check_integrity()
+    pool.mark_ready(qv)
+    assert not pool.can_hand_over(qv, {"o_proj": 128})
+    ready(pool, "qv2", {"qkv_proj": 64})
+    mlp = pool.ready_slot("mlp")
+    assert not pool.can_hand_over(mlp, {"qkv_proj": 8})  # qkv_proj is full
+
+
+GROUPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def test_an_adapter_holds_its_own_rank_in_each_group_and_none_where_it_targets_nothing():
+    """One arena per projection group: a rank_pattern adapter (rank-64 attention, rank-8
+    MLP) holds 64 rows of the attention arenas and 8 of the MLP's; a q/v adapter holds
+    rows of qkv_proj only, so an MLP adapter of max rank fits beside it in memory sized
+    for one max-rank adapter."""
+    pool = AdapterSlotPool(2, LRUPolicy(), max_rank=64, groups=GROUPS)  # 64 rows a group
+    mixed = {"qkv_proj": 64, "o_proj": 64, "gate_up_proj": 8, "down_proj": 8}
+    m = ready(pool, "mixed", mixed)
+    assert {g: rows for g, (_, rows) in pool.slots[m].blocks.items()} == mixed
+    assert pool.evict("mixed")
+    qv = ready(pool, "qv", {"qkv_proj": 64})
+    mlp = ready(pool, "mlp", {"gate_up_proj": 64, "down_proj": 64, "qkv_proj": 0})
+    assert set(pool.slots[qv].blocks) == {"qkv_proj"}
+    assert set(pool.slots[mlp].blocks) == {"gate_up_proj", "down_proj"}
+    assert pool.num_evictions == 0 and pool.rows_used == 3 * 64
+    assert pool.num_free == 0  # qkv_proj, gate_up_proj and down_proj have no whole block
+    # o_proj alone is free: an o_proj adapter evicts no one, one more q/v adapter evicts qv
+    ready(pool, "o", {"o_proj": 64})
+    ready(pool, "qv2", {"qkv_proj": 64})
+    assert pool.state("qv") is None and pool.state("mlp") is SlotState.READY
+    assert pool.num_evictions == 1
+    with pytest.raises(ValueError, match="groups \\['lm_head'\\]"):
+        pool.reserve("x", ranks={"lm_head": 8})
+
+
+def test_evicting_for_one_group_frees_the_victims_rows_in_every_group():
+    pool = AdapterSlotPool(2, LRUPolicy(), max_rank=64, groups=GROUPS)
+    ready(pool, "all", 64)  # 64 rows in every group
+    ready(pool, "none", 0)  # rank 0 (the unpinned base): a handle, no rows
+    new = ready(pool, "attn", {"qkv_proj": 32, "o_proj": 32})
+    assert pool.state("all") is None and pool.state("none") is SlotState.READY
+    assert pool.rows_used == 64 and pool.arenas["down_proj"].rows_used == 0
+    assert pool.slots[new].offsets == {"qkv_proj": 0, "o_proj": 0}
+
+
+def test_a_load_that_cannot_be_placed_evicts_no_one():
+    """qkv_proj's only region holds a referenced adapter: a load needing qkv_proj rows
+    fails without evicting the idle MLP adapter first (evictions only free rows, so
+    whether each group can be placed is known before any eviction)."""
+    pool = AdapterSlotPool(2, LRUPolicy(), max_rank=64, groups=GROUPS)
+    busy = ready(pool, "busy", {"qkv_proj": 64})
+    pool.acquire(busy)
+    ready(pool, "idle", {"gate_up_proj": 64, "down_proj": 64})
+    assert pool.reserve("both", ranks={"qkv_proj": 8, "down_proj": 64}) is None
+    assert pool.state("idle") is SlotState.READY and pool.num_evictions == 0
+    pool.check_integrity()
+
+
+def test_shrink_gives_back_what_the_weights_do_not_use_and_fits_checks_every_group():
+    """A load reserved with one rank (the store's record: its largest module's) keeps
+    only each group's own rank once its weights are known; the freed rows are whole
+    aligned blocks again."""
+    pool = AdapterSlotPool(2, LRUPolicy(), max_rank=64, groups=GROUPS)
+    slot = pool.reserve("a", ranks=64)
+    exact = {"qkv_proj": 64, "o_proj": 16, "gate_up_proj": 0, "down_proj": 8}
+    assert pool.fits(slot, exact) and pool.fits(slot, 64)
+    pool.shrink(slot, exact)
+    pool.check_integrity()
+    blocks = pool.slots[slot].blocks
+    assert blocks == {"qkv_proj": (0, 64), "o_proj": (0, 16), "down_proj": (0, 8)}
+    assert pool.fits(slot, exact) and not pool.fits(slot, 64)
+    assert not pool.fits(slot, {"gate_up_proj": 8}) and not pool.fits(slot, {"o_proj": 32})
+    pool.mark_ready(slot)
+    b = ready(pool, "b", {"o_proj": 32, "down_proj": 32, "gate_up_proj": 64})
+    assert pool.slots[b].offsets == {"o_proj": 32, "down_proj": 32, "gate_up_proj": 0}
+    assert pool.num_evictions == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["reserve", "ready", "acquire", "release", "evict", "cancel"]),
+            st.integers(0, 11),  # adapter name
+            st.dictionaries(st.sampled_from(GROUPS), st.sampled_from([0, 1, 8, 12, 32, 64])),
+        ),
+        max_size=60,
+    )
+)
+def test_any_sequence_of_operations_keeps_slots_and_every_groups_rows_consistent(ops):
+    """Slots, names and each group's arena rows agree after every operation, a reserved
+    slot holds exactly its ranks' blocks, and a shrink after it keeps them."""
+    pool = AdapterSlotPool(3, LRUPolicy(), max_rank=64, groups=GROUPS)
+    for op, n, ranks in ops:
+        name = f"a{n}"
+        i = pool._by_name.get(name)
+        slot = None if i is None else pool.slots[i]
+        if op == "reserve" and slot is None:
+            got = pool.reserve(name, ranks=ranks or None)
+            if got is not None and ranks:
+                pool.shrink(got, ranks)
+                assert pool.slots[got].blocks.keys() == {g for g, r in ranks.items() if r}
+                assert pool.fits(got, ranks)
+        elif slot is not None and slot.state is SlotState.LOADING:
+            if op == "ready":
+                pool.mark_ready(i)
+            elif op == "cancel":
+                pool.cancel(i)
+        elif slot is not None and op == "acquire":
+            pool.acquire(i)
+        elif slot is not None and op == "release" and slot.refs:
+            pool.release(i)
+        elif op == "evict":
+            assert pool.evict(name) or slot.refs
+        pool.check_integrity()

@@ -77,7 +77,8 @@ def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
         assert all(ranks[0] == 0 for ranks in table.ranks.values()), "slot 0 has a rank"
         for slot in eng.adapters.pool.slots[1:]:  # the table points at the pool's rows
             if slot.state.value == "ready":
-                assert table.offsets[slot.index] == slot.row0
+                for group, row0 in slot.offsets.items():
+                    assert table.offsets[group][slot.index] == row0
         for seq in eng.scheduler.running:
             if seq.adapter is None:
                 assert seq.slot == 0
@@ -85,7 +86,8 @@ def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
             slot = eng.adapters.pool.slots[seq.slot]
             assert slot.adapter == seq.adapter
             a, b = reference[seq.adapter].weights[(0, "q_proj")]
-            rows = slice(slot.row0, slot.row0 + a.shape[0])
+            row0 = slot.offsets["qkv_proj"]
+            rows = slice(row0, row0 + a.shape[0])
             buf = eng.executor.lora.layers[0]["qkv_proj"]
             assert torch.equal(buf.a[0, rows], a), f"slot {seq.slot}'s rows overwritten"
             assert torch.equal(buf.b[: b.shape[0], rows], b)
@@ -222,7 +224,11 @@ def test_batch_preparation_reads_no_device_value(tiny):
         s.num_computed, s.blocks = n_computed, [i * 4 + b for b in range(4)]
         seqs.append(s)
     work = [(seqs[0], 1), (seqs[1], 7), (seqs[2], 5)]
-    slots = SlotTable({"qkv_proj": [0, 16], "down_proj": [0, 0]}, [0.0, 2.0], [0, 8])
+    slots = SlotTable(
+        {"qkv_proj": [0, 16], "down_proj": [0, 0]},
+        [0.0, 2.0],
+        {"qkv_proj": [0, 8], "down_proj": [0, 0]},
+    )
     batch, rows, sampled = prepare_batch(work, 4, slots, torch.device("meta"))
     assert batch.input_ids.device.type == "meta" and rows.device.type == "meta"
     qkv, down = batch.lora["qkv_proj"], batch.lora["down_proj"]

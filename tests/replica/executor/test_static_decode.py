@@ -179,7 +179,7 @@ def test_graph_steps_of_a_bucket_run_the_same_ops_on_the_same_buffers(tiny, monk
         buffers = dict(static.inputs.tensors)
         buffers |= {f"ranks.{g}": t for g, t in eng.executor.slot_tensors.ranks.items()}
         buffers["scalings"] = eng.executor.slot_tensors.scalings
-        buffers["offsets"] = eng.executor.slot_tensors.offsets
+        buffers |= {f"offsets.{g}": t for g, t in eng.executor.slot_tensors.offsets.items()}
         buffers["seg_indptr"] = static.inputs.seg_indptr
         static.inputs.fill(plan, 8)
         trace = OpTrace(buffers)
@@ -191,7 +191,7 @@ def test_graph_steps_of_a_bucket_run_the_same_ops_on_the_same_buffers(tiny, monk
     assert [op[:2] for op in first] == [op[:2] for op in second]  # ops and shapes
     assert [op[2] for op in first] == [op[2] for op in second]  # persistent buffers read
     read = {name for op in first for owner in op[2] if owner for name in [owner[0]]}
-    assert {"block_tables", "context_lens", "token_slots", "scalings", "offsets"} <= read
+    assert {"block_tables", "context_lens", "token_slots", "scalings", "offsets.qkv_proj"} <= read
     assert not SCALAR_READS & {op[0] for op in first}
 
 
@@ -237,7 +237,7 @@ def test_persistent_slot_tensors_are_sent_only_when_they_change(tiny):
     table = eng.executor.lora.table
     assert slots.ranks["qkv_proj"].tolist() == table.ranks["qkv_proj"]
     assert slots.scalings.tolist() == pytest.approx(table.scalings)
-    assert slots.offsets.tolist() == table.offsets
+    assert {g: t.tolist() for g, t in slots.offsets.items()} == table.offsets
 
 
 def test_static_decode_bucket_engine_tokens_match_eager_across_loads(tiny):

@@ -91,10 +91,11 @@ def check_rank1_slots(eng: LLMEngine) -> None:
             continue
         _, shard = expected_shard(eng, slot.adapter, 1)
         r = shard.rank
-        a, b = ray.get(worker(eng).slot_weights.remote(0, "o_proj", slot.row0, r))
         want = shard.weights.get((0, "o_proj"))
         if want is None:
             continue
+        row0 = slot.offsets["o_proj"]
+        a, b = ray.get(worker(eng).slot_weights.remote(0, "o_proj", row0, r))
         assert np.array_equal(a[0], want[0].numpy()), f"slot {slot.index} A on rank 1"
         assert np.array_equal(b, want[1].numpy()), f"slot {slot.index} B on rank 1"
 

@@ -64,19 +64,47 @@ def test_the_slot_table_says_where_each_adapter_is(tiny):
     spec = load_model_spec(tiny.model_dir)
     bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
     assert bufs.num_slots == 2 + 32 // 8  # the base, one per smallest block, the spare
-    bufs.activate(3, 24, adapter(spec, "mid", 8, ("q_proj", "down_proj"), 1))
+    bufs.activate(
+        3, {"qkv_proj": 24, "down_proj": 8}, adapter(spec, "mid", 8, ("q_proj", "down_proj"), 1)
+    )
     view = bufs.view()
-    assert (view.offsets[3], view.scalings[3]) == (24, 1.0)
+    assert view.scalings[3] == 1.0
+    assert {g: o[3] for g, o in view.offsets.items()} == {
+        "qkv_proj": 24, "o_proj": 0, "gate_up_proj": 0, "down_proj": 8,
+    }  # fmt: skip
     assert {g: r[3] for g, r in view.ranks.items()} == {
         "qkv_proj": 8, "o_proj": 0, "gate_up_proj": 0, "down_proj": 8,
     }  # fmt: skip
     bufs.clear(3)
-    assert view.offsets[3] == 24 and bufs.table.offsets[3] == 0  # the view is a copy
+    assert view.offsets["qkv_proj"][3] == 24 and bufs.table.offsets["qkv_proj"][3] == 0  # a copy
     assert all(r[3] == 0 for r in bufs.table.ranks.values())
     with pytest.raises(ValueError, match="slot 0"):
         bufs.activate(0, 0, adapter(spec, "x", 8, ("q_proj",), 1))
-    with pytest.raises(ValueError, match="outside the arena"):
+    with pytest.raises(ValueError, match="qkv_proj: rows \\[30, 38\\) outside the arena"):
         bufs.write(30, adapter(spec, "x", 8, ("q_proj",), 1))
+    with pytest.raises(ValueError, match="no arena rows given for the groups \\['down_proj'\\]"):
+        bufs.write({"qkv_proj": 0}, adapter(spec, "x", 8, ("q_proj", "down_proj"), 1))
+
+
+def test_an_adapter_sits_at_its_own_rows_in_each_group(tiny):
+    """Each group's rows come from the slot pool separately: written at qkv_proj row 8
+    and down_proj row 24, the adapter's weights are there and nowhere else, and its
+    group ranks are what the pool reserves (0 for the groups it does not target)."""
+    spec = load_model_spec(tiny.model_dir)
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    ad = adapter(spec, "a", 8, ("v_proj", "down_proj"), 5)
+    assert bufs.group_ranks(ad) == {"qkv_proj": 8, "o_proj": 0, "gate_up_proj": 0, "down_proj": 8}
+    bufs.write({"qkv_proj": 8, "down_proj": 24}, ad)
+    for layer, groups in enumerate(bufs.layers):
+        qkv, down = groups["qkv_proj"], groups["down_proj"]
+        a, b = ad.weights[(layer, "v_proj")]
+        c0, c1 = qkv.slice_offsets[2], qkv.slice_offsets[3]
+        assert torch.equal(qkv.a[2, 8:16], a) and torch.equal(qkv.b[c0:c1, 8:16], b)
+        assert not qkv.a[:, :8].any() and not qkv.a[:, 16:].any() and not qkv.a[:2, 8:16].any()
+        a, b = ad.weights[(layer, "down_proj")]
+        assert torch.equal(down.a[0, 24:32], a) and torch.equal(down.b[:, 24:32], b)
+        assert not down.a[:, :24].any() and not down.b[:, :24].any()
+        assert not groups["o_proj"].a.any() and not groups["gate_up_proj"].b.any()
 
 
 def test_a_handed_over_slot_is_written_layer_by_layer_behind_the_step(tiny):
