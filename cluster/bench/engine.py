@@ -7,10 +7,11 @@ Churn is real: each churn run's engine gets adapter memory (rank rows, the unit 
 pool allocates in: an adapter of rank r holds a block of next-pow2(r) rows, at least 8,
 in each projection group it targets) of about --memory-share of what its workload's
 adapters need together in qkv_proj, the group every demo adapter targets and so the
-one they fill first, so adapters are evicted and loaded again; the bench fails if a churn run evicted nothing. The demo's
-adapter loads are tiny copies (hidden 512), so each churn load also sleeps --load-delay-ms
-in the slot write (by default what copying a rank-16 adapter of a 7B Llama shape costs,
-LOAD_DELAY_DEFAULT_MS): the load stall ratios compare loads that cost what real ones do.
+one they fill first, so adapters are evicted and loaded again; the bench fails if a
+churn run evicted nothing. The demo's adapter loads are tiny copies (hidden 512), so
+each churn load also sleeps --load-delay-ms in the slot write (by default what copying
+a rank-16 adapter of a 7B Llama shape costs, LOAD_DELAY_DEFAULT_MS): the load stall
+ratios compare loads that cost what real ones do.
 
 `--family` runs the decode-step measurement (decode_step_overhead_vs_bytes) on random-weight
 demo-sized models of other families (cluster/demo/families.py), with PEFT adapters of the
