@@ -24,7 +24,7 @@ from replica.model.tp_shard import TPShard
 class RankLoads(Protocol):
     """Loads on ranks 1..N-1 (the executor's TPGroup): start them, then wait for all."""
 
-    def load_on_ranks(self, rows: dict[str, int], name: str, locator: AdapterLocator) -> list[Any]:
+    def load_on_ranks(self, rows: Rows, name: str, locator: AdapterLocator) -> list[Any]:
         """Ranks 1..N-1 start copying their shards of `name` into each group's arena rows
         from `rows[group]`."""
 
@@ -62,9 +62,7 @@ class ShardedSlotWriter:
         could not be ordered behind rank 0's layers."""
         if progress is not None:
             raise ValueError("slot hand-over is not supported with tensor parallelism")
-        if isinstance(rows, int):
-            rows = dict.fromkeys(self.local.groups, rows)
-        pending = self.group.load_on_ranks(dict(rows), adapter.name, self.locate(adapter.name))
+        pending = self.group.load_on_ranks(rows, adapter.name, self.locate(adapter.name))
         self.local.write(rows, adapter)
         self.group.wait_loads(pending)
 

@@ -41,7 +41,7 @@ from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan
 from replica.executor.runner import ModelRunner
 from replica.executor.tp_worker import StepMessage, TPWorker
-from replica.model.lora_slots import SlotTable
+from replica.model.lora_slots import Rows, SlotTable
 from replica.model.spec import load_model_spec
 from replica.model.tp_comm import TPComm
 from replica.model.tp_layers import TPRank
@@ -147,9 +147,7 @@ class TPGroup:
 
     # -- adapters ------------------------------------------------------------------------------
 
-    def load_on_ranks(
-        self, rows: dict[str, int], name: str, locator: AdapterLocator
-    ) -> list[ray.ObjectRef]:
+    def load_on_ranks(self, rows: Rows, name: str, locator: AdapterLocator) -> list[ray.ObjectRef]:
         """Ranks 1..N-1 start loading their shards of `name` into each group's arena rows
         from `rows[group]` (rank 0's choice)."""
         return [w.load.remote(rows, name, locator, LOAD_TIMEOUT_S) for w in self.workers]

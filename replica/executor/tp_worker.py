@@ -25,7 +25,7 @@ from replica.config import EngineConfig
 from replica.device import SideStreamLoader, resolve_device, resolve_dtype
 from replica.executor.batch import BatchPlan
 from replica.executor.runner import ModelRunner
-from replica.model.lora_slots import SlotTable
+from replica.model.lora_slots import Rows, SlotTable
 from replica.model.spec import load_model_spec
 from replica.model.tp_comm import TPComm
 from replica.model.tp_layers import TPRank
@@ -91,9 +91,7 @@ class TPWorker:
         self.loader.shutdown()
         return steps
 
-    def load(
-        self, rows: dict[str, int], name: str, locator: AdapterLocator, timeout_s: float
-    ) -> None:
+    def load(self, rows: Rows, name: str, locator: AdapterLocator, timeout_s: float) -> None:
         """Copy this rank's shard of adapter `name` into each group's arena rows from
         `rows[group]`; returns once it is there."""
         if self.locators.update(name, locator):
