@@ -602,17 +602,10 @@ DECODE_ROUNDS = 3
 def _decode_step(
     assets, n_adapters: int, args: argparse.Namespace, kv_bytes: int | None = None
 ) -> dict:
-    names = list(assets.adapters)[:n_adapters]
     kv_bytes = _kv_bytes(args) if kv_bytes is None else kv_bytes
-    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
-                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=kv_bytes, tp_size=args.tp)  # fmt: skip
-    eng = LLMEngine(cfg)
+    eng, names = _batch_engine(assets, n_adapters, args, kv_bytes)
     try:
-        for name in names:
-            eng.load_adapter(name, assets.adapters[name])
-        rng = random.Random(1)
-        prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
+        prompts = _prompts(names, args, seed=1)
         base_runs, lora_runs = [], []
         for _ in range(DECODE_ROUNDS):  # alternated, so drift in machine speed hits both
             base_runs.append(_steady_decode_step(eng, prompts, [None] * len(names)))
@@ -632,6 +625,31 @@ def _decode_step(
         "decode_step_overhead_vs_bytes": step_ratio / bytes_ratio,
         "decode_batch": len(names),
     }
+
+
+def _batch_engine(
+    assets, n_adapters: int, args: argparse.Namespace, kv_bytes: int, **overrides
+) -> tuple[LLMEngine, list[str]]:
+    """An engine whose one batch holds `n_adapters` sequences, each on its own adapter: the
+    first `n_adapters` of `assets`, loaded (their names returned). The caller shuts it down."""
+    names = list(assets.adapters)[:n_adapters]
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
+                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
+                       kv_cache_bytes=kv_bytes, tp_size=args.tp, **overrides)  # fmt: skip
+    eng = LLMEngine(cfg)
+    try:
+        for name in names:
+            eng.load_adapter(name, assets.adapters[name])
+    except BaseException:
+        eng.shutdown()
+        raise
+    return eng, names
+
+
+def _prompts(names: list[str], args: argparse.Namespace, seed: int) -> list[list[int]]:
+    """A random prompt of --prompt-len token ids per name."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
 
 
 def _step_bytes(adapter: LoRAAdapterWeights, spec: ModelSpec) -> int:
@@ -748,17 +766,10 @@ def _moe_throughput(
 ) -> dict:
     """Prefill tok/s of `n_adapters` prompts of --prompt-len, base and each on its own
     expert adapter (rounds alternated, medians); decode tok/s from the decode-step medians."""
-    names = list(assets.adapters)[:n_adapters]
-    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
-                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=kv_bytes, tp_size=args.tp,
-                       max_num_batched_tokens=n_adapters * args.prompt_len)  # fmt: skip
-    eng = LLMEngine(cfg)
+    budget = n_adapters * args.prompt_len  # every prompt prefilled in one step
+    eng, names = _batch_engine(assets, n_adapters, args, kv_bytes, max_num_batched_tokens=budget)
     try:
-        for name in names:
-            eng.load_adapter(name, assets.adapters[name])
-        rng = random.Random(3)
-        prompts = [[rng.randrange(3, 2000) for _ in range(args.prompt_len)] for _ in names]
+        prompts = _prompts(names, args, seed=3)
         _prefill_s(eng, prompts, names)  # warm: every adapter in its slot
         base, lora = [], []
         for _ in range(DECODE_ROUNDS):
