@@ -15,6 +15,13 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Hugging Face model directory (config.json + safetensors).")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
     dtype: str = Field("auto", description="'auto' (bf16 on CUDA, fp32 on CPU) or a dtype name.")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="'auto': the model directory's safetensors. 'dummy': random weights made "
+        "on the device from config.json alone (seeded, unit-scale), no weight file read: "
+        "speed and memory at a model's real shapes without its checkpoint (vLLM's "
+        "--load-format dummy); the tokens it generates mean nothing.",
+    )
     max_lora_rank: int = Field(
         64, ge=1, description="Largest adapter rank a replica accepts (sizes no adapter's memory)."
     )

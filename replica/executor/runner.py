@@ -41,7 +41,7 @@ class ModelRunner(Executor):
         self.lora = LoRASlotBuffers(
             spec, c.num_slots, c.max_lora_rank, device, dtype, shapes, c.lora_embeddings
         )
-        self.model = CausalLM(c.model, device, dtype, self.lora, spec, tp)
+        self.model = CausalLM(c.model, device, dtype, self.lora, spec, tp, c.load_format)
         per_block = KVCache.bytes_per_block(local, c.block_size, dtype)
         self.num_blocks = c.kv_cache_bytes // per_block
         if self.num_blocks < 1:

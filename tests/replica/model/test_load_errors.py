@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
@@ -108,3 +110,56 @@ def test_adapter_unsupported_features(tiny, tmp_path):
     save_file(tensors, dst / "adapter_model.safetensors")
     with pytest.raises(AdapterFormatError, match="unsupported tensor 'base_model.model.lm_head"):
         load_peft_adapter(dst, spec, 64)
+
+
+def test_an_unknown_checkpoint_tensor_is_refused_by_name(model_copy):
+    """A tensor the decoder neither reads nor knowingly skips (a module this server does
+    not implement) stops the load, named, instead of being served without it."""
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="'model.layers.0.mlp.extra_proj.weight' is not used"):
+        CausalLM(model_copy)
+
+
+def test_known_unread_tensors_still_load(model_copy):
+    """Rotary frequencies (recomputed from config.json) and, on a tied model, an lm_head
+    copy of the embedding are skipped knowingly: the model loads and equals the original."""
+    before = CausalLM(model_copy)
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path, metadata={"format": "pt"})
+    after = CausalLM(model_copy)
+    assert all(torch.equal(a, b) for a, b in zip(before.step_weights(), after.step_weights()))
+    if not after.spec.tie_word_embeddings:  # an untied lm_head is read, never skipped
+        return
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    CausalLM(model_copy)
+
+
+def test_a_multimodal_gemma3_skips_its_vision_tower_knowingly_and_nothing_else():
+    """Gemma 3's multimodal checkpoint holds a vision tower and projector this text server
+    does not read: allowed by name for model_type gemma3 only."""
+    from cluster.demo.families import family_model_dir
+    from replica.model.weights import Checkpoint
+
+    model_dir = family_model_dir("gemma3-mm")
+    assert any(n.startswith("vision_tower.") for n in Checkpoint(model_dir).names())
+    CausalLM(model_dir)  # loads
+    # the same tensors under the text-only family are unknown
+    text_only = replace(load_model_spec(model_dir), arch="gemma3_text")
+    with pytest.raises(WeightLoadError, match="'multi_modal_projector.mm_input_projection"):
+        CausalLM(model_dir, spec=text_only)
+
+
+def test_a_float8_weight_without_a_quantization_config_is_refused_by_name(model_copy):
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=f"'{name}' is stored as F8_E4M3"):
+        CausalLM(model_copy)
