@@ -53,6 +53,7 @@ from replica.model.spec import load_model_spec
 from replica.wire import SamplingParams
 
 GRAPH_KEYS = ("graphs_captured", "graph_replays", "eager_decode_steps")
+DECODE_SLACK = 32  # tokens a decoding sequence may make beyond its timed steps
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -139,15 +140,14 @@ class Plan:
 
     @property
     def max_model_len(self) -> int:
-        return max(*self.ttft_prompts, self.context + self.decode_steps + 8) + 64
+        return max(*self.ttft_prompts, self.context + self.decode_steps + DECODE_SLACK) + 64
 
     def kv_cache_bytes(self) -> int:
         """The KV cache: the longest prompt alone, or the largest batch, whichever needs
         more, plus a quarter for block rounding."""
         per_token = self.shape.kv_bytes_per_token(self.element_size)
-        tokens = max(
-            self.max_model_len, max(self.batches) * (self.context + self.decode_steps + 16)
-        )
+        longest = self.context + self.decode_steps + DECODE_SLACK
+        tokens = max(self.max_model_len, max(self.batches) * longest)
         return int(tokens * per_token * 1.25)
 
     def adapter_bytes(self) -> int:
@@ -329,7 +329,8 @@ def _decode(
 def _decode_step_s(eng: LLMEngine, prompts: list[list[int]], adapters: list, steps: int) -> float:
     """Median seconds of a decode-only step with every sequence in the batch (each step
     ends with the engine's one device read: the time is the device's too)."""
-    sampling = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    # the first rows to finish their prefill decode while the last ones prefill: room for it
+    sampling = SamplingParams(temperature=0, max_tokens=steps + DECODE_SLACK, ignore_eos=True)
     seqs = [eng.add_request(p, sampling, a) for p, a in zip(prompts, adapters)]
     for _ in range(100_000):  # prefill everything (chunked), adapters loaded
         if all(s.output_ids for s in seqs):

@@ -11,7 +11,8 @@ main       a bench's command line: `python -m benchmarks NAME ...` or `python -m
 
 Only the standard library at module level: the GPU bench runs on a machine without Ray,
 httpx or matplotlib, which the functions that need them import themselves. Percentiles
-and millisecond cells are the load generator's (cluster/bench/stats.py).
+and millisecond cells are the load generator's (cluster/bench/stats.py). The targets are
+read with tomllib: the benchmarks want Python 3.11 or newer (the package 3.10).
 """
 
 from __future__ import annotations
@@ -75,11 +76,6 @@ class RunResult:
     run: Any
     summary: dict
     ttfts_s: list[float] = field(default_factory=list)
-
-    @property
-    def figures(self) -> dict:
-        """The summary's figures over every request (ok, tok/s, TTFT percentiles...)."""
-        return self.summary["all"]
 
 
 async def measure_load(run: Any, options: Any) -> RunResult:
