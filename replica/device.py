@@ -13,7 +13,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
@@ -76,7 +76,7 @@ def other_visible_gpus(device: torch.device) -> list[str]:
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """Page-locked host copy when CUDA exists (so non_blocking copies are truly async)."""
-    return t.pin_memory() if torch.cuda.is_available() else t
+    return t.pin_memory() if pinning() else t
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -98,7 +98,7 @@ def to_device_packed(
         end = -(-end // 8) * 8
         offsets[name] = end
         end += t.numel() * t.element_size()
-    packed = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    packed = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=pinning())
     for name, t in host.items():
         size = t.numel() * t.element_size()
         packed[offsets[name] : offsets[name] + size].view(t.dtype).copy_(t.reshape(-1))
@@ -163,6 +163,72 @@ def wait_any(handles: list[LoadHandle], timeout_s: float) -> None:
     """Block until one load's job has finished (or the timeout): only for a step loop
     with nothing else to run. A CUDA event still pending is caught by the next poll."""
     futures_wait([h._future for h in handles], timeout_s, return_when=FIRST_COMPLETED)
+
+
+# Pinned host memory. torch's caching host allocator rounds each pinned block up to a
+# power of two and keeps a freed block for the next request of that size. Adapters are
+# staged in chunks of one power-of-two size, so nothing is rounded and every freed chunk
+# is reused; a tensor larger than a chunk gets a block of its own, counted rounded.
+PINNED_CHUNK_BYTES = 4 << 20
+_ALIGN = 64  # bytes: every tensor in a chunk starts on a cache line
+
+
+def pinning() -> bool:
+    """Whether host memory for copies to a device is page-locked (CUDA exists)."""
+    return torch.cuda.is_available()
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 host buffer, page-locked when pinning()."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinning())
+
+
+def host_block_bytes(nbytes: int) -> int:
+    """The memory host_buffer(nbytes) holds: with pinning, the allocator's power of two."""
+    return 1 << (nbytes - 1).bit_length() if pinning() and nbytes > 1 else nbytes
+
+
+class HostPacking:
+    """Where copies of some host tensors go in page-locked memory: packed, largest first,
+    into the first chunk of PINNED_CHUNK_BYTES with room, or a buffer of their own when
+    larger than a chunk. `nbytes` is the host memory the copies hold (decided before any
+    is allocated, so a cache can make room first). Without pinning nothing is copied and
+    `nbytes` is the tensors' own bytes."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._pin = pinning()
+        self._buffers: list[int] = []  # bytes of each buffer: chunks and own buffers
+        self._places: list[tuple[int, int]] = [(0, 0)] * len(tensors)  # (buffer, offset)
+        if not self._pin:
+            self.nbytes = sum(t.nbytes for t in tensors)
+            return
+        used: dict[int, int] = {}  # chunk buffer -> bytes taken
+        for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes):
+            size = -(-tensors[i].nbytes // _ALIGN) * _ALIGN
+            if size > PINNED_CHUNK_BYTES:
+                self._places[i] = (len(self._buffers), 0)
+                self._buffers.append(size)
+                continue
+            chunk = next((c for c, u in used.items() if u + size <= PINNED_CHUNK_BYTES), None)
+            if chunk is None:
+                chunk = len(self._buffers)
+                self._buffers.append(PINNED_CHUNK_BYTES)
+                used[chunk] = 0
+            self._places[i] = (chunk, used[chunk])
+            used[chunk] += size
+        self.nbytes = sum(host_block_bytes(size) for size in self._buffers)
+
+    def copy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Contiguous page-locked copies of `tensors` (the ones this packing was made for),
+        in their order; the tensors themselves without pinning."""
+        if not self._pin:
+            return list(tensors)
+        buffers = [host_buffer(size) for size in self._buffers]
+        copies = []
+        for t, (b, offset) in zip(tensors, self._places):
+            view = buffers[b][offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            copies.append(view.copy_(t))
+        return copies
 
 
 class StepProgress:

@@ -12,6 +12,8 @@ import torch
 
 from replica import device as dev
 from replica.device import (
+    PINNED_CHUNK_BYTES,
+    HostPacking,
     SideStreamLoader,
     StepProgress,
     device_uuid,
@@ -90,3 +92,29 @@ def test_use_device_is_per_thread(fake_cuda):
     thread.start()
     thread.join()
     assert torch.cuda.current_device() == 1 and other == [0]
+
+
+# -- pinned staging ------------------------------------------------------------------------------
+
+
+def test_packing_counts_chunks_and_rounded_own_buffers(monkeypatch):
+    monkeypatch.setattr(dev, "pinning", lambda: True)
+    allocated: list[int] = []
+    monkeypatch.setattr(
+        dev, "host_buffer", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8)
+    )
+    mib = 1 << 20
+    sizes = [3 * mib, 2 * mib, mib, mib + 4, 5 * mib, 100]  # bytes of float32 tensors
+    tensors = [torch.arange(n // 4 or 1, dtype=torch.float32) for n in sizes]
+    packing = HostPacking(tensors)
+    # largest first: 5 MiB alone (8 MiB block); 3 MiB + 1 MiB; 2 MiB + 1 MiB + 100 B; ...
+    assert packing.nbytes == 8 * mib + 2 * PINNED_CHUNK_BYTES
+    copies = packing.copy(tensors)
+    assert sorted(allocated) == [PINNED_CHUNK_BYTES, PINNED_CHUNK_BYTES, 5 * mib]
+    assert all(torch.equal(c, t) and c.is_contiguous() for c, t in zip(copies, tensors))
+
+
+def test_without_pinning_nothing_is_copied():
+    tensors = [torch.ones(3, 4), torch.zeros(5)]
+    packing = HostPacking(tensors)
+    assert packing.nbytes == 68 and all(a is b for a, b in zip(packing.copy(tensors), tensors))
