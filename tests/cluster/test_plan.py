@@ -9,7 +9,6 @@ import shutil
 import pytest
 import torch
 
-from cluster.cli import main
 from cluster.demo.families import FAMILY_CONFIGS, family_model_dir
 from replica.config import EngineConfig
 from replica.executor.memory_plan import plan_memory
