@@ -256,6 +256,34 @@ def estimate_graph_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dty
     return logits + step_bytes(spec, config, dtype, n, 0, n, fp32_logits=False)
 
 
+def _adapter_arenas(
+    spec: ModelSpec, c: EngineConfig, dtype: torch.dtype, rest: int, where: str
+) -> tuple[EngineConfig, int, int]:
+    """(config with the slots sized, rank rows per group, bytes) of the adapter arenas,
+    from `rest`, what the budget leaves them and the KV cache: by default ADAPTER_SHARE of
+    it, and room for one adapter of max_lora_rank at least."""
+    one = slot_bytes(spec, block_rows(c.max_lora_rank), dtype, c.tp_size, c.lora_embeddings)
+    if c.num_slots is None and c.adapter_memory_bytes is None and rest < one:
+        raise MemoryPlanError(
+            f"one adapter of max_lora_rank {c.max_lora_rank} takes {gib(one)}; {where} "
+            f"leaves {gib(rest)} after weights, activations and CUDA graphs: short by "
+            f"{gib(one - rest)} (lower engine.max_lora_rank or raise tp_size)"
+        )
+    try:
+        sized = size_adapter_slots(c, spec, dtype, max(int(rest * ADAPTER_SHARE), one))
+    except ValueError as e:
+        raise MemoryPlanError(f"{e} ({where})") from None
+    rows = arena_rows(sized.num_slots, c.max_lora_rank)
+    adapters = slot_bytes(spec, rows, dtype, c.tp_size, c.lora_embeddings)
+    if adapters > rest:
+        raise MemoryPlanError(
+            f"adapter arenas of {sized.num_slots - 1} adapters of rank {c.max_lora_rank} "
+            f"({gib(adapters)}) exceed what {where} leaves them and the KV cache "
+            f"({gib(rest)}) by {gib(adapters - rest)}"
+        )
+    return sized, rows, adapters
+
+
 def wanted_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     """The config's max_model_len, else the model's context (never past it)."""
     return min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
@@ -304,39 +332,17 @@ def plan_memory(
             f"engine.kv_cache_bytes {gib(c.kv_cache_bytes)} exceeds what {where} leaves "
             f"after weights, activations and CUDA graphs ({gib(left)}) by {gib(-rest)}"
         )
-    one = slot_bytes(spec, block_rows(c.max_lora_rank), dtype, tp, c.lora_embeddings)
-    if c.num_slots is None and c.adapter_memory_bytes is None and rest < one:
-        raise MemoryPlanError(
-            f"one adapter of max_lora_rank {c.max_lora_rank} takes {gib(one)}; {where} "
-            f"leaves {gib(rest)} after weights, activations and CUDA graphs: short by "
-            f"{gib(one - rest)} (lower engine.max_lora_rank or raise tp_size)"
-        )
-    try:  # by default a share of what is left, and room for one adapter at least
-        sized = size_adapter_slots(c, spec, dtype, max(int(rest * ADAPTER_SHARE), one))
-    except ValueError as e:
-        raise MemoryPlanError(f"{e} ({where})") from None
-    rows = arena_rows(sized.num_slots, c.max_lora_rank)
-    adapters = slot_bytes(spec, rows, dtype, tp, c.lora_embeddings)
-    if adapters > rest:
-        raise MemoryPlanError(
-            f"adapter arenas of {sized.num_slots - 1} adapters of rank {c.max_lora_rank} "
-            f"({gib(adapters)}) exceed what {where} leaves for them ({gib(rest)}) by "
-            f"{gib(adapters - rest)}"
-        )
+    sized, rows, adapters = _adapter_arenas(spec, c, dtype, rest, where)
     kv = left - adapters if c.kv_cache_bytes is None else c.kv_cache_bytes
     needed = -(-max_len // c.block_size) * block
-    if kv < needed and c.kv_cache_bytes is not None and c.max_model_len is not None:
-        raise MemoryPlanError(
-            f"max_model_len {max_len:,} needs {gib(needed)} of KV cache: engine.kv_cache_bytes "
-            f"{gib(kv)} is short by {gib(needed - kv)}"
-        )
-    if kv < needed and c.kv_cache_bytes is None:
+    if kv < needed and (c.kv_cache_bytes is None or c.max_model_len is not None):
+        spent = (f"after weights {gib(weights)}, activations {gib(activation_bytes)}, CUDA "
+                 f"graphs {gib(graphs)} and adapter arenas {gib(adapters)}")  # fmt: skip
+        given = f"engine.kv_cache_bytes {gib(kv)}" if c.kv_cache_bytes else f"{where} {spent}"
         raise MemoryPlanError(
             f"one sequence of max_model_len {max_len:,} needs {gib(needed)} of KV cache; "
-            f"{where} leaves {gib(kv)} after weights {gib(weights)}, activations "
-            f"{gib(activation_bytes)}, CUDA graphs {gib(graphs)} and adapter arenas "
-            f"{gib(adapters)}: short by {gib(needed - kv)} (lower engine.max_model_len, "
-            "raise gpu_memory_utilization or tp_size)"
+            f"{given} leaves {gib(kv)}: short by {gib(needed - kv)} (lower "
+            "engine.max_model_len, raise gpu_memory_utilization or tp_size)"
         )
     return MemoryPlan(
         device_bytes=device_bytes,
