@@ -338,11 +338,13 @@ def plan_memory(
     if kv < needed and (c.kv_cache_bytes is None or c.max_model_len is not None):
         spent = (f"after weights {gib(weights)}, activations {gib(activation_bytes)}, CUDA "
                  f"graphs {gib(graphs)} and adapter arenas {gib(adapters)}")  # fmt: skip
-        given = f"engine.kv_cache_bytes {gib(kv)}" if c.kv_cache_bytes else f"{where} {spent}"
+        given, hint = f"{where} {spent} leaves", "gpu_memory_utilization or tp_size"
+        if c.kv_cache_bytes is not None:
+            given, hint = "engine.kv_cache_bytes is", "engine.kv_cache_bytes"
         raise MemoryPlanError(
             f"one sequence of max_model_len {max_len:,} needs {gib(needed)} of KV cache; "
-            f"{given} leaves {gib(kv)}: short by {gib(needed - kv)} (lower "
-            "engine.max_model_len, raise gpu_memory_utilization or tp_size)"
+            f"{given} {gib(kv)}: short by {gib(needed - kv)} (lower engine.max_model_len or "
+            f"raise {hint})"
         )
     return MemoryPlan(
         device_bytes=device_bytes,
