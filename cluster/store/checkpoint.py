@@ -5,7 +5,9 @@ Ray API: a named actor with `lifetime="detached"`; no private GCS key-value call
 outlives the store's replica, which Serve restarts after a crash, and the store sends it
 only what each change changed: one adapter's entry, or the meta record once per
 VERSION_BLOCK versions, never the whole registry. It lives as long as the cluster, or
-until a store started with another preload list replaces it.
+until a store started with another preload list replaces it. It holds plain values (the
+dataclasses' fields), so a store of another lorafleet version reads it or, if the fields
+differ, starts afresh, and the actor needs none of our types.
 
 The store keeps a mirror of what it sent: a checkpoint actor lost while the store lives
 (its node died) is made again and given the whole registry at the next write. Both lost
@@ -49,27 +51,28 @@ class Saved:
 
 
 class RegistryKeeper:
-    """The checkpoint actor: holds one Saved, changed an entry at a time."""
+    """The checkpoint actor: {"meta": fields, "adapters": name -> fields}, changed an entry
+    at a time."""
 
     def __init__(self) -> None:
-        self.saved: Saved | None = None
+        self.saved: dict[str, Any] | None = None
 
-    def load(self) -> Saved | None:
+    def load(self) -> dict[str, Any] | None:
         return self.saved
 
-    def replace(self, saved: Saved) -> None:
+    def replace(self, saved: dict[str, Any]) -> None:
         self.saved = saved
 
-    def put(self, info: AdapterInfo) -> None:
-        self._saved().adapters[info.name] = info
+    def put(self, name: str, entry: dict[str, Any]) -> None:
+        self._saved()["adapters"][name] = entry
 
     def delete(self, name: str) -> None:
-        self._saved().adapters.pop(name, None)
+        self._saved()["adapters"].pop(name, None)
 
-    def put_meta(self, meta: CheckpointMeta) -> None:
-        self._saved().meta = meta
+    def put_meta(self, meta: dict[str, Any]) -> None:
+        self._saved()["meta"] = meta
 
-    def _saved(self) -> Saved:
+    def _saved(self) -> dict[str, Any]:
         if self.saved is None:  # never: the store replaces before it changes anything
             raise RuntimeError("the registry checkpoint was never started")
         return self.saved
@@ -85,16 +88,27 @@ class Checkpoint:
         self._mirror: Saved | None = None
 
     def restore(self) -> Saved | None:
-        """What the keeper holds (None: nothing yet). Blocking: the store's constructor."""
-        saved = ray.get(self._keeper.load.remote())
-        self._mirror = None if saved is None else _copy(saved)
+        """What the keeper holds (None: nothing yet, or in fields this version does not
+        read). Blocking: the store's constructor."""
+        raw = ray.get(self._keeper.load.remote())
+        if raw is None:
+            return None
+        try:
+            saved = Saved(
+                CheckpointMeta(**raw["meta"]),
+                {name: AdapterInfo(**entry) for name, entry in raw["adapters"].items()},
+            )
+        except (KeyError, TypeError) as e:
+            log.warning("registry checkpoint %r not read (%r): starting afresh", self.name, e)
+            return None
+        self._mirror = _copy(saved)
         return saved
 
     def start(self, saved: Saved) -> None:
         """Make `saved` the whole checkpoint (a new registry, or a restored one that
         dropped entries). Blocking: the store's constructor."""
         self._mirror = _copy(saved)
-        ray.get(self._keeper.replace.remote(saved))
+        ray.get(self._keeper.replace.remote(_plain(saved)))
 
     @property
     def next_version(self) -> int:
@@ -103,7 +117,7 @@ class Checkpoint:
     async def save(self, info: AdapterInfo) -> None:
         """One adapter's entry, added or replaced."""
         self._saved().adapters[info.name] = info
-        await self._write("put", info)
+        await self._write("put", info.name, dataclasses.asdict(info))
 
     async def delete(self, name: str) -> None:
         self._saved().adapters.pop(name, None)
@@ -115,7 +129,7 @@ class Checkpoint:
         if version < saved.meta.next_version:
             return
         saved.meta = dataclasses.replace(saved.meta, next_version=version + VERSION_BLOCK)
-        await self._write("put_meta", saved.meta)
+        await self._write("put_meta", dataclasses.asdict(saved.meta))
 
     async def _write(self, method: str, *args: Any) -> None:
         self.num_writes += 1
@@ -124,7 +138,7 @@ class Checkpoint:
         except RayActorError as e:  # the keeper is gone: a new one gets everything
             log.warning("registry checkpoint %r lost (%s): writing it again", self.name, e)
             self._keeper = _keeper(self.name)
-            await self._keeper.replace.remote(self._saved())
+            await self._keeper.replace.remote(_plain(self._saved()))
 
     def _saved(self) -> Saved:
         if self._mirror is None:
@@ -148,3 +162,9 @@ def _keeper(name: str) -> Any:
 
 def _copy(saved: Saved) -> Saved:
     return Saved(saved.meta, dict(saved.adapters))
+
+
+def _plain(saved: Saved) -> dict[str, Any]:
+    """`saved` as the keeper holds it: the dataclasses' fields."""
+    adapters = {name: dataclasses.asdict(info) for name, info in saved.adapters.items()}
+    return {"meta": dataclasses.asdict(saved.meta), "adapters": adapters}

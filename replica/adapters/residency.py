@@ -31,8 +31,9 @@ from replica.model.lora_slots import LoRASlotBuffers, SlotTable
 
 BASE_KEY = "__base__"  # the base model's pool name when its slot is not pinned (ablation)
 
-# What the executor makes of a source: where each rank's host cache fetches from, and what
-# slot writes go through (rank 0's buffers alone, or every rank's; see adapters/sharded.py).
+# What the executor makes of a source: where each rank's host cache fetches from (and what
+# it keeps of a whole adapter: `stage`), and what slot writes go through (rank 0's buffers
+# alone, or every rank's; see adapters/sharded.py).
 Staging = Callable[[Any], tuple[Any, Any]]
 
 
@@ -58,8 +59,8 @@ class AdapterResidency:
         rank's); `stage`: the executor's adapter_staging."""
         c = config
         self.source, self.buffers, self.device = source, buffers, device
-        staged, slots = stage(_WithBase(source))
-        self.host_cache = HostCache(staged, c.host_cache_bytes)
+        self.staged, slots = stage(_WithBase(source))
+        self.host_cache = HostCache(self.staged, c.host_cache_bytes)
         self.pool = AdapterSlotPool(
             c.num_slots, make_policy(c.eviction_policy), c.max_lora_rank, buffers.groups
         )
@@ -83,7 +84,7 @@ class AdapterResidency:
             raise TypeError("registering a directory needs the PEFT directory source")
         if name in self.unloading:
             raise RequestError(f"adapter {name!r} is being unloaded: requests on it still run")
-        return self.host_cache.put(name, self.source.add(name, path))
+        return self.host_cache.put(name, self.staged.stage(self.source.add(name, path)))
 
     def unregister(self, name: str) -> None:
         """Refuse `name` for new requests; its weights go at release_unloaded, once unused."""
@@ -201,6 +202,10 @@ class _WithBase:
 
     def locate(self, name: str) -> AdapterLocator:
         return _BaseLocator() if name == BASE_KEY else self.source.locate(name)
+
+    def stage(self, adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
+        """What the host cache holds of a whole adapter: all of it (one rank)."""
+        return adapter
 
 
 class _BaseLocator:

@@ -93,11 +93,9 @@ class Writes:
         self.done: list[tuple[str, str]] = []
         write = Checkpoint._write
 
-        async def recording(checkpoint, method, arg):
-            self.done.append(
-                (method, "meta" if method == "put_meta" else getattr(arg, "name", arg))
-            )
-            return await write(checkpoint, method, arg)
+        async def recording(checkpoint, method, *args):
+            self.done.append((method, "meta" if method == "put_meta" else args[0]))
+            return await write(checkpoint, method, *args)
 
         monkeypatch.setattr(Checkpoint, "_write", recording)
 
@@ -389,6 +387,21 @@ def test_a_checkpoint_actor_lost_while_the_store_lives_is_written_again_whole(
     assert set(saved(checkpoint)) == {"a", "b", "c"}
     again = local_store(tiny, root, checkpoint=True)
     assert listed(again) == listed(store)
+
+
+def test_a_checkpoint_in_fields_this_version_does_not_read_is_started_afresh(
+    tiny, root, checkpoint
+):
+    """The checkpoint actor outlives redeploys: one written by a lorafleet whose records
+    had other fields is replaced, not misread."""
+    store = local_store(tiny, root, checkpoint=True)
+    asyncio.run(store.register("loaded", str(root / "adapter-00")))
+    keeper = ray.get_actor(checkpoint, namespace=NAMESPACE)
+    old = {"meta": {"preload": {}, "next": 7}, "adapters": {"loaded": {"name": "loaded"}}}
+    ray.get(keeper.replace.remote(old))
+    again = local_store(tiny, root, checkpoint=True)
+    assert listed(again) == () and again.registry.num_restored == 0
+    assert saved(checkpoint) == {}  # in this version's fields now
 
 
 def test_a_checkpoint_of_another_preload_list_is_dropped(tiny, root, checkpoint):
