@@ -9,8 +9,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from replica.adapters import memory
-from replica.adapters.memory import MAX_DEFAULT_SLOTS, size_adapter_slots, slot_bytes
+from replica.adapters.memory import (
+    CPU_BUDGET_BYTES,
+    MAX_DEFAULT_SLOTS,
+    size_adapter_slots,
+    slot_bytes,
+)
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.model.lora_slots import LoRASlotBuffers
@@ -50,38 +54,28 @@ def test_budget_sets_the_slot_count_and_the_batch_limit(tiny):
     base = EngineConfig(model=str(tiny.model_dir), device="cpu")
     sized = size_adapter_slots(
         base.model_copy(update={"adapter_memory_bytes": 5 * per_slot + per_slot // 2}),
-        spec, CPU, torch.float32,
+        spec, torch.float32, CPU_BUDGET_BYTES,
     )  # fmt: skip
     # 5 adapters of max_lora_rank (slot 0, the base, holds no memory)
     assert (sized.num_slots, sized.max_loras_per_batch) == (6, 5)
     assert sized.adapter_memory_bytes is None  # what ranks are built from: a count
     EngineConfig(**sized.model_dump())  # and it validates again (TP workers rebuild it)
     capped = base.model_copy(update={"adapter_memory_bytes": 40 * per_slot, "max_num_seqs": 8})
-    assert size_adapter_slots(capped, spec, CPU, torch.float32).max_loras_per_batch == 8
+
+    def size(cfg: EngineConfig) -> EngineConfig:
+        return size_adapter_slots(cfg, spec, torch.float32, CPU_BUDGET_BYTES)
+
+    assert size(capped).max_loras_per_batch == 8
     chosen = capped.model_copy(update={"max_loras_per_batch": 3})
-    assert size_adapter_slots(chosen, spec, CPU, torch.float32).max_loras_per_batch == 3
+    assert size(chosen).max_loras_per_batch == 3
     fixed = base.model_copy(update={"num_slots": 4})
-    assert size_adapter_slots(fixed, spec, CPU, torch.float32).num_slots == 4
+    assert size(fixed).num_slots == 4
     # the default budget: 1 GiB on CPU, which holds thousands of tiny slots: capped
-    default = size_adapter_slots(base, spec, CPU, torch.float32)
+    default = size(base)
     assert (1 << 30) // per_slot > MAX_DEFAULT_SLOTS == default.num_slots
     # a set budget is taken as it is, past the default's cap
     many = base.model_copy(update={"adapter_memory_bytes": (MAX_DEFAULT_SLOTS + 9) * per_slot})
-    assert size_adapter_slots(many, spec, CPU, torch.float32).num_slots == MAX_DEFAULT_SLOTS + 10
-
-
-def test_cuda_default_is_a_share_of_what_weights_and_kv_leave(tiny, monkeypatch):
-    spec = load_model_spec(tiny.model_dir)
-    free = 10 << 30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
-    cfg = EngineConfig(model=str(tiny.model_dir), kv_cache_bytes=2 << 30, tp_size=2)
-    weights = spec.num_parameters() * 2 // 2  # bf16, half on each of 2 ranks
-    expected = int((free - weights - (2 << 30)) * memory.CUDA_FREE_SHARE)
-    got = memory.default_budget(cfg, spec, torch.device("cuda"), torch.bfloat16)
-    assert got == expected
-    # nothing left: a zero budget, which size_adapter_slots refuses (below)
-    cfg = cfg.model_copy(update={"kv_cache_bytes": free})
-    assert memory.default_budget(cfg, spec, torch.device("cuda"), torch.bfloat16) == 0
+    assert size(many).num_slots == MAX_DEFAULT_SLOTS + 10
 
 
 def test_num_parameters_counts_the_checkpoint(tiny):
