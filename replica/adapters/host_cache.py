@@ -60,16 +60,21 @@ class HostCache:
             self._items[name] = (staged, packing.nbytes)
         return staged
 
+    def put(self, name: str, adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
+        """Stage an adapter read elsewhere (a registration that converted it), replacing
+        any copy of `name`; the (pinned) host copy."""
+        adapter = _pin(adapter)
+        with self._lock:
+            self._items[name] = adapter
+            self._items.move_to_end(name)
+            self._shrink()
+        return adapter
+
     def peek(self, name: str) -> LoRAAdapterWeights | None:
         """A staged adapter (None if not in host memory); no fetch, no LRU touch."""
         with self._lock:
             hit = self._items.get(name)
             return None if hit is None else hit[0]
-
-    def rank_of(self, name: str) -> int | None:
-        """The rank of a staged adapter (None if not in host memory); no fetch, no LRU touch."""
-        hit = self.peek(name)
-        return None if hit is None else hit.rank
 
     def drop(self, name: str) -> None:
         with self._lock:

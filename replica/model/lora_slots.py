@@ -58,6 +58,19 @@ def num_slot_handles(num_rows: int) -> int:
     return num_rows // MIN_BLOCK_ROWS + 2
 
 
+def adapter_group_ranks(spec: ModelSpec, adapter: LoRAAdapterWeights) -> dict[str, int]:
+    """The rank rows `adapter` needs in each projection group it targets (groups it does
+    not target left out): its largest module's rank in the group, over every layer
+    (LoRAAdapterWeights.group_rank). A function of the weights and the model only, so it
+    is computed once, where the adapter is converted, and travels with it."""
+    modules: dict[str, tuple[str, ...]] = dict(VOCAB_GROUPS)
+    for layer in range(spec.num_layers):
+        modules.update(layer_groups(spec, layer))
+    ranks = adapter.module_ranks()  # one pass over the weights, not one per group
+    by_group = {g: max((ranks.get(m, 0) for m in names), default=0) for g, names in modules.items()}
+    return {g: r for g, r in by_group.items() if r}
+
+
 # The first arena row of an adapter's block per projection group (an int: the same row
 # in every group).
 Rows = Mapping[str, int] | int
@@ -103,11 +116,9 @@ class LoRASlotBuffers:
         # (expert groups excepted: their rows are (token, expert) pairs, not tokens)
         self.layers: list[dict[str, LoRABuffers]] = []
         self.workspace_cols = 0
-        self._modules: dict[str, tuple[str, ...]] = {}  # group -> its modules (slices)
         for layer in range(spec.num_layers):
             groups = {}
             for group, names in layer_groups(spec, layer).items():
-                self._modules[group] = names
                 in_f = shapes[names[0]][0]
                 offsets = [0]
                 for n in names:
@@ -168,12 +179,9 @@ class LoRASlotBuffers:
 
     def group_ranks(self, adapter: LoRAAdapterWeights) -> dict[str, int]:
         """The rank rows `adapter` needs in each group's arenas (0: none), what the slot
-        pool reserves: its largest module's rank in the group (LoRAAdapterWeights.group_rank)."""
-        ranks = adapter.module_ranks()  # one pass over the weights, not one per group
-        return {
-            g: max((ranks.get(m, 0) for m in self._modules.get(g, (g,))), default=0)
-            for g in self.groups
-        }
+        pool reserves (adapter_group_ranks, every group of these buffers listed)."""
+        ranks = adapter_group_ranks(self.spec, adapter)
+        return {g: ranks.get(g, 0) for g in self.groups}
 
     def write(
         self, rows: Rows, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
