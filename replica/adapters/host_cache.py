@@ -38,7 +38,17 @@ class HostCache:
             if hit is not None:
                 self._items.move_to_end(name)
                 return hit[0]
-        adapter = self.source.fetch(name)  # I/O outside the lock
+        return self._stage(name, self.source.fetch(name))  # I/O outside the lock
+
+    def put(self, name: str, adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
+        """Stage an adapter read elsewhere (a registration that converted it), replacing
+        any copy of `name`; the (pinned) host copy."""
+        self.drop(name)
+        return self._stage(name, adapter)
+
+    def _stage(self, name: str, adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
+        """`adapter` copied into host memory made room for first, and cached as `name`;
+        `adapter` itself, uncached, when it is larger than the budget."""
         keys = list(adapter.weights)
         tensors = [t for k in keys for t in adapter.weights[k]]
         packing = HostPacking(tensors)
@@ -59,16 +69,6 @@ class HostCache:
                 self._held -= replaced[1]
             self._items[name] = (staged, packing.nbytes)
         return staged
-
-    def put(self, name: str, adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
-        """Stage an adapter read elsewhere (a registration that converted it), replacing
-        any copy of `name`; the (pinned) host copy."""
-        adapter = _pin(adapter)
-        with self._lock:
-            self._items[name] = adapter
-            self._items.move_to_end(name)
-            self._shrink()
-        return adapter
 
     def peek(self, name: str) -> LoRAAdapterWeights | None:
         """A staged adapter (None if not in host memory); no fetch, no LRU touch."""

@@ -114,3 +114,12 @@ def test_on_cpu_the_budget_counts_the_tensors_bytes_and_nothing_is_copied():
     cache.get("b"), cache.get("c")
     assert cache.names() == ["b", "c"] and cache.held_bytes == 2560
     assert HostCache(Source(adapters), 0).get("a") is adapters["a"]  # no budget: no cache
+
+
+def test_a_registration_put_replaces_its_copy_within_the_budget(pinned):
+    cache = HostCache(Source({}), 2 * dev.PINNED_CHUNK_BYTES)
+    cache.put("a", adapter("a", 3 * MIB))
+    cache.put("b", adapter("b", 3 * MIB))
+    new = cache.put("a", adapter("a", MIB))  # registered again under other weights
+    assert cache.peek("a") is new and cache.names() == ["b", "a"]
+    assert cache.held_bytes == pinned.live == 2 * dev.PINNED_CHUNK_BYTES
