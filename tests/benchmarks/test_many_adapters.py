@@ -2,7 +2,7 @@
 targets, and a sweep end to end against a fake server on 127.0.0.1 that registers adapters
 as the real one does (a 400 for a name already live, a 404 for a name not registered).
 
-The real server is measured by the command itself (cluster/bench/results/many_adapters.json).
+The real server is measured by the command itself (benchmarks/results/many_adapters.json).
 """
 
 from __future__ import annotations
