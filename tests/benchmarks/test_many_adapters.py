@@ -1,4 +1,4 @@
-"""`lorafleet bench many-adapters`: its adapters, its arguments, its arithmetic against the
+"""`python -m benchmarks many-adapters`: its adapters, its arguments, its arithmetic against the
 targets, and a sweep end to end against a fake server on 127.0.0.1 that registers adapters
 as the real one does (a 400 for a name already live, a 404 for a name not registered).
 
