@@ -245,7 +245,8 @@ def _llama_bench(args: argparse.Namespace, report: dict) -> list[str]:
         "base_only": workload("base_only", lambda i: None),
     }
     base_cfg = dict(model=str(assets.model_dir), device="auto", max_num_seqs=args.concurrency,
-                    kv_cache_bytes=_kv_bytes(args), max_loras_per_batch=args.adapters,
+                    kv_cache_bytes=_kv_bytes(args), max_model_len=_max_model_len(args),
+                    max_loras_per_batch=args.adapters,
                     tp_size=args.tp)  # fmt: skip
     fits = dict(base_cfg, num_slots=args.adapters + 1)
     pressure = _ChurnMemory(assets, base_cfg, args)
@@ -558,7 +559,8 @@ def _ceiling(baseline: dict, wl: Workload, batch_step_s: float) -> float:
 def _base_decode_step(assets, args: argparse.Namespace) -> float:
     """Median base-only decode step with `concurrency` sequences in the batch."""
     cfg = EngineConfig(model=str(assets.model_dir), device="auto", tp_size=args.tp,
-                       max_num_seqs=args.concurrency, kv_cache_bytes=_kv_bytes(args))  # fmt: skip
+                       max_num_seqs=args.concurrency, kv_cache_bytes=_kv_bytes(args),
+                       max_model_len=_max_model_len(args))  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         rng = random.Random(2)
@@ -613,7 +615,8 @@ def _batch_engine(
     names = list(assets.adapters)[:n_adapters]
     cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
                        max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=kv_bytes, tp_size=args.tp, **overrides)  # fmt: skip
+                       kv_cache_bytes=kv_bytes, max_model_len=_max_model_len(args),
+                       tp_size=args.tp, **overrides)  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         for name in names:
@@ -852,7 +855,8 @@ def _tp_comm(assets, n_adapters: int, args: argparse.Namespace) -> dict:
     names = list(assets.adapters)[:n_adapters]
     cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
                        max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=_kv_bytes(args), tp_size=args.tp)  # fmt: skip
+                       kv_cache_bytes=_kv_bytes(args), max_model_len=_max_model_len(args),
+                       tp_size=args.tp)  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         for name in names:
@@ -969,11 +973,16 @@ def _print_tp_comm(c: dict) -> None:
         print(f"  per step, {label:<5} " + ", ".join(f"{k} {v:,}" for k, v in tags.items()))
 
 
+def _max_model_len(args: argparse.Namespace) -> int:
+    """What a sequence of the bench reaches (prompt, output, slack): what _kv_bytes sizes."""
+    return args.prompt_len + args.output_len + 32
+
+
 def _kv_bytes(args: argparse.Namespace, spec: ModelSpec | DemoSpec | None = None) -> int:
     spec = spec or DemoSpec()
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     seqs = max(args.concurrency, min(16, args.adapters))  # a scenario's batch, a decode step's
-    return int(per_token * (args.prompt_len + args.output_len + 32) * seqs * 1.25)
+    return int(per_token * _max_model_len(args) * seqs * 1.25)
 
 
 def _zipf_weights(n: int, alpha: float) -> list[float]:

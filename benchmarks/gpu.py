@@ -49,11 +49,13 @@ from benchmarks import harness
 from benchmarks.adapters import AdapterPlan, write_adapters
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
+from replica.executor.memory_plan import MemoryPlanError, gib, plan_memory
 from replica.model.spec import load_model_spec
 from replica.wire import SamplingParams
 
 GRAPH_KEYS = ("graphs_captured", "graph_replays", "eager_decode_steps")
 DECODE_SLACK = 32  # tokens a decoding sequence may make beyond its timed steps
+SMALLEST_GPU_BYTES = 80 * 10**9  # an H100 80GB (an H200 has more): what a plan must fit
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -234,6 +236,9 @@ def run(args: argparse.Namespace) -> int:
         _print_plan(plan, config, device)
         if args.dry_run:
             return _finish(args, plan, device, None, dry_run=True)
+        if not _has_graph_stats():  # before minutes of building: figures need counted graphs
+            raise SystemExit("LLMEngine.graph_stats() is missing: graphs must be counted, "
+                             "not assumed (only --dry-run goes on without it)")  # fmt: skip
         figures = measure(plan, config, model_dir, Path(tmp) / "adapters", args.seed)
     return _finish(args, plan, device, figures, dry_run=False)
 
@@ -391,9 +396,6 @@ def _prompt(rng: random.Random, shape: Shape, n: int) -> list[int]:
 
 def _graph_stats(eng: LLMEngine) -> dict[str, int]:
     """LLMEngine.graph_stats(): exactly these keys, counted by the engine."""
-    if not _has_graph_stats():
-        raise SystemExit("LLMEngine.graph_stats() is missing: graphs must be counted, not "
-                         "assumed (only --dry-run goes on without it)")  # fmt: skip
     stats = eng.graph_stats()
     return {k: int(stats[k]) for k in GRAPH_KEYS}
 
@@ -407,11 +409,22 @@ def _default_device() -> str:
 
 
 def _validated_config(plan: Plan, model_dir: Path, device: str) -> dict:
-    """The plan's engine config, checked against EngineConfig and the model's spec (no
-    tensors): a dry run fails where a real one would before it starts."""
+    """The plan's engine config, checked against EngineConfig, the model's spec and, on
+    CUDA, the engine's memory plan of an 80 GB GPU (no tensors): a dry run fails where a
+    real one would before it starts."""
     config = plan.engine_config(model_dir, device)
-    EngineConfig(**config)
     spec = load_model_spec(model_dir)
+    if device.startswith("cuda"):
+        try:
+            memory = plan_memory(spec, EngineConfig(**config), torch.bfloat16, SMALLEST_GPU_BYTES)
+        except MemoryPlanError as e:
+            raise SystemExit(f"the bench does not fit an 80 GB GPU: {e}") from None
+        print(f"  memory plan of an 80 GB GPU: weights {gib(memory.weights_bytes_per_gpu)}, "
+              f"KV {gib(memory.kv_cache_bytes)}, adapters {gib(memory.adapter_memory_bytes)}, "
+              f"activations {gib(memory.activation_bytes)}, graphs {gib(memory.graph_bytes)}; "
+              f"{gib(memory.free_bytes)} of the budget left")  # fmt: skip
+    else:
+        EngineConfig(**config)
     if (spec.num_layers, spec.hidden_size, spec.vocab_size) != (
         plan.shape.num_layers, plan.shape.hidden_size, plan.shape.vocab_size
     ):  # fmt: skip

@@ -48,12 +48,20 @@ def test_the_model_directory_reads_as_its_shape(tmp_path):
 def test_a_dry_run_plans_and_writes_its_summary_last(tmp_path, capsys):
     out = tmp_path / "gpu.json"
     assert harness.main(gpu, ["--dry-run", "--json", str(out)]) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out
+    assert "memory plan of an 80 GB GPU: weights 15." in printed  # the engine's own plan
+    last = json.loads(printed.strip().splitlines()[-1])
     assert last["dry_run"] and last["shape"] == "llama-3.1-8b" and last["device"] == "cuda"
     assert last["targets"] == dict.fromkeys(harness.targets("gpu"))  # nothing ran: unknown
     report = json.loads(out.read_text())
     assert report["memory"]["weights"] == 8_030_261_248 * 2
     assert report["plan"]["shape"]["name"] == "llama-3.1-8b" and report["figures"] is None
+
+
+def test_a_plan_that_does_not_fit_the_gpu_is_refused_before_it_starts(monkeypatch):
+    monkeypatch.setattr(gpu, "SMALLEST_GPU_BYTES", 20 * 10**9)  # under the 16 GB of weights
+    with pytest.raises(SystemExit, match="does not fit an 80 GB GPU"):
+        harness.main(gpu, ["--dry-run"])
 
 
 def _fake_graph_stats(monkeypatch) -> None:
