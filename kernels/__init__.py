@@ -479,8 +479,9 @@ def prefill_attention(
         s[p] = soft_cap * tanh(s[p] / soft_cap)      (only when soft_cap is not None)
         out[i, h] = softmax(s) @ V[k, p]
 
-    Scores, cap, softmax and accumulation in fp32 (fp32 inputs) or the fused kernels'
-    own (half inputs: fp32 accumulation), rounded once into q.dtype. Lower-right causal
+    Scores, cap, softmax and accumulation in fp32, rounded into q.dtype (with half
+    inputs a fused kernel may round its partial results too: within the half dtype's
+    tolerance of the reference, which rounds once). Lower-right causal
     when ctx > n: every row sees the whole earlier context. Every path is fused or
     chunked: none holds [H, n, ctx] scores at once (SDPA's MATH fallback would, in fp32).
     Slots outside the positions a row sees are never read. The positions' K/V must

@@ -4,10 +4,17 @@ Every call reaches a fused SDPA kernel with 4-D [1, heads, rows, hd] inputs and 
 (enable_gqa), never SDPA's MATH fallback, which would hold fp32 [H, n, ctx] scores:
 
 - the plain causal case (no window, no cap, ctx == n) is one SDPA call with is_causal;
-- the rest (a chunk after earlier ones or a prefix-cache hit, ctx > n: lower-right
-  causal; a sliding window) runs the queries in chunks, each one SDPA call over only the
-  keys some row of the chunk sees, with a [rows, keys] bool mask: the mask, not a score
-  matrix, is what a chunk adds, and a window also bounds each chunk's keys, so its work;
+- a plain chunk after earlier ones or prefix-cache hit (ctx > n: lower-right causal) is
+  two calls of the CPU flash kernel SDPA itself runs, one over the ctx - n earlier
+  positions (every row sees them all: no mask) and one causal over the chunk's own n,
+  merged by their log-sum-exps. SDPA's public call returns no log-sum-exp, so this calls
+  its CPU kernel's op; a mask instead would cost ~25 % more here (the CPU kernel skips
+  no masked block and adds the mask to every score) and the masked path below is what
+  runs where torch has no such op;
+- the rest (a sliding window; ctx > n without the op) runs the queries in chunks, each
+  one SDPA call over only the keys some row of the chunk sees, with a [rows, keys] bool
+  mask: the mask, not a score matrix, is what a chunk adds, and a window also bounds each
+  chunk's keys, so its work;
 - soft-capped scores (Gemma 2), which SDPA cannot cap, are computed by hand chunk by
   chunk in fp32, each chunk's [H, rows, keys] bounded by CHUNK_BYTES.
 
@@ -23,6 +30,9 @@ import torch.nn.functional as F
 # The most one query chunk may hold of masks or fp32 scores (sized for the CPU's caches
 # and a bounded peak: an 8k-token prompt would otherwise need a 0.3 GB mask).
 CHUNK_BYTES = 16 * 2**20
+# SDPA's CPU flash kernel as an op that also returns its rows' log-sum-exp (natural log,
+# [1, H, rows] fp32); None where this torch has no such op.
+FLASH_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def prefill_attention(
@@ -50,6 +60,8 @@ def prefill_attention(
     if window is None and soft_cap is None and ctx == n:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return out.copy_(o[0].transpose(0, 1))
+    if window is None and soft_cap is None and q.device.type == "cpu" and FLASH_CPU_WITH_LSE:
+        return out.copy_(_earlier_then_causal(qh, kh, vh, scale)[0].transpose(0, 1))
     per_row = ctx * 4 * (q.shape[1] if soft_cap is not None else 1)  # bytes a row holds
     rows = max(16, CHUNK_BYTES // per_row)
     for i0 in range(0, n, rows):
@@ -66,6 +78,25 @@ def prefill_attention(
             o = _capped(qh[0, :, i0:i1], keys[0], values[0], mask, scale, soft_cap)
         out[i0:i1] = o.transpose(0, 1)
     return out
+
+
+def _earlier_then_causal(
+    qh: torch.Tensor,  # [1, H, n, hd]
+    kh: torch.Tensor,  # [1, KVH, ctx, hd], ctx > n
+    vh: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [1, H, n, hd], q.dtype
+    """Lower-right causal attention as two flash calls: the earlier ctx - n positions
+    (seen by every row) and the last n (causal), each weighted by its share of the
+    softmax's denominator: the earlier part's is e^lse1 / (e^lse1 + e^lse2), i.e.
+    sigmoid(lse1 - lse2), and the causal part's the rest."""
+    earlier = kh.shape[2] - qh.shape[2]
+    o1, lse1 = FLASH_CPU_WITH_LSE(qh, kh[:, :, :earlier], vh[:, :, :earlier], scale=scale)[:2]
+    o2, lse2 = FLASH_CPU_WITH_LSE(
+        qh, kh[:, :, earlier:], vh[:, :, earlier:], is_causal=True, scale=scale
+    )[:2]
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]  # [1, H, n, 1]
+    return torch.lerp(o2.float(), o1.float(), w1).to(qh.dtype)  # o2 + w1 * (o1 - o2)
 
 
 def _visible(

@@ -230,7 +230,9 @@ def test_prefill_triton_many_programs_and_tiles(monkeypatch, window, cap):
 
 
 def test_prefill_torch_chunks_agree(monkeypatch):
-    """Query chunks of 16 rows (CHUNK_BYTES small) give the one-chunk result."""
+    """Query chunks of 16 rows (CHUNK_BYTES small) give the one-chunk result, also for a
+    chunk after earlier positions on a torch without the flash-with-LSE op."""
+    monkeypatch.setattr(prefill_attention_torch, "FLASH_CPU_WITH_LSE", None)
     cases = [
         make_case(70, 70, window=9, seed=11),
         make_case(37, 100, seed=12),
@@ -248,9 +250,13 @@ def test_prefill_torch_chunks_agree(monkeypatch):
     ids=["whole", "chunk", "whole-window", "chunk-window"],
 )  # fmt: skip
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4", "mha"])
-def test_prefill_torch_runs_on_fused_sdpa_only(shape, window, heads):
+@pytest.mark.parametrize("lse_op", [True, False], ids=["lse-op", "no-lse-op"])
+def test_prefill_torch_runs_on_fused_sdpa_only(monkeypatch, lse_op, shape, window, heads):
     """Every uncapped path of the torch backend runs with SDPA's MATH backend disabled:
-    4-D inputs and enable_gqa, masks included, reach a fused kernel (on the CPU, flash)."""
+    4-D inputs and enable_gqa, masks included, reach a fused kernel (on the CPU, flash),
+    with or without the op that returns flash's log-sum-exp."""
+    if not lse_op:
+        monkeypatch.setattr(prefill_attention_torch, "FLASH_CPU_WITH_LSE", None)
     case = make_case(*shape, heads, window=window, seed=14)
     with sdpa_kernel(FUSED):
         out = prefill_attention_torch.prefill_attention(*case.args())
@@ -270,6 +276,21 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+def test_prefill_torch_chunk_takes_flash_with_lse_where_torch_has_it(monkeypatch):
+    """A plain chunk after earlier positions is the two flash calls, on every dtype."""
+    if prefill_attention_torch.FLASH_CPU_WITH_LSE is None or CUDA:
+        pytest.skip("this torch has no CPU flash op returning its log-sum-exp")
+    calls = []
+    real = prefill_attention_torch.FLASH_CPU_WITH_LSE
+    monkeypatch.setattr(
+        prefill_attention_torch, "FLASH_CPU_WITH_LSE",
+        lambda *a, **kw: calls.append(kw.get("is_causal", False)) or real(*a, **kw),
+    )  # fmt: skip
+    for dtype in TOL:
+        check("torch", make_case(37, 100, dtype=dtype, seed=20))
+    assert calls == [False, True] * len(TOL)
 
 
 @pytest.mark.parametrize("cap", [None, 2.0])
