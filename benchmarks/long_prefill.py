@@ -22,9 +22,10 @@ transformers' model holds none.
 
 Runs alternate (hf, ours_chunked, ours_whole, hf, ...) so a shared machine's drift hits
 each alike. Printed and written: each run's time, peak and loaded resident set, and per
-variant the median and range of the time, its ratio to hf's median time, and its median
-peak beside hf's plus the KV bytes (ours: the engine's cache, sized to the prompt, held
-from load on; hf: its DynamicCache, grown during the run).
+variant the median and range of the time, its ratio to hf's median time and to hf's run
+of the same repeat (paired), the same for CPU time (user + system, all threads), and its
+median peak beside hf's plus the KV bytes (ours: the engine's cache, sized to the prompt,
+held from load on; hf: its DynamicCache, grown during the run).
 """
 
 from __future__ import annotations
@@ -123,11 +124,21 @@ def child(variant: str, tokens: int) -> dict:
     prompt = _prompt(tokens, spec.vocab_size)
     prefill(prompt[:WARMUP_TOKENS])
     loaded = _rss()
-    start = time.perf_counter()
+    cpu, start = _cpu_seconds(), time.perf_counter()
     prefill(prompt)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return {"variant": variant, "seconds": seconds, "peak_rss": peak, "loaded_rss": loaded}
+    return {
+        "variant": variant, "seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak,
+        "loaded_rss": loaded,
+    }  # fmt: skip
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process, every thread: on a shared machine it
+    drifts less than wall time (time spent waiting for a core is not counted)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _spawn(variant: str, tokens: int) -> dict:
@@ -143,11 +154,8 @@ def summarize(runs: list[dict], tokens: int) -> dict:
     """Per variant: median and range of seconds and peaks, ratios to hf's medians."""
     kv = _kv_bytes(_spec(tokens), tokens)
     by = {v: [r for r in runs if r["variant"] == v] for v in VARIANTS}
-    med = {
-        v: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "peak_rss", "loaded_rss")}
-        for v, rs in by.items()
-        if rs
-    }
+    keys = ("seconds", "cpu_seconds", "peak_rss", "loaded_rss")
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in by.items() if rs}
     out = {}
     for v, rs in by.items():
         if not rs:
@@ -158,9 +166,12 @@ def summarize(runs: list[dict], tokens: int) -> dict:
             "seconds_min": min(secs),
             "seconds_max": max(secs),
             "time_over_hf": med[v]["seconds"] / med["hf"]["seconds"],
-            "time_over_hf_range": [
-                min(secs) / max(r["seconds"] for r in by["hf"]),
-                max(secs) / min(r["seconds"] for r in by["hf"]),
+            "time_over_hf_paired": [  # each repeat against hf's run of the same repeat
+                r["seconds"] / h["seconds"] for r, h in zip(rs, by["hf"])
+            ],
+            "cpu_over_hf": med[v]["cpu_seconds"] / med["hf"]["cpu_seconds"],
+            "cpu_over_hf_paired": [
+                r["cpu_seconds"] / h["cpu_seconds"] for r, h in zip(rs, by["hf"])
             ],
             "peak_over_hf_bytes": med[v]["peak_rss"] - med["hf"]["peak_rss"],
             "peak_growth_bytes": med[v]["peak_rss"] - med[v]["loaded_rss"],
@@ -190,7 +201,8 @@ def main() -> None:
             r = _spawn(variant, args.tokens)
             runs.append(r | {"repeat": rep})
             print(
-                f"run {rep} {variant:13s} {r['seconds']:7.2f} s  peak {r['peak_rss'] / GB:5.2f} GB"
+                f"run {rep} {variant:13s} {r['seconds']:7.2f} s (cpu {r['cpu_seconds']:6.1f} s)"
+                f"  peak {r['peak_rss'] / GB:5.2f} GB"
                 f"  loaded {r['loaded_rss'] / GB:5.2f} GB",
                 flush=True,
             )
@@ -200,8 +212,11 @@ def main() -> None:
     for v, s in summary["variants"].items():
         print(
             f"{v:13s} median {s['seconds']:7.2f} s ({s['seconds_min']:.2f}-{s['seconds_max']:.2f})"
-            f"  x{s['time_over_hf']:.2f} hf  peak {s['peak_rss'] / GB:.2f} GB"
-            f" ({s['peak_over_hf_bytes'] / GB:+.2f} GB vs hf)"
+            f"  x{s['time_over_hf']:.2f} hf (paired "
+            f"{', '.join(f'{x:.2f}' for x in s['time_over_hf_paired'])})"
+            f"  peak {s['peak_rss'] / GB:.2f} GB ({s['peak_over_hf_bytes'] / GB:+.2f} GB vs hf)"
+            f"\n{'':13s} cpu x{s['cpu_over_hf']:.2f} hf (paired "
+            f"{', '.join(f'{x:.2f}' for x in s['cpu_over_hf_paired'])})"
         )
     report = {
         "benchmark": "long_prefill",
