@@ -6,8 +6,8 @@ Imported lazily by `kernels.prefill_attention` when the triton backend is chosen
 SDPA's flash kernel (fp16/bf16, GQA native) takes plain causal attention: is_causal when
 the queries are the whole context, torch.nn.attention.bias.causal_lower_right when they
 are its last n positions (a chunk after earlier ones, a prefix-cache hit). It has no
-sliding window and no soft cap, and fp32 would leave it for SDPA's efficient kernel,
-which has no GQA (so MATH); those go to _prefill_kernel.
+sliding window and no soft cap, and no fp32 (SDPA would pick its efficient kernel, which
+not every torch gives GQA: MATH then); those go to _prefill_kernel.
 
 _prefill_kernel is flash attention's forward pass: one program per (BLOCK_M query rows,
 query head), an online softmax in fp32 (base 2) over tiles of BLOCK_N key positions.
