@@ -16,6 +16,7 @@ prefix.py        the demo cluster with the prefix cache on and off, 1 and 2 repl
 tenants.py       fair share between two tenants on one replica
 suite.py         the demo cluster under every routing/loading variant and scenario
 many_adapters.py 16 to 4,096 adapters registered at runtime: tok/s, TTFT, registration
+long_prefill.py  a long prompt's prefill against transformers' sdpa: time and memory
 results/         the committed JSON and plots that docs/performance.md shows
 
 Not part of the installed package: `lorafleet bench http`, the load generator a user

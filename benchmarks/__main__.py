@@ -17,6 +17,7 @@ BENCHES = {
     "tenants": "fair share on one replica: one tenant's flood against another's TTFT",
     "suite": "the demo cluster under every variant and scenario: JSON, table, plots",
     "many-adapters": "16 to 4,096 adapters registered at runtime: tok/s, TTFT, registration",
+    "long-prefill": "a long prompt's prefill against transformers' sdpa: time and memory",
 }
 
 
