@@ -396,11 +396,21 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         "t/B = their quotient (1.0: LoRA moves its bytes as fast as the base projection)"
         + ("; graph: device time per call from CUDA graph replays" if clock.cuda else "")
     )
-    harness.write_json(args.json, {**head, "shapes": [asdict(r) for r in results]})
+    checked = {r.name: harness.check("kernels", asdict(r)) for r in results if _checked(r)}
+    for name, targets in checked.items():
+        print(f"{name}: " + "; ".join(harness.verdict_lines(targets)))
+    rows = [{**asdict(r), "targets": checked.get(r.name)} for r in results]
+    harness.write_json(args.json, {**head, "shapes": rows})
     return 0
 
 
 # (title, width, Result field, format) of each printed column
+def _checked(r: Result) -> bool:
+    """Whether `r` is a shape the [kernels] targets are set for: 32 decode tokens, each
+    its own adapter in consecutive slots."""
+    return r.kind == "decode" and r.tokens == 32 and r.layout == "dense"
+
+
 _COLUMNS = (
     (("shape", 28, "name", "s"), ("backend", 7, "backend", "s"))
     + tuple((f"{v} ms", 9, f"{v}_ms", ".3f") for v in ("lora", "loop", "base"))

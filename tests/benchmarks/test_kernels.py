@@ -17,6 +17,10 @@ def test_kernels_quick_writes_every_figure(tmp_path):
     for shape in doc["shapes"]:
         assert shape["speedup_vs_loop"] > 0 and shape["lora_over_base_time"] > 0
         assert {"lora_gbps", "base_gbps", "lora_over_base_bytes"} <= set(shape)
+    decode, prefill = doc["shapes"]  # --quick: decode-32, then a small prefill
+    assert set(decode["targets"]) == {"speedup_vs_loop", "time_over_bytes"}
+    assert decode["targets"]["speedup_vs_loop"]["value"] == decode["speedup_vs_loop"]
+    assert prefill["targets"] is None  # the targets are set for 32 decode tokens
 
 
 def test_fused_quick_times_split_and_fused_per_projection(tmp_path):
