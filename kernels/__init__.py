@@ -14,7 +14,7 @@
     y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
     inter = expert_lora_shrink(x_sorted, a, plan, seg, max_rank)  # expert LoRA, grouped by
     expert_lora_expand(y, inter, b, plan, seg, slice_offsets)   # (adapter, expert)
-    warm_up(run_batch, max_tokens, max_segments)  # at start: every specialisation compiled
+    warm_up(run_batch, max_tokens, max_segments, max_table_width)  # every variant compiled
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -79,42 +79,50 @@ __all__ = [
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def warm_up_batches(max_tokens: int, max_segments: int) -> list[list[int]]:
-    """Segment lengths of the batches (at most `max_tokens` tokens in `max_segments`
-    segments) that between them launch every specialisation the Triton kernels compile
-    for a batch's sizes, so that running each once at start leaves nothing to compile
-    while serving.
+def warm_up_batches(
+    max_tokens: int, max_segments: int, max_table_width: int
+) -> list[tuple[list[int], int]]:
+    """(segment lengths, block table width) of the batches (at most `max_tokens` tokens in
+    `max_segments` segments, tables of at most `max_table_width` blocks) that between them
+    launch every specialisation the Triton kernels compile for a batch's sizes, so that
+    running each once at start leaves nothing to compile while serving. One-token
+    segments are the decodes, whose table width the attention reads.
 
     What a launch compiles for: its constexprs, its options and Triton's specialisation
     of every other argument (an int equal to 1 or divisible by 16, a pointer 16-byte
-    aligned). Of these only the tile configurations depend on a batch's sizes: the LoRA
-    kernels on the longest segment (1 token: BGMV; up to SMALL_TILE_TOKENS: 16-row
-    tiles; longer: 64-row tiles), the MoE grouped GEMM on the batch's tokens (up to
-    SMALL_TILE_TOKENS or more). Everything else is fixed by the model and the engine:
-    shapes and strides per projection, the workspace and metadata addresses (the LoRA
-    kernels take them unspecialised), the block table's row stride (the engine's widths
-    are multiples of 16), the attention's window and scale."""
+    aligned). Of these a batch's sizes change: the LoRA kernels' tiles, by the longest
+    segment (1 token: BGMV; up to SMALL_TILE_TOKENS: 16-row tiles; longer: 64-row
+    tiles); the MoE grouped GEMM's, by the batch's tokens (up to SMALL_TILE_TOKENS or
+    more); and the attention's block table row stride (1, a multiple of 16, other).
+    Everything else is fixed by the model and the engine: shapes and strides per
+    projection, the metadata and workspace addresses (the LoRA kernels take them
+    unspecialised; the engine packs metadata 16-byte aligned), the attention's window
+    and scale."""
     small = SMALL_TILE_TOKENS
-    batches = [
-        [1],  # one-token segments, few tokens
-        [1] * (small + 1),  # one-token segments, many tokens
-        [2],  # short segments, few tokens
-        [small, 2],  # short segments, many tokens
-        [small + 1],  # long segments
+    widths = sorted({1, min(2, max_table_width), small if max_table_width >= small else 1})
+    batches = [([1], w) for w in widths]  # one-token segments, few tokens
+    batches += [
+        ([1] * (small + 1), 1),  # one-token segments, many tokens
+        ([2], 1),  # short segments, few tokens
+        ([small, 2], 1),  # short segments, many tokens
+        ([small + 1], 1),  # long segments
     ]
-    return [b for b in batches if sum(b) <= max_tokens and len(b) <= max_segments]
+    return [(b, w) for b, w in batches if sum(b) <= max_tokens and len(b) <= max_segments]
 
 
 def warm_up(
-    run_batch: Callable[[list[int]], None], max_tokens: int, max_segments: int
-) -> list[list[int]]:
-    """Run `run_batch` (a forward over segments of the given lengths, with LoRA on every
-    projection) on each of warm_up_batches(max_tokens, max_segments); returns them.
+    run_batch: Callable[[list[int], int], None],
+    max_tokens: int,
+    max_segments: int,
+    max_table_width: int,
+) -> list[tuple[list[int], int]]:
+    """Run `run_batch(segment lengths, table width)` (a forward over segments of those
+    lengths, with LoRA on every projection) on each of warm_up_batches(...); returns them.
     Called once at start on CUDA, so the first request of a new shape does not stall the
     serving loop on a Triton compile."""
-    batches = warm_up_batches(max_tokens, max_segments)
-    for batch in batches:
-        run_batch(batch)
+    batches = warm_up_batches(max_tokens, max_segments, max_table_width)
+    for lengths, width in batches:
+        run_batch(lengths, width)
     return batches
 
 
