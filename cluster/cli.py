@@ -26,6 +26,7 @@ USER_ERRORS = (
     ("replica.model.hf_config", "ModelConfigError"),
     ("replica.errors", "RequestError"),
     ("replica.model.weights", "WeightLoadError"),
+    ("replica.executor.memory_plan", "MemoryPlanError"),
     ("pydantic", "ValidationError"),
     ("cluster.errors", "ServeConfigError"),
     ("cluster.demo.showcase", "ShowcaseError"),
@@ -149,6 +150,27 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_up)
 
 
+def _add_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="A Hugging Face model directory: its config.json is enough (no "
+                        "weights are read, no GPU is used).")  # fmt: skip
+    p.add_argument("--gpu-memory", required=True, metavar="SIZE",
+                   help="Memory of one GPU, e.g. 80GiB, 141GB or bytes.")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="Tensor-parallel ranks per replica (engine.tp_size).")  # fmt: skip
+    p.add_argument("--dtype", default="auto",
+                   help="The weights' dtype (engine.dtype; auto: bfloat16, as on CUDA).",
+                   )  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="engine.max_model_len (default: the model's context).")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="engine.KEY=VALUE",
+                   help="Any other engine setting, e.g. engine.gpu_memory_utilization=0.85, "
+                        "engine.max_num_seqs=128 (repeatable).")  # fmt: skip
+    p.add_argument("--json", action="store_true",
+                   help="Print the plan as one JSON object, on the last line.")  # fmt: skip
+    p.set_defaults(func=_plan)
+
+
 def _add_deploy(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="Serve config file, e.g. configs/serve.yaml.")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto).")
@@ -217,6 +239,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "generate": ("Offline generation through the engine.", _add_generate),
     "demo": ("The trained demo offline: every adapter in one batch.", _add_demo),
     "up": ("Serve over HTTP on a local (or running) Ray cluster.", _add_up),
+    "plan": ("The memory plan of one GPU of a replica, from config.json alone.", _add_plan),
     "deploy": ("Deploy a Serve config to a running Ray cluster.", _add_deploy),
     "bench": ("Benchmarks.", _add_bench),
 }
@@ -481,6 +504,77 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
         names = showcase.show(url, prompt, notes=notes, api_key=key)
     key_env, exported = serving.key_for_commands(config)
     print(showcase.try_it(url, names[-1], prompt, key_env, exported), flush=True)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """What a replica's GPU holds (executor/memory_plan.py), computed on this machine."""
+    import torch
+    import yaml
+
+    from replica.config import EngineConfig
+    from replica.device import resolve_dtype
+    from replica.executor.memory_plan import gib, plan_memory
+    from replica.model.spec import load_model_spec
+    from replica.model.weights import checkpoint_bytes
+
+    values = {"model": args.model, "device": "cuda", "dtype": args.dtype, "tp_size": args.tp,
+              "max_model_len": args.max_model_len}  # fmt: skip
+    for setting in args.set:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.startswith("engine.") or key == "engine.model":
+            raise UsageError(f"--set {setting!r}: expected engine.KEY=VALUE (an engine setting)")
+        values[key.removeprefix("engine.")] = yaml.safe_load(value)
+    config = EngineConfig(**values)
+    spec = load_model_spec(args.model)
+    dtype = resolve_dtype(config.dtype, torch.device("cuda"))
+    plan = plan_memory(spec, config, dtype, _size_bytes(args.gpu_memory))
+    c = config
+    stored = checkpoint_bytes(args.model)
+    lines = {
+        "model": f"{args.model}: {spec.arch}, {spec.num_parameters() / 1e9:.2f}B parameters, "
+        f"{str(dtype).removeprefix('torch.')}, tp_size {c.tp_size}",
+        "budget": f"{gib(plan.budget_bytes)} per GPU: gpu_memory_utilization "
+        f"{c.gpu_memory_utilization:g} of {gib(plan.device_bytes)}, less "
+        f"{gib(plan.in_use_bytes)} for the CUDA context",
+        "weights": f"{gib(plan.weights_bytes_per_gpu)} per GPU"
+        + ("" if stored is None else f" (the checkpoint's index: {gib(stored)} in all)"),
+        "activations": f"{gib(plan.activation_bytes)}, estimated for the largest step "
+        f"({min(c.max_num_batched_tokens, plan.max_model_len):,} tokens at context "
+        f"{plan.max_model_len:,})"
+        + ("; a single-rank replica profiles it at start" if c.tp_size == 1 else ""),
+        "CUDA graphs": f"{gib(plan.graph_bytes)}, estimated (logits buffer and pool)"
+        if plan.graph_bytes
+        else "none: tensor-parallel replicas and cuda_graphs=false run eagerly",
+        "adapters": f"{gib(plan.adapter_memory_bytes)}: {plan.num_slots - 1} of rank "
+        f"{c.max_lora_rank} ({plan.adapter_rows:,} rank rows per projection group), up to "
+        f"{plan.max_loras_per_batch} per batch",
+        "KV cache": f"{gib(plan.kv_cache_bytes)}: {plan.kv_cache_tokens:,} tokens in "
+        f"{plan.num_blocks:,} blocks of {c.block_size}; "
+        f"{plan.max_concurrency_at_max_model_len:g} sequences of max_model_len "
+        f"{plan.max_model_len:,} at once",
+    }
+    for name, line in lines.items():
+        print(f"{name:<12} {line}")
+    if args.json:
+        print(json.dumps(plan.to_json() | {"checkpoint_bytes": stored}))
+    return 0
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def _size_bytes(text: str) -> int:
+    """Bytes of a size like 80GiB, 141GB, 79.6GiB or 85899345920."""
+    number = text.strip().rstrip("BbIiKkMmGgTt ")
+    unit = text.strip()[len(number) :].strip().lower()
+    try:
+        size = float(number) * SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise UsageError(f"--gpu-memory {text!r}: expected a size such as 80GiB or 141GB") from None
+    if size <= 0:
+        raise UsageError(f"--gpu-memory {text!r}: must be positive")
+    return int(size)
 
 
 def _deploy(args: argparse.Namespace) -> int:

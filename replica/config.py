@@ -15,6 +15,13 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Hugging Face model directory (config.json + safetensors).")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
     dtype: str = Field("auto", description="'auto' (bf16 on CUDA, fp32 on CPU) or a dtype name.")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="'auto': the model directory's safetensors. 'dummy': random weights made "
+        "on the device from config.json alone (seeded, unit-scale), no weight file read: "
+        "speed and memory at a model's real shapes without its checkpoint (vLLM's "
+        "--load-format dummy); the tokens it generates mean nothing.",
+    )
     max_lora_rank: int = Field(
         64, ge=1, description="Largest adapter rank a replica accepts (sizes no adapter's memory)."
     )
@@ -30,9 +37,9 @@ class EngineConfig(BaseModel):
         ge=1,
         description="Device memory for resident adapters, each held at its own rank (the "
         "next power of two of rows, at least 8): a rank-8 adapter takes an eighth of a "
-        "rank-64 one. Kept as num_slots. Default: on CUDA a quarter of the memory left "
-        "after the base weights and the KV cache, on CPU 1 GiB; either way at most 255 "
-        "adapters of max_lora_rank.",
+        "rank-64 one. Kept as num_slots. Default: on CUDA a quarter of what the memory "
+        "plan's budget leaves after weights, activations and CUDA graphs (the KV cache "
+        "gets the rest), on CPU 1 GiB; either way at most 255 adapters of max_lora_rank.",
     )
     num_slots: int | None = Field(
         None,
@@ -49,8 +56,22 @@ class EngineConfig(BaseModel):
         "max_num_seqs. With adapters churning, one or two fewer leave room for the next "
         "load (docs/performance.md).",
     )
-    kv_cache_bytes: int = Field(
-        256 * 2**20, ge=1, description="Memory budget of the paged KV cache, in bytes."
+    gpu_memory_utilization: float = Field(
+        0.90,
+        gt=0,
+        le=1,
+        description="On CUDA, the share of each GPU's memory the replica may bring into use "
+        "(with what other processes and the CUDA context hold at start). The memory plan "
+        "spends it on the weights, the profiled activation peak, the CUDA graphs, the "
+        "adapter arenas, and gives the rest to the KV cache (`lorafleet plan` shows it "
+        "before any GPU is used).",
+    )
+    kv_cache_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Memory of the paged KV cache per rank, in bytes. Default: on CUDA what "
+        "the memory plan leaves (gpu_memory_utilization), on CPU 256 MiB. Set, it wins on "
+        "CUDA too (the plan still refuses one that does not fit the budget).",
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences in the running batch at most.")

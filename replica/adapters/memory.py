@@ -5,11 +5,11 @@ adapter at its own rank in each group: every group's arenas have the same rows,
 slot_bytes(spec, 1, ...) is what one rank row costs in all of them, and an adapter of
 rank r in a group holds block_rows(r) of that group's rows, the next power of two (none
 in a group it does not target). The budget is engine.adapter_memory_bytes, by default a
-share of the device memory the base weights and the KV cache leave (CUDA) or a set size
-(CPU); it is kept as num_slots, the arenas holding num_slots - 1 adapters of
-max_lora_rank in every group (and 8x as many of rank 8 when max_lora_rank is 64). The
-per-batch adapter limit follows: num_slots - 1 (so whatever the batch holds, one
-max-rank block stays free of it), at most max_num_seqs.
+share of what the memory plan's budget leaves after weights, activations and CUDA graphs
+(CUDA, executor/memory_plan.py) or a set size (CPU); it is kept as num_slots, the arenas
+holding num_slots - 1 adapters of max_lora_rank in every group (and 8x as many of rank 8
+when max_lora_rank is 64). The per-batch adapter limit follows: num_slots - 1 (so
+whatever the batch holds, one max-rank block stays free of it), at most max_num_seqs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
 
 CPU_BUDGET_BYTES = 1 << 30
-CUDA_FREE_SHARE = 0.25  # the rest stays for activations, CUDA graphs and the allocator
 # Bound of the default sizing: the slot pool's bookkeeping and a step's slot metadata
 # grow with the count; a set adapter_memory_bytes is taken as it is.
 MAX_DEFAULT_SLOTS = 256
@@ -52,23 +51,14 @@ def slot_bytes(
     return (rows + once) * dtype.itemsize
 
 
-def default_budget(
-    config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype
-) -> int:
-    """CUDA: CUDA_FREE_SHARE of the memory free now less what the weights (this rank's
-    share) and the KV cache will take; CPU: CPU_BUDGET_BYTES."""
-    if device.type != "cuda":
-        return CPU_BUDGET_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    weights = spec.num_parameters() * dtype.itemsize // config.tp_size
-    return max(int((free - weights - config.kv_cache_bytes) * CUDA_FREE_SHARE), 0)
-
-
 def size_adapter_slots(
-    config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype
+    config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, default_budget: int
 ) -> EngineConfig:
-    """`config` with num_slots and max_loras_per_batch set (what every rank then builds).
-    Raises ValueError when the budget cannot hold one adapter of max_lora_rank."""
+    """`config` with num_slots and max_loras_per_batch set (what every rank then builds):
+    from num_slots, else adapter_memory_bytes, else `default_budget` (CPU_BUDGET_BYTES on
+    a CPU; on CUDA the memory plan's share, executor/memory_plan.py), at most
+    MAX_DEFAULT_SLOTS then. Raises ValueError when the budget cannot hold one adapter of
+    max_lora_rank."""
     per_block = slot_bytes(
         spec, block_rows(config.max_lora_rank), dtype, config.tp_size, config.lora_embeddings
     )
@@ -76,7 +66,7 @@ def size_adapter_slots(
     if num_slots is None:
         budget = config.adapter_memory_bytes
         if budget is None:
-            budget = default_budget(config, spec, device, dtype)
+            budget = default_budget
             num_slots = 1 + min(budget // per_block, MAX_DEFAULT_SLOTS - 1)
         else:
             num_slots = 1 + budget // per_block

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from replica.adapters.memory import size_adapter_slots, slot_bytes
+from replica.adapters.memory import CPU_BUDGET_BYTES, size_adapter_slots, slot_bytes
 from replica.adapters.residency import BASE_KEY, AdapterResidency
 from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
-from replica.device import resolve_device, resolve_dtype
+from replica.device import resolve_device, resolve_dtype, use_device
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
 from replica.engine.emit import Emitter, StepOutput
 from replica.engine.fair_share import make_policy
@@ -33,6 +33,7 @@ from replica.engine.structured import StructuredOutputs
 from replica.engine.telemetry import Telemetry
 from replica.executor.batch import BatchPlan
 from replica.executor.create import create_executor
+from replica.executor.memory_plan import MemoryPlan, plan_memory
 from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.sampler import Sampler
@@ -47,20 +48,15 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: AdapterSource | None = None) -> None:
         self.device = resolve_device(config.device)
+        use_device(self.device)  # for this thread's build and offline steps (generate, score)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.spec = load_model_spec(config.model)
-        # the slot count and per-batch limit, sized from memory unless set
-        self.config = c = size_adapter_slots(config, self.spec, self.device, self.dtype)
-        rank = c.max_lora_rank
-        row = slot_bytes(self.spec, 1, self.dtype, c.tp_size, c.lora_embeddings)
-        log.info(
-            "adapter arenas: %d rank rows per projection group, %d bytes a row in every "
-            "group (%d adapters at rank %d, %d at rank 8); up to %d adapters per batch",
-            arena_rows(c.num_slots, rank), row, c.num_slots - 1, rank,
-            arena_rows(c.num_slots, rank) // block_rows(8), c.max_loras_per_batch,
-        )  # fmt: skip
+        # the slot count and per-batch limit (and a TP replica's KV cache), sized from
+        # memory unless set
+        self.config = c = self._size_memory(config)
         self.executor = create_executor(c, self.spec, self.device, self.dtype)
         num_blocks, self.max_model_len = self.executor.num_blocks, self.executor.max_model_len
+        log.info(self._start_line())
         source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {}, c.lora_embeddings)
         self.adapters = AdapterResidency(
             c, source, self.executor.lora, self.executor.adapter_staging, self.device
@@ -91,6 +87,48 @@ class LLMEngine:
         )
         self.cache_ids = CacheIdentities(self.scheduler.prefix)
         self._arrivals = itertools.count()
+
+    def _size_memory(self, config: EngineConfig) -> EngineConfig:
+        """`config` with the adapter slots sized. On CUDA by the memory plan from the
+        device's memory (refused here, before any weight is read, when the model cannot
+        fit); a tensor-parallel replica also fixes every rank's KV cache from it (a
+        single rank sizes its own after profiling, executor/memory_profile.py)."""
+        self.plan: MemoryPlan | None = None
+        if self.device.type != "cuda":
+            return size_adapter_slots(config, self.spec, self.dtype, CPU_BUDGET_BYTES)
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.plan = plan = plan_memory(
+            self.spec, config, self.dtype, total, in_use_bytes=total - free
+        )
+        update = {"num_slots": plan.num_slots, "max_loras_per_batch": plan.max_loras_per_batch,
+                  "adapter_memory_bytes": None}  # fmt: skip
+        if config.tp_size > 1 and config.kv_cache_bytes is None:
+            update |= {"kv_cache_bytes": plan.kv_cache_bytes, "max_model_len": plan.max_model_len}
+        return config.model_copy(update=update)
+
+    def _start_line(self) -> str:
+        """The memory of this replica in one line: the plan on CUDA (KV tokens and blocks,
+        concurrency at max_model_len, graphs, adapter rows), the KV cache on a CPU; the
+        adapters the arenas hold."""
+        c, blocks = self.config, self.executor.num_blocks
+        plan = self.executor.memory_plan or self.plan
+        if plan is not None:
+            memory = plan.summary()
+        else:
+            per_seq = -(-self.max_model_len // c.block_size)
+            memory = (
+                f"KV cache: {blocks * c.block_size:,} tokens in {blocks:,} blocks of "
+                f"{c.block_size}, {blocks / per_seq:.2f} sequences of max_model_len "
+                f"{self.max_model_len:,} at once; adapter arenas: "
+                f"{arena_rows(c.num_slots, c.max_lora_rank)} rank rows per projection group"
+            )
+        row = slot_bytes(self.spec, 1, self.dtype, c.tp_size, c.lora_embeddings)
+        rows = arena_rows(c.num_slots, c.max_lora_rank)
+        return (
+            f"{memory}; {row:,} bytes a rank row in every group: {c.num_slots - 1} "
+            f"adapters at rank {c.max_lora_rank} ({rows // block_rows(8)} at rank 8), up to "
+            f"{c.max_loras_per_batch} per batch"
+        )
 
     # -- adapters and telemetry ----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 
 from replica.device import StepProgress
 from replica.executor.batch import BatchPlan
+from replica.executor.memory_plan import MemoryPlan
 from replica.model.decoder import CausalLM
 from replica.model.lora_slots import LoRASlotBuffers, SlotTable
 
@@ -24,6 +25,7 @@ class Executor(ABC):
     num_blocks: int  # KV cache blocks the engine allocates (the same on every rank)
     max_model_len: int  # longest prompt + output: the config's, the model's and the cache's
     supports_hand_over: bool  # slot writes can be ordered behind a running step
+    memory_plan: MemoryPlan | None = None  # the plan measured at start (a CUDA single rank)
 
     @abstractmethod
     def execute(

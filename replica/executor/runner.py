@@ -16,6 +16,7 @@ from replica.config import EngineConfig
 from replica.device import StepProgress
 from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan, build_batch
+from replica.executor.memory_profile import size_kv_cache
 from replica.executor.static_decode import StaticDecode
 from replica.model.decoder import CausalLM
 from replica.model.kv_cache import KVCache
@@ -42,16 +43,9 @@ class ModelRunner(Executor):
         self.lora = LoRASlotBuffers(
             spec, c.num_slots, c.max_lora_rank, device, dtype, shapes, c.lora_embeddings
         )
-        self.model = CausalLM(c.model, device, dtype, self.lora, spec, tp)
-        per_block = KVCache.bytes_per_block(local, c.block_size, dtype)
-        self.num_blocks = c.kv_cache_bytes // per_block
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} is below one block ({per_block})")
-        self.max_model_len = min(
-            c.max_model_len or spec.max_position_embeddings,
-            spec.max_position_embeddings,
-            self.num_blocks * c.block_size,
-        )
+        self.model = CausalLM(c.model, device, dtype, self.lora, spec, tp, c.load_format)
+        kv = size_kv_cache(c, spec, local, self.model, self.lora, device, dtype)
+        self.num_blocks, self.max_model_len, self.memory_plan = kv
         # one block past those the allocator hands out: padding rows of static decode
         # steps write and read only there
         self.scratch_block = self.num_blocks

@@ -148,7 +148,11 @@ class Graph(Protocol):
 
 
 class CudaGraphs:
-    """The CUDA calls capture makes, in one place (CPU tests hand StaticDecode a fake)."""
+    """The CUDA calls capture makes on `device`, in one place (CPU tests hand StaticDecode
+    a fake). Capture records on the thread's current device (replica.device.use_device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
     def pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -161,13 +165,13 @@ class CudaGraphs:
         return graph
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
 
     def free_bytes(self) -> int:
-        return torch.cuda.mem_get_info()[0]
+        return torch.cuda.mem_get_info(self.device)[0]
 
     def allocated_bytes(self) -> int:
-        return torch.cuda.memory_allocated()
+        return torch.cuda.memory_allocated(self.device)
 
 
 class StaticDecode:
@@ -184,7 +188,7 @@ class StaticDecode:
         scratch_block: int,
         device: torch.device,
     ) -> None:
-        self.model, self.kv, self.slot_tensors = model, kv, slot_tensors
+        self.model, self.kv, self.slot_tensors, self.device = model, kv, slot_tensors, device
         self.buckets = decode_buckets(max_num_seqs)
         self.inputs = DecodeInputs(
             self.buckets[-1], max_blocks_per_seq, block_size, scratch_block, device
@@ -249,7 +253,7 @@ class StaticDecode:
         pool (after warm_up()). Out of device memory, the graphs captured so far are
         dropped and every step runs eagerly, with a warning naming the bytes; any other
         failure raises (a device fault or a broken context must not become a slow path)."""
-        graphs = graphs or CudaGraphs()
+        graphs = graphs or CudaGraphs(self.device)
         started, before = time.perf_counter(), graphs.allocated_bytes()
         pool = graphs.pool()
         for bucket, lora in self._order():

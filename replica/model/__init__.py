@@ -7,7 +7,7 @@ attention.py        paged attention over the KV cache (prefill and decode)
 rope.py             rotary embeddings (linear, llama3, yarn, longrope; partial rotary)
 spec.py             ModelSpec: the shapes and the family's differences
 hf_config.py        config.json values several modules read (rope parameters, layer types)
-weights.py          safetensors checkpoints
+weights.py          safetensors checkpoints (what was read), or seeded dummy weights
 kv_cache.py         the paged KV cache's tensors
 lora.py             LoRA-aware projections (base GEMM, shrink, expand) and their buffers
 lora_slots.py       the slot-stacked A/B buffers of every layer, and copies into them

@@ -29,7 +29,7 @@ from replica.model.moe import SparseMoE
 from replica.model.rope import RotaryEmbedding
 from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
 from replica.model.tp_layers import TPRank
-from replica.model.weights import Checkpoint
+from replica.model.weights import open_checkpoint
 
 
 @dataclass
@@ -195,13 +195,18 @@ class CausalLM:
         lora: LoRASlotBuffers | None = None,
         spec: ModelSpec | None = None,
         tp: TPRank | None = None,
+        load_format: str = "auto",
     ) -> None:
+        """`load_format`: "auto" reads the directory's safetensors, "dummy" makes random
+        weights on the device from config.json alone (model/weights.py)."""
         self.spec = spec = spec or load_model_spec(model_dir)
         self.device, self.dtype, self.tp = torch.device(device), dtype, tp
         self.lora_cols = 0 if lora is None else lora.workspace_cols
         self.vocab_lora: dict[str, LoRABuffers] = {} if lora is None else lora.vocab
         layer_spec = spec if tp is None else tp.shard.local_spec
-        layout = CheckpointLayout(Checkpoint(model_dir), spec, None if tp is None else tp.shard)
+        ckpt = open_checkpoint(model_dir, load_format, self.device, dtype,
+                               0.0 if spec.gemma_norm else 1.0)  # fmt: skip
+        layout = CheckpointLayout(ckpt, spec, None if tp is None else tp.shard)
         self.embed = layout.vocab(lm_head=False).to(self.device, dtype)
         self.embed_scale = None
         if spec.embed_scale is not None:  # Gemma rounds sqrt(hidden) to the weights' dtype
@@ -222,6 +227,7 @@ class CausalLM:
             self.lm_head = self.embed
         else:
             self.lm_head = layout.vocab(lm_head=True).to(self.device, dtype)
+        layout.check_all_read()
 
     def step_weights(self) -> list[torch.Tensor]:
         """The tensors a decode step reads in full (the embedding is gathered by row)."""

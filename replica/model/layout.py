@@ -6,22 +6,46 @@ whether the module is stored alone or as rows of a fused tensor (Phi-3's qkv_pro
 gate_up_proj), and under tensor parallelism reads only the rows or columns the rank holds.
 A sparse layer's router and experts are read from the Hub's per-expert keys
 (`<moe_block>.gate.weight`, `<moe_block>.experts.{e}.<gate|up|down>.weight`) and stacked.
+Once the model is built, every checkpoint tensor it did not read must be one of
+KNOWN_UNREAD's, each with why it may go unread; any other is an error naming it (a
+module this server does not implement would otherwise be served silently without it).
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import torch
 
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
-from replica.model.weights import Checkpoint, WeightLoadError
+from replica.model.weights import Checkpoint, DummyCheckpoint, WeightLoadError
 
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
+@dataclass(frozen=True)
+class KnownUnread:
+    pattern: str  # a regular expression matched at the start of the tensor's name
+    arch: str | None  # the model_type whose checkpoints hold it; None: any
+    why: str
+
+
+KNOWN_UNREAD = (
+    KnownUnread(r"(.*\.)?rotary_emb\.inv_freq$", None,
+                "rotary frequencies, recomputed from config.json's rope parameters"),
+    KnownUnread(r"(model\.)?(vision_tower|multi_modal_projector)\.", "gemma3",
+                "a multimodal Gemma 3's vision tower and projector: images are not served, "
+                "the language model is"),
+)  # fmt: skip
+
+
 class CheckpointLayout:
-    def __init__(self, ckpt: Checkpoint, spec: ModelSpec, shard: TPShard | None = None) -> None:
+    def __init__(
+        self, ckpt: Checkpoint | DummyCheckpoint, spec: ModelSpec, shard: TPShard | None = None
+    ) -> None:
         self.ckpt, self.spec, self.shard = ckpt, spec, shard
         self.prefix = _find_prefix(ckpt, spec)
         self._fused = {part: (name, parts) for name, parts in spec.fused_modules().items()
@@ -95,12 +119,34 @@ class CheckpointLayout:
             t = torch.cat([t, t.new_zeros(stop - max(start, vocab), *t.shape[1:])])
         return t
 
+    def check_all_read(self) -> None:
+        """Raise WeightLoadError naming the checkpoint tensors the model did not read and
+        that KNOWN_UNREAD does not explain (a tied model's lm_head copy aside: the
+        embedding is the head, as in transformers)."""
+        unknown = [n for n in self.ckpt.unread() if not self._known_unread(n)]
+        if unknown:
+            shown = ", ".join(repr(n) for n in unknown[:3])
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            raise WeightLoadError(
+                f"{self.ckpt.dir}: checkpoint tensor {shown}{more} is not used by this "
+                f"server's {self.spec.arch} model (a module it does not implement): "
+                "refused rather than served without it"
+            )
+
+    def _known_unread(self, name: str) -> bool:
+        if self.spec.tie_word_embeddings and name in LM_HEADS:
+            return True
+        return any(
+            rule.arch in (None, self.spec.arch) and re.match(rule.pattern, name)
+            for rule in KNOWN_UNREAD
+        )
+
     def _name(self, layer: int, module: str, kind: str) -> str:
         group = "self_attn" if module in ATTENTION else "mlp"
         return f"{self.prefix}layers.{layer}.{group}.{module}.{kind}"
 
 
-def _find_prefix(ckpt: Checkpoint, spec: ModelSpec) -> str:
+def _find_prefix(ckpt: Checkpoint | DummyCheckpoint, spec: ModelSpec) -> str:
     for prefix in spec.weight_prefixes:
         if ckpt.has(prefix + "embed_tokens.weight"):
             return prefix

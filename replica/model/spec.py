@@ -20,6 +20,7 @@ from replica.model.hf_config import (
     SLIDING,
     ModelConfigError,
     RopeSpec,
+    refuse_quantized,
     rope_scaling,
     rope_theta,
 )
@@ -207,6 +208,7 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
 
 def spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
     """The spec of a config.json's contents; ModelConfigError names what cannot be served."""
+    refuse_quantized(cfg, source)
     cfg, family = family_config(cfg, source)
     return base_spec(cfg, source, **family)
 

@@ -168,7 +168,7 @@ def test_help_imports_no_torch_and_no_ray():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
-    assert "{demo-assets,generate,demo,up,deploy,bench}" in proc.stdout
+    assert "{demo-assets,generate,demo,up,plan,deploy,bench}" in proc.stdout
 
 
 # -- `lorafleet up` refuses what it can, here, before anything starts --------------------------

@@ -9,8 +9,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from replica.adapters import memory
-from replica.adapters.memory import MAX_DEFAULT_SLOTS, size_adapter_slots, slot_bytes
+from replica.adapters.memory import (
+    CPU_BUDGET_BYTES,
+    MAX_DEFAULT_SLOTS,
+    size_adapter_slots,
+    slot_bytes,
+)
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.model.lora_slots import LoRASlotBuffers
@@ -50,38 +54,28 @@ def test_budget_sets_the_slot_count_and_the_batch_limit(tiny):
     base = EngineConfig(model=str(tiny.model_dir), device="cpu")
     sized = size_adapter_slots(
         base.model_copy(update={"adapter_memory_bytes": 5 * per_slot + per_slot // 2}),
-        spec, CPU, torch.float32,
+        spec, torch.float32, CPU_BUDGET_BYTES,
     )  # fmt: skip
     # 5 adapters of max_lora_rank (slot 0, the base, holds no memory)
     assert (sized.num_slots, sized.max_loras_per_batch) == (6, 5)
     assert sized.adapter_memory_bytes is None  # what ranks are built from: a count
     EngineConfig(**sized.model_dump())  # and it validates again (TP workers rebuild it)
     capped = base.model_copy(update={"adapter_memory_bytes": 40 * per_slot, "max_num_seqs": 8})
-    assert size_adapter_slots(capped, spec, CPU, torch.float32).max_loras_per_batch == 8
+
+    def size(cfg: EngineConfig) -> EngineConfig:
+        return size_adapter_slots(cfg, spec, torch.float32, CPU_BUDGET_BYTES)
+
+    assert size(capped).max_loras_per_batch == 8
     chosen = capped.model_copy(update={"max_loras_per_batch": 3})
-    assert size_adapter_slots(chosen, spec, CPU, torch.float32).max_loras_per_batch == 3
+    assert size(chosen).max_loras_per_batch == 3
     fixed = base.model_copy(update={"num_slots": 4})
-    assert size_adapter_slots(fixed, spec, CPU, torch.float32).num_slots == 4
+    assert size(fixed).num_slots == 4
     # the default budget: 1 GiB on CPU, which holds thousands of tiny slots: capped
-    default = size_adapter_slots(base, spec, CPU, torch.float32)
+    default = size(base)
     assert (1 << 30) // per_slot > MAX_DEFAULT_SLOTS == default.num_slots
     # a set budget is taken as it is, past the default's cap
     many = base.model_copy(update={"adapter_memory_bytes": (MAX_DEFAULT_SLOTS + 9) * per_slot})
-    assert size_adapter_slots(many, spec, CPU, torch.float32).num_slots == MAX_DEFAULT_SLOTS + 10
-
-
-def test_cuda_default_is_a_share_of_what_weights_and_kv_leave(tiny, monkeypatch):
-    spec = load_model_spec(tiny.model_dir)
-    free = 10 << 30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
-    cfg = EngineConfig(model=str(tiny.model_dir), kv_cache_bytes=2 << 30, tp_size=2)
-    weights = spec.num_parameters() * 2 // 2  # bf16, half on each of 2 ranks
-    expected = int((free - weights - (2 << 30)) * memory.CUDA_FREE_SHARE)
-    got = memory.default_budget(cfg, spec, torch.device("cuda"), torch.bfloat16)
-    assert got == expected
-    # nothing left: a zero budget, which size_adapter_slots refuses (below)
-    cfg = cfg.model_copy(update={"kv_cache_bytes": free})
-    assert memory.default_budget(cfg, spec, torch.device("cuda"), torch.bfloat16) == 0
+    assert size(many).num_slots == MAX_DEFAULT_SLOTS + 10
 
 
 def test_num_parameters_counts_the_checkpoint(tiny):
@@ -187,12 +181,11 @@ def peft_rank(path) -> int:
     return json.loads((path / "adapter_config.json").read_text())["r"]
 
 
-def test_a_load_reserves_its_rank_before_the_weights_are_in_host_memory(tiny):
-    """With nothing staged in host memory the rank comes from the source's record
-    (adapter_config.json here, the AdapterStore in a cluster): a rank-16 adapter's first
-    load takes 16 rows of each group, not a max-rank block, and gives back the groups its
-    weights do not target (it targets attention only) once they are in place; its next
-    load reserves just those."""
+def test_a_load_reserves_exactly_its_ranks_before_the_weights_are_in_host_memory(tiny):
+    """With nothing staged in host memory the ranks per group come from the source's
+    record, made once at registration (the AdapterStore's conversion in a cluster): a
+    rank-16 adapter of the attention modules reserves 16 rows of qkv_proj and o_proj and
+    none of the MLP's, from its first load on, and holds just those."""
     cfg = EngineConfig(
         model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=3
     )
@@ -201,23 +194,24 @@ def test_a_load_reserves_its_rank_before_the_weights_are_in_host_memory(tiny):
     path = next(p for p in tiny.adapters.values() if peft_rank(p) == 16)
     eng.load_adapter("r16", path)
     eng.adapters.host_cache.drop("r16")  # as a host cache under pressure would
-    assert eng.adapters.host_cache.rank_of("r16") is None and eng.adapters.ranks_of("r16") == 16
-    reserved = {}
+    attention = {"qkv_proj": 16, "o_proj": 16}
+    assert eng.adapters.host_cache.peek("r16") is None
+    assert eng.adapters.ranks_of("r16") == attention
+    reserved = []
     real_write = eng.executor.lora.write
 
     def write(rows, weights, progress=None):
-        reserved.update(pool.slots[pool._by_name["r16"]].blocks)
+        slot = pool.slots[pool._by_name["r16"]]
+        reserved.append({g: rows for g, (_, rows) in slot.blocks.items()})
         real_write(rows, weights, progress)
 
     eng.adapters.prefetcher.buffers.write = write
     eng.generate([([5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "r16")])
-    assert {g: rows for g, (_, rows) in reserved.items()} == dict.fromkeys(pool.arenas, 16)
-    slot = pool.slots[pool.ready_slot("r16")]
-    assert {g: rows for g, (_, rows) in slot.blocks.items()} == {"qkv_proj": 16, "o_proj": 16}
     assert pool.rows_used == 32
     assert pool.evict("r16") and pool.rows_used == 0
     eng.adapters.host_cache.drop("r16")
     eng.generate([([5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "r16")])
+    assert reserved == [attention, attention]  # before each copy: exactly its rows
     assert pool.rows_used == 32 and pool.num_evictions == 0
 
 

@@ -56,6 +56,7 @@ class FakeGraphs(CudaGraphs):
     def __init__(
         self, fail: BaseException | None = None, fail_at: int = 0, run: bool = True
     ) -> None:
+        super().__init__(torch.device("cpu"))
         self.fail, self.fail_at, self.run = fail, fail_at, run
         self.captures: list[tuple[int, ...]] = []
         self.log: list[Any] = []

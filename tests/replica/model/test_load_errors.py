@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
 from replica.model.decoder import CausalLM
-from replica.model.spec import ModelConfigError, load_model_spec
+from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
 from replica.model.weights import WeightLoadError
 
 
@@ -108,3 +110,121 @@ def test_adapter_unsupported_features(tiny, tmp_path):
     save_file(tensors, dst / "adapter_model.safetensors")
     with pytest.raises(AdapterFormatError, match="unsupported tensor 'base_model.model.lm_head"):
         load_peft_adapter(dst, spec, 64)
+
+
+def test_an_unknown_checkpoint_tensor_is_refused_by_name(model_copy):
+    """A tensor the decoder neither reads nor knowingly skips (a module this server does
+    not implement) stops the load, named, instead of being served without it."""
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="'model.layers.0.mlp.extra_proj.weight' is not used"):
+        CausalLM(model_copy)
+
+
+def test_known_unread_tensors_still_load(model_copy):
+    """Rotary frequencies (recomputed from config.json) and, on a tied model, an lm_head
+    copy of the embedding are skipped knowingly: the model loads and equals the original."""
+    before = CausalLM(model_copy)
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path, metadata={"format": "pt"})
+    after = CausalLM(model_copy)
+    assert all(torch.equal(a, b) for a, b in zip(before.step_weights(), after.step_weights()))
+    if not after.spec.tie_word_embeddings:  # an untied lm_head is read, never skipped
+        return
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    CausalLM(model_copy)
+
+
+def test_a_multimodal_gemma3_skips_its_vision_tower_knowingly_and_nothing_else():
+    """Gemma 3's multimodal checkpoint holds a vision tower and projector this text server
+    does not read: allowed by name for model_type gemma3 only."""
+    from cluster.demo.families import family_model_dir
+    from replica.model.weights import Checkpoint
+
+    model_dir = family_model_dir("gemma3-mm")
+    assert any(n.startswith("vision_tower.") for n in Checkpoint(model_dir).names())
+    CausalLM(model_dir)  # loads
+    # the same tensors under the text-only family are unknown
+    text_only = replace(load_model_spec(model_dir), arch="gemma3_text")
+    with pytest.raises(WeightLoadError, match="'multi_modal_projector.mm_input_projection"):
+        CausalLM(model_dir, spec=text_only)
+
+
+def test_a_float8_weight_without_a_quantization_config_is_refused_by_name(model_copy):
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=f"'{name}' is stored as F8_E4M3"):
+        CausalLM(model_copy)
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}  # fmt: skip
+
+
+def write_block_fp8_qwen3(out) -> None:
+    """The tiny Qwen3 in Qwen's block-FP8 layout (Qwen3-*-FP8): every projection stored as
+    float8_e4m3fn with a float32 weight_scale_inv per 128x128 block, the embedding, head
+    and norms kept, quantization_config saying so."""
+    from cluster.demo.families import family_model_dir
+
+    src = family_model_dir("qwen3")
+    shutil.copytree(src, out)
+    tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors[name].float()
+        blocks = [-(-d // 128) for d in w.shape]
+        scale = w.abs().amax().clamp(min=1e-12) / 448.0  # e4m3's largest value
+        tensors[name] = (w / scale).to(torch.float8_e4m3fn)
+        tensors[name.replace(".weight", ".weight_scale_inv")] = torch.full(blocks, scale.item())
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    edit_config(out, quantization_config=FP8_CONFIG)
+
+
+def test_a_block_fp8_checkpoint_is_refused_naming_its_quant_method(tmp_path):
+    """Loaded as plain weights its projections would be float8 values without their
+    scales: garbage. The spec, the model and the engine refuse it by quant_method."""
+    from replica.config import EngineConfig
+    from replica.engine.engine import LLMEngine
+
+    model_dir = tmp_path / "qwen3-fp8"
+    write_block_fp8_qwen3(model_dir)
+    refusal = "quantization_config with quant_method='fp8': quantized checkpoints are not served"
+    with pytest.raises(ModelConfigError, match=refusal):
+        load_model_spec(model_dir)
+    with pytest.raises(ModelConfigError, match=refusal):
+        CausalLM(model_dir)
+    with pytest.raises(ModelConfigError, match=refusal):
+        LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_slots=2))
+    # a multimodal checkpoint may declare it in its text_config
+    awq = {"quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(ModelConfigError, match="quant_method='awq'"):
+        spec_from_dict({"model_type": "gemma3", "text_config": awq})
+    # with its quantization_config stripped, the float8 weights are refused by name
+    cfg = json.loads((model_dir / "config.json").read_text())
+    del cfg["quantization_config"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightLoadError, match=r"'model.layers.0.self_attn.q_proj.weight' is "
+                                              r"stored as F8_E4M3"):  # fmt: skip
+        CausalLM(model_dir)
+
+
+def test_a_scale_tensor_beside_plain_weights_is_refused_by_name(tmp_path):
+    """A weight_scale_inv left in an otherwise plain checkpoint is a tensor the loader
+    does not use: named, not skipped."""
+    from cluster.demo.families import family_model_dir
+
+    model_dir = tmp_path / "qwen3"
+    shutil.copytree(family_model_dir("qwen3"), model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="'model.layers.1.mlp.down_proj.weight_scale_inv'"):
+        CausalLM(model_dir)

@@ -1,0 +1,367 @@
+"""The memory plan of one replica rank on a GPU: a pure function of the model's shape, the
+engine config and the device's memory, so `lorafleet plan` computes on a laptop what a
+replica computes at start.
+
+gpu_memory_utilization of the device, less what is in use there already (the CUDA
+context, other processes), is the budget; in vLLM's order it holds
+
+  weights        this rank's share of the model in the engine's dtype, and rotary tables
+  activations    the peak working memory of the largest step: max_num_batched_tokens
+                 tokens (at most max_model_len) of one prefill chunk ending at
+                 max_model_len, so attention gathers the longest context, with LoRA on and
+                 a logit row per token (prompt logprobs), plus the sampler's working
+                 copies over max_num_seqs rows. At start a single-rank replica measures
+                 the forward's peak (memory_profile.py); elsewhere it is estimated
+                 (step_bytes below)
+  CUDA graphs    the decode graphs' one shared fp32 logits buffer [max_num_seqs, vocab]
+                 and their memory pool, estimated as one decode step's working memory at
+                 the largest bucket (graphs are captured largest first into one pool, so
+                 the smaller buckets reuse its blocks): step_bytes at max_num_seqs tokens,
+                 no context gathered (the decode kernel reads the cache in place)
+  adapter arenas engine.num_slots or adapter_memory_bytes when set; else ADAPTER_SHARE of
+                 what the budget leaves after the three above (never a share of the whole
+                 device), at least one and at most MAX_DEFAULT_SLOTS - 1 adapters of
+                 max_lora_rank
+  KV cache       the rest (one block of it the static decode path's scratch block), or
+                 engine.kv_cache_bytes when set.
+
+max_model_len (the config's, else the model's context) is honoured when one such sequence
+fits the KV cache; otherwise the plan is refused (MemoryPlanError), as is a model whose
+weights alone exceed the budget, in one line with the numbers. Only with a KV cache set in
+bytes and no max_model_len set is the model's context capped at what the cache holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from replica.adapters.memory import size_adapter_slots, slot_bytes
+from replica.config import EngineConfig
+from replica.model.kv_cache import KVCache
+from replica.model.lora import EXPERT_GROUPS, layer_groups
+from replica.model.lora_slots import arena_rows, block_rows
+from replica.model.spec import ModelSpec
+from replica.model.tp_shard import TPShard
+
+MiB, GiB = 2**20, 2**30
+CPU_KV_CACHE_BYTES = 256 * MiB  # engine.kv_cache_bytes' default off CUDA
+ADAPTER_SHARE = 0.25  # of what weights, activations and graphs leave: the KV cache gets the rest
+# `lorafleet plan` on a device nobody uses yet: what the CUDA context (with cuBLAS's
+# workspace, outside torch's allocator) takes before our first tensor. At start the
+# replica measures it instead.
+CUDA_CONTEXT_BYTES = 512 * MiB
+# The sampler's working copies per logit of a sampled row: probabilities and a sorted copy
+# (fp32) and the sort's indices (int64), beside the logits themselves.
+SAMPLER_BYTES_PER_LOGIT = 16
+
+
+class MemoryPlanError(ValueError):
+    """The model and settings do not fit the device; the message says what and by how much."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes on one rank, in the order the budget is spent."""
+
+    device_bytes: int  # the device's memory
+    gpu_memory_utilization: float
+    in_use_bytes: int  # already in use at start (CUDA context, other processes)
+    budget_bytes: int  # gpu_memory_utilization of device_bytes, less in_use_bytes
+    weights_bytes_per_gpu: int
+    activation_bytes: int
+    activation_source: str  # "profiled" (measured at start) or "estimated"
+    graph_bytes: int  # CUDA graphs' pool and shared logits buffer (0: none captured)
+    adapter_memory_bytes: int  # adapter arenas, as allocated
+    num_slots: int
+    adapter_rows: int  # rank rows of every projection group's arenas
+    max_loras_per_batch: int
+    kv_cache_bytes: int  # the blocks the allocator hands out (the scratch block aside)
+    kv_block_bytes: int
+    block_size: int
+    max_model_len: int
+    tp_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_bytes // self.kv_block_bytes
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency_at_max_model_len(self) -> float:
+        """Sequences of max_model_len tokens the KV cache holds at once."""
+        return round(self.num_blocks / -(-self.max_model_len // self.block_size), 2)
+
+    @property
+    def free_bytes(self) -> int:
+        """What the budget leaves unplanned (below one KV block when the cache takes the rest)."""
+        return self.budget_bytes - self.planned_bytes
+
+    @property
+    def planned_bytes(self) -> int:
+        """Everything planned: weights to KV cache, its scratch block included."""
+        return (
+            self.weights_bytes_per_gpu + self.activation_bytes + self.graph_bytes
+            + self.adapter_memory_bytes + self.kv_cache_bytes + self.kv_block_bytes
+        )  # fmt: skip
+
+    def to_json(self) -> dict:
+        return asdict(self) | {
+            "num_blocks": self.num_blocks,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "max_concurrency_at_max_model_len": self.max_concurrency_at_max_model_len,
+        }
+
+    def summary(self) -> str:
+        """The plan in one line (the replica logs it at start)."""
+        return (
+            f"memory plan per GPU: budget {gib(self.budget_bytes)} "
+            f"(gpu_memory_utilization {self.gpu_memory_utilization:g} of "
+            f"{gib(self.device_bytes)}, {gib(self.in_use_bytes)} in use before start); "
+            f"weights {gib(self.weights_bytes_per_gpu)}, activations "
+            f"{gib(self.activation_bytes)} ({self.activation_source}), CUDA graphs "
+            f"{gib(self.graph_bytes)}, adapter arenas {gib(self.adapter_memory_bytes)} "
+            f"({self.adapter_rows} rank rows per projection group), KV cache "
+            f"{gib(self.kv_cache_bytes)}: {self.kv_cache_tokens:,} tokens in "
+            f"{self.num_blocks:,} blocks of {self.block_size}, "
+            f"{self.max_concurrency_at_max_model_len:g} sequences of max_model_len "
+            f"{self.max_model_len:,} at once"
+        )
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def local_spec(spec: ModelSpec, tp_size: int) -> ModelSpec:
+    """The shapes one rank computes with (its heads, KV heads and MLP columns)."""
+    return spec if tp_size == 1 else TPShard(spec, 0, tp_size).local_spec
+
+
+def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
+    """What CausalLM holds on rank 0 of `tp_size`: its share of every projection and expert,
+    its vocabulary rows of the embedding and the head (padded to a multiple of tp_size),
+    the replicated norms (Gemma's in fp32), routers and q/k/v biases, and one cos and one
+    sin table [max_position_embeddings, rotary_dim] per distinct rope."""
+    local = local_spec(spec, tp_size)
+    heads = 1 if spec.tie_word_embeddings else 2
+    vocab_rows = -(-spec.vocab_size // tp_size)
+    params = local.num_parameters() + heads * (vocab_rows - spec.vocab_size) * spec.hidden_size
+    if spec.qkv_bias:
+        params += spec.num_layers * (local.q_size + 2 * local.kv_size)
+    ropes: list = []  # distinct ropes (RopeSpec holds a dict: compared, not hashed)
+    for i in range(spec.num_layers):
+        if spec.rope(i) not in ropes:
+            ropes.append(spec.rope(i))
+    params += len(ropes) * 2 * spec.max_position_embeddings * spec.rotary_dim
+    extra = 0
+    if spec.gemma_norm:  # Gemma's norms are held as 1 + w in fp32
+        norms = (4 if spec.sandwich_norms else 2) * spec.hidden_size
+        norms = spec.num_layers * (norms + (2 * spec.head_dim if spec.qk_norm else 0))
+        extra = (norms + spec.hidden_size) * (4 - dtype.itemsize)
+    return params * dtype.itemsize + extra
+
+
+def kv_block_bytes(spec: ModelSpec, tp_size: int, block_size: int, dtype: torch.dtype) -> int:
+    return KVCache.bytes_per_block(local_spec(spec, tp_size), block_size, dtype)
+
+
+def step_bytes(
+    spec: ModelSpec,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    tokens: int,
+    context: int,
+    logit_rows: int,
+    fp32_logits: bool = True,
+) -> int:
+    """Estimated peak working memory of one forward of `tokens` tokens whose prefill
+    attends over `context` positions (0: decode tokens, read from the cache in place),
+    with `logit_rows` logit rows: what persists through the step (the residual stream,
+    the LoRA workspace) plus the largest of its phases. Per rank, with b the dtype's bytes,
+    T tokens, h hidden, q/kv/i this rank's query, KV and MLP widths, V the vocabulary:
+      residual + LoRA   T·h·b + T·lora_cols·4 (one fp32 column block per projection slice)
+      norm              T·h·(b + 8): fp32 x and its square, the normed output
+      attention         T·(2q + 3kv + q)·b: q/k/v, the rotated q and k, the output; with
+                        qk_norm T·(q + kv)·4 more; a prefill over a longer context gathers
+                        its K and V, 2·kvh·C·hd·b, and builds a [T, C] mask of 1+b bytes;
+                        with a soft cap (Gemma 2) its fp32 scores, three of [H, T, C], and
+                        K, V repeated to H heads in fp32
+      dense MLP         T·(h + 4i)·b: the normed input, gate and up, act(gate), the product
+      experts           P·(4h + 4i)·b + T·E·(b + 4) + P·32 for P = T·k (token, expert)
+                        pairs: their inputs, gate/up, activation, outputs, the weighted copy
+                        and the sum; router logits and fp32 probabilities; the sort's ints
+      head              R·h·b + R·V_rank·b + (R·V·b gathered under TP) + R·V·4 in fp32
+                        (fp32_logits; twice with a final soft cap) for R logit rows."""
+    s, b, f32 = local_spec(spec, config.tp_size), dtype.itemsize, 4
+    h, q, kv, hd = s.hidden_size, s.q_size, s.kv_size, s.head_dim
+    t, r, vocab = tokens, logit_rows, spec.vocab_size
+    lora_cols = sum(
+        len(names) * config.max_lora_rank
+        for group, names in layer_groups(s, 0).items()
+        if group not in EXPERT_GROUPS
+    ) * s.num_layers  # fmt: skip
+    persistent = t * h * b + t * lora_cols * f32
+    norm = t * h * (b + 8)
+    attention = t * (2 * q + 3 * kv + q) * b + (t * (q + kv) * f32 if s.qk_norm else 0)
+    if context > t:
+        attention += 2 * s.num_kv_heads * context * hd * b + t * context * (1 + b)
+    if context and s.attn_soft_cap is not None:
+        attention += 3 * s.num_heads * t * context * f32 + 2 * s.num_heads * context * hd * f32
+    mlp = t * (h + 4 * s.intermediate_size) * b
+    if s.num_experts:
+        pairs = t * s.num_experts_per_tok
+        experts = pairs * (4 * h + 4 * s.moe_intermediate_size) * b + pairs * 32
+        mlp = max(mlp, experts + t * s.num_experts * (b + f32))
+    vocab_rank = -(-vocab // config.tp_size)
+    head = r * h * b + r * vocab_rank * b + (r * vocab * b if config.tp_size > 1 else 0)
+    if fp32_logits:
+        head += r * vocab * f32 * (2 if s.final_soft_cap is not None else 1)
+    return persistent + max(norm, attention, mlp, head)
+
+
+def sampler_bytes(spec: ModelSpec, config: EngineConfig, rows: int) -> int:
+    return min(config.max_num_seqs, rows) * spec.vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+def largest_step_tokens(config: EngineConfig, max_model_len: int) -> int:
+    return min(config.max_num_batched_tokens, max_model_len)
+
+
+def estimate_activation_bytes(
+    spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """The largest step's forward (step_bytes) and the sampler after it."""
+    t = largest_step_tokens(config, max_model_len)
+    forward = step_bytes(spec, config, dtype, t, max_model_len, t)
+    return forward + sampler_bytes(spec, config, t)
+
+
+def captures_graphs(config: EngineConfig) -> bool:
+    """Whether a CUDA replica captures decode graphs (single-rank replicas only)."""
+    return config.cuda_graphs and config.tp_size == 1
+
+
+def estimate_graph_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -> int:
+    """The decode graphs' shared fp32 logits buffer [max_num_seqs, vocab] and their pool:
+    one decode step at the largest bucket (module docstring)."""
+    if not captures_graphs(config):
+        return 0
+    n = config.max_num_seqs
+    logits = n * spec.vocab_size * 4
+    return logits + step_bytes(spec, config, dtype, n, 0, n, fp32_logits=False)
+
+
+def _adapter_arenas(
+    spec: ModelSpec, c: EngineConfig, dtype: torch.dtype, rest: int, where: str
+) -> tuple[EngineConfig, int, int]:
+    """(config with the slots sized, rank rows per group, bytes) of the adapter arenas,
+    from `rest`, what the budget leaves them and the KV cache: by default ADAPTER_SHARE of
+    it, and room for one adapter of max_lora_rank at least."""
+    one = slot_bytes(spec, block_rows(c.max_lora_rank), dtype, c.tp_size, c.lora_embeddings)
+    if c.num_slots is None and c.adapter_memory_bytes is None and rest < one:
+        raise MemoryPlanError(
+            f"one adapter of max_lora_rank {c.max_lora_rank} takes {gib(one)}; {where} "
+            f"leaves {gib(rest)} after weights, activations and CUDA graphs: short by "
+            f"{gib(one - rest)} (lower engine.max_lora_rank or raise tp_size)"
+        )
+    try:
+        sized = size_adapter_slots(c, spec, dtype, max(int(rest * ADAPTER_SHARE), one))
+    except ValueError as e:
+        raise MemoryPlanError(f"{e} ({where})") from None
+    rows = arena_rows(sized.num_slots, c.max_lora_rank)
+    adapters = slot_bytes(spec, rows, dtype, c.tp_size, c.lora_embeddings)
+    if adapters > rest:
+        raise MemoryPlanError(
+            f"adapter arenas of {sized.num_slots - 1} adapters of rank {c.max_lora_rank} "
+            f"({gib(adapters)}) exceed what {where} leaves them and the KV cache "
+            f"({gib(rest)}) by {gib(adapters - rest)}"
+        )
+    return sized, rows, adapters
+
+
+def wanted_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    """The config's max_model_len, else the model's context (never past it)."""
+    return min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+
+
+def plan_memory(
+    spec: ModelSpec,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device_bytes: int,
+    *,
+    in_use_bytes: int | None = None,
+    weights_bytes: int | None = None,
+    activation_bytes: int | None = None,
+) -> MemoryPlan:
+    """The plan of one rank (module docstring). `in_use_bytes`: memory already in use on the
+    device (None: a fresh device's CUDA context, CUDA_CONTEXT_BYTES); `weights_bytes`,
+    `activation_bytes`: measured values in place of the estimates. Raises MemoryPlanError
+    naming what does not fit and by how much."""
+    c, tp = config, config.tp_size
+    in_use = CUDA_CONTEXT_BYTES if in_use_bytes is None else in_use_bytes
+    budget = int(c.gpu_memory_utilization * device_bytes) - in_use
+    weights = weight_bytes(spec, tp, dtype) if weights_bytes is None else weights_bytes
+    max_len = wanted_max_model_len(c, spec)
+    measured = activation_bytes is not None
+    if activation_bytes is None:
+        activation_bytes = estimate_activation_bytes(spec, c, dtype, max_len)
+    graphs = estimate_graph_bytes(spec, c, dtype)
+    block = kv_block_bytes(spec, tp, c.block_size, dtype)
+    fixed = {"weights": weights, "activations": activation_bytes, "CUDA graphs": graphs}
+    left = budget - sum(fixed.values()) - block  # the scratch block
+    where = (
+        f"gpu_memory_utilization {c.gpu_memory_utilization:g} of {gib(device_bytes)} "
+        f"less {gib(in_use)} in use: a budget of {gib(budget)} per GPU"
+    )
+    if left < 0:
+        parts = " + ".join(f"{name} {gib(n)}" for name, n in fixed.items())
+        raise MemoryPlanError(
+            f"{spec.arch} at tp_size={tp} does not fit: {parts} exceed {where} by "
+            f"{gib(-left)} before any KV cache"
+            + (" (more tensor-parallel ranks split the weights)" if weights > budget else "")
+        )
+    rest = left if c.kv_cache_bytes is None else left - c.kv_cache_bytes
+    if rest < 0:
+        raise MemoryPlanError(
+            f"engine.kv_cache_bytes {gib(c.kv_cache_bytes)} exceeds what {where} leaves "
+            f"after weights, activations and CUDA graphs ({gib(left)}) by {gib(-rest)}"
+        )
+    sized, rows, adapters = _adapter_arenas(spec, c, dtype, rest, where)
+    kv = left - adapters if c.kv_cache_bytes is None else c.kv_cache_bytes
+    needed = -(-max_len // c.block_size) * block
+    if kv < needed and (c.kv_cache_bytes is None or c.max_model_len is not None):
+        spent = (f"after weights {gib(weights)}, activations {gib(activation_bytes)}, CUDA "
+                 f"graphs {gib(graphs)} and adapter arenas {gib(adapters)}")  # fmt: skip
+        given, hint = f"{where} {spent} leaves", "gpu_memory_utilization or tp_size"
+        if c.kv_cache_bytes is not None:
+            given, hint = "engine.kv_cache_bytes is", "engine.kv_cache_bytes"
+        raise MemoryPlanError(
+            f"one sequence of max_model_len {max_len:,} needs {gib(needed)} of KV cache; "
+            f"{given} {gib(kv)}: short by {gib(needed - kv)} (lower engine.max_model_len or "
+            f"raise {hint})"
+        )
+    return MemoryPlan(
+        device_bytes=device_bytes,
+        gpu_memory_utilization=c.gpu_memory_utilization,
+        in_use_bytes=in_use,
+        budget_bytes=budget,
+        weights_bytes_per_gpu=weights,
+        activation_bytes=activation_bytes,
+        activation_source="profiled" if measured else "estimated",
+        graph_bytes=graphs,
+        adapter_memory_bytes=adapters,
+        num_slots=sized.num_slots,
+        adapter_rows=rows,
+        max_loras_per_batch=sized.max_loras_per_batch or 0,
+        kv_cache_bytes=kv,
+        kv_block_bytes=block,
+        block_size=c.block_size,
+        max_model_len=min(max_len, kv // block * c.block_size),
+        tp_size=tp,
+    )

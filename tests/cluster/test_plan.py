@@ -1,0 +1,114 @@
+"""`lorafleet plan`: a replica's GPU memory from config.json alone, on this CPU machine; and
+the refusals of quantized checkpoints on every command's start path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cluster.demo.families import FAMILY_CONFIGS, family_model_dir
+from replica.config import EngineConfig
+from replica.executor.memory_plan import plan_memory
+from replica.model.spec import load_model_spec
+from tests.cluster.test_cli import _refused, nothing_starts, run_cli  # noqa: F401
+from tests.replica.executor.test_memory_plan import PUBLISHED
+from tests.replica.model.test_dummy_weights import config_only
+from tests.replica.model.test_load_errors import write_block_fp8_qwen3
+
+GiB = 2**30
+KEYS = ("weights_bytes_per_gpu", "activation_bytes", "graph_bytes", "adapter_memory_bytes",
+        "kv_cache_bytes", "kv_cache_tokens", "max_model_len",
+        "max_concurrency_at_max_model_len")  # fmt: skip
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    code, out, err = run_cli(capsys, "plan", *argv, "--json")
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "name, tp", [("Llama-3.1-8B", 1), ("Llama-3.1-70B", 4), ("Qwen3-32B", 4), ("Qwen3-30B-A3B", 1)]
+)
+def test_plan_prints_the_memory_plan_as_json_last(capsys, name, tp):
+    model = PUBLISHED / name
+    got = plan_json(capsys, "--model", str(model), "--gpu-memory", "80GiB", "--tp", str(tp))
+    assert set(KEYS) <= set(got)
+    config = EngineConfig(model=str(model), device="cuda", tp_size=tp)
+    expected = plan_memory(load_model_spec(model), config, torch.bfloat16, 80 * GiB).to_json()
+    assert {k: got[k] for k in KEYS} == {k: expected[k] for k in KEYS}
+    assert got["checkpoint_bytes"] is None  # no index beside these configs
+
+
+def test_plan_refuses_llama_70b_on_one_80gib_gpu_in_one_line(capsys):
+    line = _refused(capsys, "plan", "--model", str(PUBLISHED / "Llama-3.1-70B"),
+                    "--gpu-memory", "80GiB")  # fmt: skip
+    assert "does not fit: weights 131.48 GiB" in line and " by 61.9" in line
+
+
+def test_plan_refuses_a_max_model_len_without_room_and_honours_a_shorter_one(capsys):
+    qwen = str(PUBLISHED / "Qwen3-32B")
+    line = _refused(capsys, "plan", "--model", qwen, "--gpu-memory", "80GiB")
+    assert "one sequence of max_model_len 40,960 needs 10.00 GiB" in line and "short by" in line
+    got = plan_json(capsys, "--model", qwen, "--gpu-memory", "80GiB", "--max-model-len", "8192")
+    assert got["max_model_len"] == 8192 and got["max_concurrency_at_max_model_len"] >= 1
+
+
+def test_plan_takes_engine_settings_and_sizes(capsys):
+    llama = str(PUBLISHED / "Llama-3.1-8B")
+    base = plan_json(capsys, "--model", llama, "--gpu-memory", "80GiB")
+    lower = plan_json(capsys, "--model", llama, "--gpu-memory", "80GiB",
+                      "--set", "engine.gpu_memory_utilization=0.5",
+                      "--set", "engine.num_slots=9")  # fmt: skip
+    assert lower["budget_bytes"] == int(0.5 * 80 * GiB) - 512 * 2**20
+    assert lower["num_slots"] == 9 and lower["kv_cache_bytes"] < base["kv_cache_bytes"]
+    h200 = plan_json(capsys, "--model", llama, "--gpu-memory", "141GB", "--dtype", "float16")
+    assert h200["device_bytes"] == 141 * 10**9
+    assert "expected engine.KEY=VALUE" in _refused(
+        capsys, "plan", "--model", llama, "--gpu-memory", "80GiB", "--set", "num_slots=4"
+    )
+    assert "expected a size such as 80GiB" in _refused(
+        capsys, "plan", "--model", llama, "--gpu-memory", "lots"
+    )
+    assert "error: gpu_memory_utilization: Input should be less than or equal to 1" in _refused(
+        capsys, "plan", "--model", llama, "--gpu-memory", "80GiB",
+        "--set", "engine.gpu_memory_utilization=1.5",
+    )  # fmt: skip
+
+
+def test_plan_reports_the_checkpoint_index_total_size(capsys, tmp_path):
+    model = tmp_path / "llama"
+    shutil.copytree(PUBLISHED / "Llama-3.1-8B", model)
+    index = {"metadata": {"total_size": 16_060_522_496}, "weight_map": {}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    got = plan_json(capsys, "--model", str(model), "--gpu-memory", "80GiB")
+    assert got["checkpoint_bytes"] == 16_060_522_496
+    assert got["weights_bytes_per_gpu"] == 16_060_522_496 + 2 * 2 * 131072 * 128  # + rope
+
+
+def test_plan_covers_every_family_of_the_repo(capsys):
+    for family in FAMILY_CONFIGS:
+        got = plan_json(capsys, "--model", str(family_model_dir(family)), "--gpu-memory", "1GiB",
+                        "--tp", "2")  # fmt: skip
+        assert got["kv_cache_tokens"] >= got["max_model_len"] > 0, family
+
+
+def test_a_quantized_checkpoint_is_refused_on_every_command(capsys, tmp_path, nothing_starts):  # noqa: F811
+    model = tmp_path / "qwen3-fp8"
+    write_block_fp8_qwen3(model)
+    named = "quantization_config with quant_method='fp8'"
+    assert named in _refused(capsys, "plan", "--model", str(model), "--gpu-memory", "80GiB")
+    assert named in _refused(capsys, "generate", "--model", str(model), "--prompt", "hi")
+    line = _refused(capsys, "up", "--model", str(model))
+    assert line.startswith("lorafleet: error: applications[0].args.engine.model:") and named in line
+
+
+def test_generate_runs_dummy_weights_from_config_and_tokenizer_alone(capsys, tiny, tmp_path):
+    model = config_only(tiny.model_dir, tmp_path / "model")
+    code, out, err = run_cli(capsys, "generate", "--model", str(model), "--prompt", "ab",
+                             "--load-format", "dummy", "--max-tokens", "3", "--json")  # fmt: skip
+    assert code == 0, err
+    assert len(json.loads(out.strip().splitlines()[-1])["output_token_ids"]) == 3
