@@ -16,7 +16,7 @@
     y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
     inter = expert_lora_shrink(x_sorted, a, plan, seg, max_rank)  # expert LoRA, grouped by
     expert_lora_expand(y, inter, b, plan, seg, slice_offsets)   # (adapter, expert)
-    warm_up(run_batch, max_tokens, max_segments, max_table_width)  # every variant compiled
+    warm_up(run_batch, max_tokens, max_segments, max_context_len, block_size, windows)
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -79,6 +80,7 @@ __all__ = [
     "moe_grouped_gemm",
     "expert_lora_shrink",
     "expert_lora_expand",
+    "WarmBatch",
     "warm_up",
     "warm_up_batches",
 ]
@@ -86,50 +88,88 @@ __all__ = [
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def warm_up_batches(
-    max_tokens: int, max_segments: int, max_table_width: int
-) -> list[tuple[list[int], int]]:
-    """(segment lengths, block table width) of the batches (at most `max_tokens` tokens in
-    `max_segments` segments, tables of at most `max_table_width` blocks) that between them
-    launch every specialisation the Triton kernels compile for a batch's sizes, so that
-    running each once at start leaves nothing to compile while serving. One-token
-    segments are the decodes, whose table width the attention reads.
+class WarmBatch(NamedTuple):
+    """One step of a start-up warm-up (kernels.warm_up_batches): `decodes` one-token
+    sequences at context 1 whose block tables are `table_width` blocks wide and whose
+    attention is split `decode_splits` ways, then prefill segments of (new tokens,
+    context) each: a whole prompt when they are equal, else its last tokens."""
 
-    What a launch compiles for: its constexprs, its options and Triton's specialisation
-    of every other argument (an int equal to 1 or divisible by 16, a pointer 16-byte
-    aligned). Of these a batch's sizes change: the LoRA kernels' tiles, by the longest
-    segment (1 token: BGMV; up to SMALL_TILE_TOKENS: 16-row tiles; longer: 64-row
-    tiles); the MoE grouped GEMM's, by the batch's tokens (up to SMALL_TILE_TOKENS or
-    more); and the attention's block table row stride (1, a multiple of 16, other).
-    Everything else is fixed by the model and the engine: shapes and strides per
-    projection, the metadata and workspace addresses (the LoRA kernels take them
-    unspecialised; the engine packs metadata 16-byte aligned), the attention's window
-    and scale."""
+    decodes: int
+    prefills: tuple[tuple[int, int], ...] = ()
+    table_width: int = 1
+    decode_splits: int = 1
+
+
+def warm_up_batches(
+    max_tokens: int,
+    max_segments: int,
+    max_context_len: int,
+    block_size: int,
+    windows: Sequence[int] = (),
+) -> list[WarmBatch]:
+    """The steps (at most `max_tokens` tokens in `max_segments` sequences, contexts up to
+    `max_context_len`, the model's sliding `windows`) that between them launch every
+    specialisation the Triton kernels compile for a step's sizes, so that running each
+    once at start leaves nothing to compile while serving.
+
+    A launch compiles for its constexprs, its options and Triton's specialisation of
+    every other argument (an int equal to 1 or divisible by 16, a pointer 16-byte
+    aligned). What a step's sizes change: the LoRA kernels' tiles, by the longest segment
+    (1 token: BGMV; up to SMALL_TILE_TOKENS: 16-row tiles; longer: 64-row tiles); the MoE
+    GEMM's, by the step's tokens (up to SMALL_TILE_TOKENS or more); the decode attention's
+    block table row stride (1, a multiple of 16, other) and split count (the merge's
+    power-of-two tile, the count itself divisible by 16 or not); the prefill attention's
+    new tokens and context (1, a multiple of 16, other; read from the cache or not), its
+    window (a layer's, once the context is past it, else none). Everything else is fixed
+    by the model and the engine: shapes and strides, metadata and workspace addresses
+    (the LoRA kernels take them unspecialised; the engine packs metadata 16-byte
+    aligned), scales and caps."""
     small = SMALL_TILE_TOKENS
-    widths = sorted({1, min(2, max_table_width), small if max_table_width >= small else 1})
-    batches = [([1], w) for w in widths]  # one-token segments, few tokens
-    batches += [
-        ([1] * (small + 1), 1),  # one-token segments, many tokens
-        ([2], 1),  # short segments, few tokens
-        ([small, 2], 1),  # short segments, many tokens
-        ([small + 1], 1),  # long segments
+    batches = [
+        WarmBatch(small + 1),  # one-token segments, many tokens (few: below)
+        WarmBatch(0, ((2, 2),)),  # short segments, few tokens
+        WarmBatch(0, ((small, small), (2, 2))),  # short segments, many tokens
+        WarmBatch(0, ((small + 1, small + 1),)),  # long segments
     ]
-    return [(b, w) for b, w in batches if sum(b) <= max_tokens and len(b) <= max_segments]
+    max_width = -(-max_context_len // block_size)
+    widths = [w for w in (1, 2, small) if w <= max_width]
+    # an eager step's split count follows its table's width (decode_splits), up to
+    longest = min(-(-max_width * block_size // _MIN_SPLIT_LEN), _MAX_SPLITS)
+    splits = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)  # every merge tile (2..32), odd and even
+    batches += [WarmBatch(1, (), w, s) for w in widths for s in splits if s <= longest]
+    for window in (None, *windows):
+        past = 0 if window is None else -(-(window + 1) // small) * small  # 16 | past
+        contexts = (2 * small, 2 * small + 1) if window is None else (past, past + 1)
+        for n in (1, small, small + 1):
+            for ctx in (*contexts, *((n,) if window is None else ())):
+                if n <= ctx:
+                    batches.append(WarmBatch(0, ((n, ctx),)))
+        if window is not None:  # whole prompts past the window
+            batches += [WarmBatch(0, ((c, c),)) for c in contexts]
+    return [
+        b
+        for b in batches
+        if b.decodes + sum(n for n, _ in b.prefills) <= max_tokens
+        and b.decodes + len(b.prefills) <= max_segments
+        and all(ctx <= max_context_len for _, ctx in b.prefills)
+    ]
 
 
 def warm_up(
-    run_batch: Callable[[list[int], int], None],
+    run_batch: Callable[[WarmBatch], None],
     max_tokens: int,
     max_segments: int,
-    max_table_width: int,
-) -> list[tuple[list[int], int]]:
-    """Run `run_batch(segment lengths, table width)` (a forward over segments of those
-    lengths, with LoRA on every projection) on each of warm_up_batches(...); returns them.
-    Called once at start on CUDA, so the first request of a new shape does not stall the
-    serving loop on a Triton compile."""
-    batches = warm_up_batches(max_tokens, max_segments, max_table_width)
-    for lengths, width in batches:
-        run_batch(lengths, width)
+    max_context_len: int,
+    block_size: int,
+    windows: Sequence[int] = (),
+) -> list[WarmBatch]:
+    """Run `run_batch` (a forward of the step a WarmBatch describes, with LoRA on every
+    projection) on each of warm_up_batches(...); returns them. Called once at start on
+    CUDA, so the first request of a new shape does not stall the serving loop on a Triton
+    compile."""
+    batches = warm_up_batches(max_tokens, max_segments, max_context_len, block_size, windows)
+    for batch in batches:
+        run_batch(batch)
     return batches
 
 

@@ -69,12 +69,16 @@ class ModelRunner(Executor):
         )  # fmt: skip
 
     def warm_up(self) -> None:
-        """Run once every shape this rank's steps can launch Triton kernels at (eager steps
+        """Run once every shape this rank's steps can launch Triton kernels at (the steps
         of kernels.warm_up_batches, the static decode's buckets), on the scratch block:
         every kernel compiles now, not under the first request of a new shape. Under
         tensor parallelism every rank runs it at once (its collectives pair up)."""
-        max_width = -(-self.max_model_len // self.block_size)
-        kernels.warm_up(self._warm_batch, self.max_num_batched_tokens, self.max_num_seqs, max_width)
+        spec = self.model.spec
+        windows = sorted({w for i in range(spec.num_layers) if (w := spec.window(i))})
+        kernels.warm_up(
+            self._warm_batch, self.max_num_batched_tokens, self.max_num_seqs,
+            self.max_model_len, self.block_size, windows,
+        )  # fmt: skip
         if self.static_decode is not None:
             self.static_decode.warm_up()
 
@@ -135,32 +139,31 @@ class ModelRunner(Executor):
     def shutdown(self) -> None:
         """Nothing to stop: the tensors go with the object."""
 
-    def _warm_batch(self, lengths: list[int], table_width: int) -> None:
-        """One eager step of segments of `lengths` (1: a decode at context 1 with a table of
-        `table_width` blocks, longer: a whole prompt) on the scratch block, with a
+    def _warm_batch(self, warm: kernels.WarmBatch) -> None:
+        """One eager step of the shapes `warm` gives, on the scratch block, with a
         full-rank adapter on every projection group (kernels.warm_up)."""
-        decodes = [n for n in lengths if n == 1]
-        prefills = [n for n in lengths if n > 1]
-        bs, scratch = self.block_size, self.scratch_block
+        bs, scratch, d = self.block_size, self.scratch_block, warm.decodes
+        lens = [n for n, _ in warm.prefills]
+        contexts = [ctx for _, ctx in warm.prefills]
         indptr = [0]
-        for n in decodes + prefills:
+        for n in [1] * d + lens:
             indptr.append(indptr[-1] + n)
-        d = len(decodes)
         plan = BatchPlan(
             input_ids=[0] * indptr[-1],
-            positions=[0] * d + [p for n in prefills for p in range(n)],
+            positions=[0] * d + [p for n, c in warm.prefills for p in range(c - n, c)],
             seg_indptr=indptr,
-            seg_slots=[1] * len(lengths),
+            seg_slots=[1] * (len(indptr) - 1),
             logit_rows=[end - 1 for end in indptr[1:]],
-            decode_tables=[[scratch] * table_width] * d,
+            decode_tables=[[scratch] * warm.table_width] * d,
             decode_context_lens=[1] * d,
             decode_new_slots=[scratch * bs] * d,
             prefill_starts=indptr[d:-1],
-            prefill_lens=prefills,
-            prefill_context_lens=prefills,
-            prefill_tables=[[scratch] * -(-n // bs) for n in prefills],
+            prefill_lens=lens,
+            prefill_context_lens=contexts,
+            prefill_tables=[[scratch] * -(-c // bs) for c in contexts],
         )
         batch, rows = build_batch(plan, bs, self._warm_slots(), self.device)
+        batch.attn.decode_splits = warm.decode_splits
         self.model.forward(batch, self.kv, rows)
 
     def _warm_slots(self) -> SlotTable:

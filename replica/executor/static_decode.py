@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+import kernels
 from kernels import SegmentInfo
 from replica.device import StagedBuffer, packed_offsets
 from replica.executor.batch import BatchPlan
@@ -296,6 +297,12 @@ class StaticDecode:
         """Largest bucket first: smaller ones then reuse the pool's memory."""
         return [(b, lora) for b in reversed(self.buckets) for lora in (True, False)]
 
+    def _splits(self, bucket: int) -> int:
+        """The decode attention's split count for a bucket, fixed for the graph's life:
+        chosen for the longest context a table holds (kernels.decode_splits)."""
+        context = self.max_blocks_per_seq * self.inputs.block_size
+        return kernels.decode_splits(context, bucket, self.kv.k[0].shape[0])
+
     def _batch(self, bucket: int, lora: bool) -> ForwardBatch:
         """The views of the persistent inputs a bucket's forward reads (made once)."""
         t = self.inputs.tensors
@@ -310,6 +317,7 @@ class StaticDecode:
             prefill_lens=[],
             prefill_context_lens=[],
             prefill_slots=[],
+            decode_splits=self._splits(bucket),
         )
         segments = {
             group: SegmentInfo(

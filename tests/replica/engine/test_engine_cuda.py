@@ -188,13 +188,9 @@ def test_any_other_capture_failure_fails_the_start(tiny, monkeypatch):
 
 def test_nothing_compiles_while_serving(tiny):
     """Every Triton kernel variant a varied workload launches was compiled at start."""
-    from kernels import moe_triton, paged_attention_triton, sgmv_triton
+    from tests.replica.executor.test_graphs import triton_kernels
 
-    jitted = [
-        sgmv_triton._shrink_kernel, sgmv_triton._expand_kernel, sgmv_triton._shrink_bgmv_kernel,
-        sgmv_triton._expand_bgmv_kernel, paged_attention_triton._paged_decode_kernel,
-        moe_triton._grouped_gemm_kernel,
-    ]  # fmt: skip
+    jitted = triton_kernels()
 
     def compiled() -> int:
         return sum(len(cache[0]) for k in jitted for cache in k.device_caches.values())

@@ -379,7 +379,7 @@ def test_packed_fields_are_16_byte_aligned():
 
 
 def triton_kernels() -> list:
-    from kernels import moe_triton, paged_attention_triton, sgmv_triton
+    from kernels import moe_triton, paged_attention_triton, prefill_attention_triton, sgmv_triton
 
     return [
         sgmv_triton._shrink_kernel,
@@ -387,35 +387,38 @@ def triton_kernels() -> list:
         sgmv_triton._shrink_bgmv_kernel,
         sgmv_triton._expand_bgmv_kernel,
         paged_attention_triton._paged_decode_kernel,
+        paged_attention_triton._merge_splits_kernel,
+        prefill_attention_triton._prefill_kernel,
         moe_triton._grouped_gemm_kernel,
     ]
 
 
-@pytest.fixture(params=["llama", "qwen3moe"])
+@pytest.fixture(params=["llama", "qwen3moe", "gemma2"])
 def warm_model(request, tiny, tmp_path):
-    """(assets, the Triton kernels its steps launch): the tiny Llama, and a tiny mixture
-    of experts with expert LoRA."""
+    """The tiny Llama, a tiny mixture of experts with expert LoRA, a tiny Gemma 2 (sliding
+    windows of 8, soft caps)."""
     if request.param == "llama":
-        return tiny, {k.fn.__name__ for k in triton_kernels()} - {"_grouped_gemm_kernel"}
+        return tiny
     model_dir = family_model_dir(request.param)
-    assets = SimpleNamespace(
+    return SimpleNamespace(
         model_dir=model_dir, adapters=family_adapters(request.param, model_dir, tmp_path)
     )
-    return assets, {k.fn.__name__ for k in triton_kernels()}
 
 
 def test_warm_up_launches_every_kernel_specialisation_serving_does(warm_model, monkeypatch):
     """The compile keys (constexprs, options, Triton's specialisation of every argument) of
     the Triton launches a served workload makes, against those of the start's warm-up: none
-    new, so nothing compiles under a request. The workload mixes prefills of 1 to 40
-    tokens, chunked ones, decodes of 1 to 20 sequences on the static path and eagerly,
-    base and adapter rows; the odd max_lora_rank puts the LoRA workspace's regions at
-    addresses whose alignment changes with the step's token count. Launches are recorded,
-    not run (which launches a step makes depends on sizes, never on values)."""
+    new, so nothing compiles under a request. The workload mixes prefills of 1 to 300
+    tokens, chunked ones, decodes of 1 to 20 sequences on the static path and eagerly
+    (attention split or not: an H100's SM count stands in), base and adapter rows; the odd
+    max_lora_rank puts the LoRA workspace's regions at addresses whose alignment changes
+    with the step's token count. Launches are recorded, not run (which launches a step
+    makes depends on sizes, never on values)."""
     from tests.kernels.launches import recorded_launches
 
-    assets, launched = warm_model
+    assets = warm_model
     names = [None, *assets.adapters]
+    monkeypatch.setattr(kernels, "_cuda_sm_count", lambda: 132)
     with kernels.forced_backend("triton"):
         eng = make_engine(
             assets, max_lora_rank=65, max_num_seqs=20, block_size=4, max_num_batched_tokens=48
@@ -424,8 +427,9 @@ def test_warm_up_launches_every_kernel_specialisation_serving_does(warm_model, m
         runner.static_decode = runner.make_static_decode(20)
         with recorded_launches(monkeypatch, *triton_kernels(), execute=False) as warm:
             runner.warm_up()
+        long = min(300, eng.max_model_len - 16)
         with recorded_launches(monkeypatch, *triton_kernels(), execute=False) as served:
-            for wave, lengths in enumerate(([1, 2, 17, 40, 3], list(range(1, 16)), [5, 62])):
+            for wave, lengths in enumerate(([1, 2, 17, 40, 3], list(range(1, 16)), [5, 62, long])):
                 for i, n in enumerate(lengths):
                     sp = SamplingParams(temperature=0, max_tokens=3 + i % 5, ignore_eos=True)
                     ids = [t % eng.spec.vocab_size for t in prompt(i + 20 * wave, n)]
@@ -436,6 +440,7 @@ def test_warm_up_launches_every_kernel_specialisation_serving_does(warm_model, m
                     runner.static_decode = None  # engine.cuda_graphs: false from here
             while eng.has_work():
                 eng.step()
+            eng.generate([([7], SamplingParams(temperature=0, max_tokens=3), None)])  # 1 block
             eng.score([t % eng.spec.vocab_size for t in prompt(3, 9)], names[1])
     warmed = {(launch.kernel, launch.key) for launch in warm}
     new = {(launch.kernel, launch.key) for launch in served} - warmed
@@ -443,5 +448,10 @@ def test_warm_up_launches_every_kernel_specialisation_serving_does(warm_model, m
                if launch.kernel == "_paged_decode_kernel"}  # fmt: skip
     assert len(strides) == 3  # table widths of 1, a multiple of 16 and others were served
     assert not new, f"{len(new)} launches would compile while serving: {sorted(new)[:2]}"
+    launched = {k.fn.__name__ for k in triton_kernels()}
+    if not eng.spec.num_experts:
+        launched.remove("_grouped_gemm_kernel")
+    if eng.max_model_len <= 256:  # too short to split a decode's attention
+        launched.remove("_merge_splits_kernel")
     assert {launch.kernel for launch in served} == launched
     assert max(len(launch.args["x_ptr"]) for launch in served if "x_ptr" in launch.args) > 16
