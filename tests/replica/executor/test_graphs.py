@@ -276,9 +276,10 @@ def test_the_path_a_step_takes_does_not_depend_on_a_hand_over(tiny):
     decoding(eng, [(5, None), (9, list(tiny.adapters)[0])])
     plan, _ = next_plan(eng)
     runner, table = eng.executor, eng.executor.lora.table
+    before = runner.graph_stats()["graph_replays"]  # decoding() may have replayed already
     runner.execute(plan, table)
     runner.execute(plan, table, progress=StepProgress(torch.device("cpu")))
-    assert runner.graph_stats()["graph_replays"] == 2
+    assert runner.graph_stats()["graph_replays"] == before + 2
 
 
 def test_step_progress_of_a_replay_releases_every_layer_at_once():
