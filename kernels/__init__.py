@@ -14,6 +14,8 @@
     y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
     inter = expert_lora_shrink(x_sorted, a, plan, seg, max_rank)  # expert LoRA, grouped by
     expert_lora_expand(y, inter, b, plan, seg, slice_offsets)   # (adapter, expert)
+    y = quant_linear(x, w, bias)          # [M, N]: x · dequantize(w)ᵀ, w packed (FP8, INT4,
+    y = quant_moe_gemm(x_sorted, w, plan)  # MXFP4, NF4; kernels.quant_formats), experts too
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -44,6 +46,17 @@ import torch
 from kernels.backend import backend_for, force_backend, forced_backend, implementation
 from kernels.lora_embedding import lora_embedding_shrink as _embedding_shrink
 from kernels.moe_plan import ExpertPlan, expert_segments, make_expert_plan
+from kernels.quant_formats import (
+    AwqInt4,
+    Fp8Weight,
+    GptqInt4,
+    Mxfp4Weight,
+    Nf4Weight,
+    PackQuantizedInt4,
+    QuantizedWeight,
+    dequantize,
+    stack_experts,
+)
 from kernels.segments import SegmentInfo, make_segment_info, make_segment_infos
 
 __all__ = [
@@ -65,6 +78,17 @@ __all__ = [
     "moe_grouped_gemm",
     "expert_lora_shrink",
     "expert_lora_expand",
+    "Fp8Weight",
+    "PackQuantizedInt4",
+    "GptqInt4",
+    "AwqInt4",
+    "Mxfp4Weight",
+    "Nf4Weight",
+    "QuantizedWeight",
+    "dequantize",
+    "stack_experts",
+    "quant_linear",
+    "quant_moe_gemm",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -467,4 +491,70 @@ def _check_paged_attention(
         raise ValueError(
             f"{name}: q, k_cache, v_cache, block_tables, context_lens, out must share one device; "
             f"got {[str(t.device) for t in tensors]}"
+        )
+
+
+def quant_linear(
+    x: torch.Tensor,  # [M, K]
+    w: QuantizedWeight,  # one packed matrix W [N, K] (kernels.quant_formats)
+    bias: torch.Tensor | None = None,  # [N], x.dtype
+    act_fp8: bool = False,  # W8A8: FP8 weights on CUDA only, dynamic per-token scales
+) -> torch.Tensor:  # [M, N], x.dtype
+    """Semantics, W = dequantize(w) (float32 [N, K], each format's published layout):
+
+        out = (x.float() @ W.T + bias) rounded once into x.dtype
+
+    with W rounded into x.dtype before the multiply for fp16/bf16 x (fp32 accumulation;
+    fp32 x is exact). Weights stay packed: the torch path dequantizes one tile of output
+    rows at a time, the Triton kernels decode in registers. Activations are never
+    quantized (W8A16 / W4A16) unless act_fp8: then x is first rounded per token to
+    e4m3 with scale amax / 448 (kernels.quant_triton.per_token_fp8), the W8A8 path a
+    checkpoint with dynamic activation scales allows; the torch path refuses it.
+    See kernels.quant_formats.dequantize.
+    """
+    _check_quant(x, w, "quant_linear")
+    if w.num_experts is not None:
+        raise ValueError("quant_linear: w holds stacked experts; use quant_moe_gemm")
+    if bias is not None and (
+        bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
+    ):
+        raise ValueError(
+            f"quant_linear: bias {tuple(bias.shape)} {bias.dtype} must be [{w.shape[0]}] "
+            f"{x.dtype} on {x.device}"
+        )
+    if act_fp8 and not isinstance(w, Fp8Weight):
+        raise ValueError(f"quant_linear: act_fp8 needs FP8 weights, not {type(w).__name__}")
+    return implementation(x, "quant").quant_linear(x, w, bias, act_fp8)
+
+
+def quant_moe_gemm(
+    x: torch.Tensor,  # [P, K]: the plan's pairs' inputs in sorted order
+    w: QuantizedWeight,  # packed stacked experts W [E, N, K] (stack_experts)
+    plan: ExpertPlan,
+) -> torch.Tensor:  # [P, N], x.dtype
+    """moe_grouped_gemm on packed experts. Semantics, W = dequantize(w) [E, N, K], for
+    each expert e and sorted row i in [plan.expert_indptr[e], plan.expert_indptr[e+1]):
+
+        out[i] = x[i].float() @ W[e].T   rounded once into x.dtype
+
+    (W rounded into x.dtype first for fp16/bf16 x, as quant_linear). Experts with no rows
+    are never read; graph-safe plans read no device value. See
+    kernels.moe_reference.moe_grouped_gemm_reference over dequantize(w).
+    """
+    _check_quant(x, w, "quant_moe_gemm")
+    if w.num_experts != plan.num_experts or x.shape[0] != plan.num_pairs:
+        raise ValueError(
+            f"quant_moe_gemm: x has {x.shape[0]} rows and w {w.num_experts} experts; the "
+            f"plan {plan.num_pairs} pairs of {plan.num_experts} experts"
+        )
+    return implementation(x, "quant").quant_moe_gemm(x, w, plan)
+
+
+def _check_quant(x: torch.Tensor, w: QuantizedWeight, name: str) -> None:
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be [M, {w.shape[1]}] for W {w.shape}")
+    if x.dtype not in _DTYPES or x.device != w.device or x.stride(1) != 1:
+        raise ValueError(
+            f"{name}: x {x.dtype} on {x.device} must be one of {_DTYPES} on the weight's "
+            f"{w.device}, unit stride along K"
         )
