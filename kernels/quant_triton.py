@@ -23,6 +23,8 @@ the dot on CUDA and applies the per-token scale on the way out.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -133,13 +135,14 @@ def _nf4_tile(p_ptr, a_ptr, lut_ptr, offs_k, offs_n, mask, K, BLOCKSIZE: tl.cons
 @triton.jit
 def _quant_gemm_kernel(
     x_ptr,  # [M, K]: activations (fp8 with ACT_FP8), rows sorted by expert when GROUPED
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N], or [SPLIT_K, M, N] fp32 partial sums
     bias_ptr,  # [N] or a dummy
     indptr_ptr,  # [E+1] int32 when GROUPED
     xs_ptr,  # [M] fp32 per-token activation scales when ACT_FP8
     w_ptr, s_ptr, z_ptr, g_ptr, lut_ptr,  # the format's tensors (dummies where unused)
     M, N, K,
-    stride_xm, stride_om,
+    stride_xm, stride_om, stride_os,  # x rows, out rows, out splits
+    K_SPLIT,  # K per split (a multiple of BLOCK_K)
     s_we, s_w0, s_w1,  # per-expert stride of w, then its two strides (meaning per FMT)
     s_se, s_s0, s_s1,
     s_ze, s_z0, s_z1,
@@ -151,11 +154,13 @@ def _quant_gemm_kernel(
     SCALE_AFTER: tl.constexpr,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT_FP8: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
+    pid_n = tl.program_id(2) // SPLIT_K
+    pid_k = tl.program_id(2) % SPLIT_K
     if GROUPED:
         end = tl.load(indptr_ptr + e + 1)
         m0 = tl.load(indptr_ptr + e) + pid_m * BLOCK_M
@@ -175,7 +180,8 @@ def _quant_gemm_kernel(
     g_ptr += e64 * s_ge
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * K_SPLIT
+    for k0 in range(k_start, tl.minimum(K, k_start + K_SPLIT), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         mask = mask_k[:, None] & mask_n[None, :]
@@ -208,8 +214,9 @@ def _quant_gemm_kernel(
     if ACT_FP8:
         acc *= tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -218,12 +225,13 @@ def quant_linear(
     w: QuantizedWeight,  # one matrix W [N, K]
     bias: torch.Tensor | None = None,  # [N]
     act_fp8: bool = False,
+    split_k: int | None = None,  # None: _split_k's choice
 ) -> torch.Tensor:  # [M, N], x.dtype
     m = x.shape[0]
     out = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    _launch(x, w, out, bias, None, (1, m), act_fp8)
+    _launch(x, w, out, bias, None, (1, m), act_fp8, split_k)
     return out
 
 
@@ -235,7 +243,7 @@ def quant_moe_gemm(
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    _launch(x, w, out, None, plan.expert_indptr, (plan.num_experts, plan.max_rows), False)
+    _launch(x, w, out, None, plan.expert_indptr, (plan.num_experts, plan.max_rows), False, 1)
     return out
 
 
@@ -254,27 +262,56 @@ def _launch(
     indptr: torch.Tensor | None,
     rows: tuple[int, int],  # (programs along dim 0: experts, most rows one of them has)
     act_fp8: bool,
+    split_k: int | None,
 ) -> None:
     m, k = x.shape
     n = w.shape[0]
-    xs = None
-    if act_fp8:
-        x, xs = per_token_fp8(x)
-    fmt = _format_args(w, block_k=64)
     block_m = 16 if rows[1] <= 16 else 64
     block_n, block_k = 64, 64
+    fmt = _format_args(w, block_k)
+    xs = None
+    if act_fp8:
+        if not fmt.scale_after:
+            raise ValueError(f"quant_linear: act_fp8 needs FP8 blocks of {block_k}-multiples")
+        x, xs = per_token_fp8(x)
+    tiles = (rows[0], triton.cdiv(rows[1], block_m), triton.cdiv(n, block_n))
+    split = split_k or _split_k(tiles[0] * tiles[1] * tiles[2], k, block_k, x.device)
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    # split K: partial sums [split, M, N] summed by torch (in a fixed order: deterministic)
+    target = out if split == 1 else torch.empty(split, m, n, device=x.device)
     dummy = out
-    grid = (rows[0], triton.cdiv(rows[1], block_m), triton.cdiv(n, block_n))
-    _quant_gemm_kernel[grid](
-        x, out, dummy if bias is None else bias, dummy if indptr is None else indptr,
+    _quant_gemm_kernel[(tiles[0], tiles[1], tiles[2] * split)](
+        x, target, dummy if bias is None else bias, dummy if indptr is None else indptr,
         dummy if xs is None else xs,
-        *fmt.tensors, m, n, k, x.stride(0), out.stride(0), *fmt.strides,
+        *fmt.tensors, m, n, k, x.stride(0), target.stride(-2),
+        0 if split == 1 else target.stride(0), k_split, *fmt.strides,
         FMT=fmt.kind, P0=fmt.p0, P1=fmt.p1, ALONG_N=fmt.along_n, AWQ=fmt.awq, ZERO=fmt.zero,
         HAS_GIDX=fmt.has_gidx, SCALE_AFTER=fmt.scale_after,
         GROUPED=indptr is not None, HAS_BIAS=bias is not None, ACT_FP8=act_fp8,
         DOT_F32=not x.is_cuda or x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
+    if split > 1:
+        out.copy_(target.sum(dim=0))
+
+
+def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> int:
+    """K splits for a launch of `programs` output tiles: on CUDA, doubled while the grid
+    stays within two programs per SM and each split keeps >= 4 K steps (a decode GEMV
+    has one row block: N / BLOCK_N programs alone leave most of the SMs idle). Untuned:
+    a first guess for the GPU session's measurements. 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index or 0)
+    split = 1
+    while split < 16 and programs * split * 2 <= 2 * sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return split
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class _FormatArgs:

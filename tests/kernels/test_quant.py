@@ -209,6 +209,9 @@ def test_w8a8_triton_matches_per_token_quantized_reference(block):
     torch.testing.assert_close(got, want, rtol=TOL[torch.float32], atol=1e-4)
     with backend.forced_backend("torch"), pytest.raises(ValueError, match="Triton path only"):
         kernels.quant_linear(x.cpu(), quantize_fp8(torch.randn(8, 200)), act_fp8=True)
+    odd_blocks = on_device(quantize_fp8(torch.randn(8, 200), (128, 96)))  # a scale per element
+    with backend.forced_backend("triton"), pytest.raises(ValueError, match="act_fp8 needs"):
+        kernels.quant_linear(x, odd_blocks, act_fp8=True)
 
 
 def test_bad_calls_are_refused_before_any_backend():
@@ -225,3 +228,28 @@ def test_bad_calls_are_refused_before_any_backend():
     plan = make_expert_plan(torch.tensor([[0], [1]]), 3)
     with pytest.raises(ValueError, match="experts"):
         kernels.quant_moe_gemm(torch.randn(2, 192), stack_experts([w, w]), plan)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton")
+@pytest.mark.parametrize("fmt", ["fp8_block", "gptq_desc_act", "nf4"])
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_partial_sums_add_up_with_the_bias_once(fmt, split):
+    """Split K (the decode GEMV's fill of the GPU): each split's partial product lands in
+    its own slice and torch sums them; a split past K contributes zeros."""
+    gen = torch.Generator().manual_seed(11)
+    w = on_device(WEIGHTS[fmt](gen))
+    x = torch.randn(3, w.shape[1], generator=gen).to(TEST_DEVICE)
+    bias = torch.randn(w.shape[0], generator=gen).to(TEST_DEVICE)
+    got = quant_triton.quant_linear(x, w, bias, split_k=split)
+    torch.testing.assert_close(got, expected(x, w, bias), rtol=TOL[x.dtype], atol=TOL[x.dtype])
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton")
+def test_split_k_fills_the_sms_of_a_decode_gemv(monkeypatch):
+    monkeypatch.setattr(quant_triton, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    split = quant_triton._split_k(64, 4096, 64, cuda)  # M=1, N=4096 in 64-column tiles
+    assert split > 1 and 64 * split <= 2 * 132 and 4096 // split >= 4 * 64
+    assert quant_triton._split_k(64, 4096, 64, torch.device("cpu")) == 1
+    assert quant_triton._split_k(64, 256, 64, cuda) == 1  # 4 K steps in all: nothing to split
+    assert quant_triton._split_k(1024, 4096, 64, cuda) == 1  # M=512: the grid fills already
