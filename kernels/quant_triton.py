@@ -345,13 +345,15 @@ def _format_args(w: QuantizedWeight, block_k: int) -> _FormatArgs:
     if isinstance(w, PackQuantizedInt4 | GptqInt4 | AwqInt4):
         return _int4_args(w, stacked, block_k)
     if isinstance(w, Mxfp4Weight):
+        if w.blocks.stride(-1) != 1:
+            raise ValueError("quant_linear: Mxfp4Weight blocks need unit stride along a block")
         lut = torch.tensor(E2M1_VALUES, device=w.device)
         bs = [w.blocks.stride(0) if stacked else 0, w.blocks.stride(-3), w.blocks.stride(-2)]
         strides = bs + _strides(w.scales, stacked) + [0, 0, 0, 0]
         return _FormatArgs(MXFP4, (w.blocks, w.scales, lut, lut, lut), strides)
     if isinstance(w, Nf4Weight):
-        if stacked:
-            raise ValueError("quant_moe_gemm: Nf4Weight has no stacked experts")
+        if not (w.packed.is_contiguous() and w.absmax.is_contiguous()):
+            raise ValueError("quant_linear: Nf4Weight packed and absmax must be contiguous")
         strides = [0] * 10
         tensors = (w.packed, w.absmax, w.code, w.code, w.code)
         return _FormatArgs(NF4, tensors, strides, p0=w.blocksize)

@@ -253,3 +253,21 @@ def test_split_k_fills_the_sms_of_a_decode_gemv(monkeypatch):
     assert quant_triton._split_k(64, 4096, 64, torch.device("cpu")) == 1
     assert quant_triton._split_k(64, 256, 64, cuda) == 1  # 4 K steps in all: nothing to split
     assert quant_triton._split_k(1024, 4096, 64, cuda) == 1  # M=512: the grid fills already
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton")
+def test_triton_refuses_layouts_it_reads_as_contiguous():
+    """The kernel indexes NF4 bytes flat and MXFP4 blocks by byte: a strided view would be
+    read wrong, so it is refused (the torch path takes any strides)."""
+    gen = torch.Generator().manual_seed(12)
+    nf4 = quantize_nf4(torch.randn(8, 64, generator=gen))
+    strided = type(nf4)(
+        torch.stack([nf4.packed, nf4.packed], 1)[:, 0], nf4.absmax, nf4.code, nf4.shape
+    )
+    x = torch.randn(2, 64, generator=gen)
+    with pytest.raises(ValueError, match="contiguous"):
+        quant_triton.quant_linear(x, strided)
+    mx = quantize_mxfp4(torch.randn(8, 64, generator=gen))
+    strided_blocks = type(mx)(torch.stack([mx.blocks, mx.blocks], -1)[..., 0], mx.scales)
+    with pytest.raises(ValueError, match="unit stride"):
+        quant_triton.quant_linear(x, strided_blocks)
