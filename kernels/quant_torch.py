@@ -1,7 +1,7 @@
 """Torch path of the quantized GEMMs: the CPU backend (CUDA when forced).
 
 A weight is dequantized one tile of output rows at a time (the format's
-`dequantize_rows`, the same code as the oracle) into float32 and multiplied at once, so
+`dequantize_rows`, the same code as the oracle, ~2 MiB of float32) and multiplied at once, so
 at most one tile of W is ever dense: memory stays bounded whatever the layer, and the
 tile stays in cache while the matmul reads it. Activations are never quantized
 (W8A16 / W4A16): each tile is rounded into x.dtype and multiplied there (fp32
@@ -21,18 +21,15 @@ import torch.nn.functional as F
 from kernels.moe_plan import ExpertPlan
 from kernels.quant_formats import QuantizedWeight
 
-# Dense float32 bytes one tile of W may take. Measured on the 2-core CPU at Llama-8B
-# shapes (benchmarks/quant_gemm.py): 1 MiB tiles ran within a few percent of the fastest
-# from decode to M=512, while tiles the size of W ran no faster and hold the whole dense
-# weight.
-TILE_BYTES = 1 << 20
+# Dense float32 bytes one tile of W may take: about what the cache holds while the
+# matmul reads the tile back (larger tiles spill; docs/performance.md has the sweep).
+TILE_BYTES = 2 << 20
 
 
 def tile_rows(w: QuantizedWeight) -> int:
-    """Rows of W per tile: TILE_BYTES of float32, a multiple of 128 (every format's row
-    alignment: 8 for packed zeros, FP8's 128-row scale blocks) and at least 128."""
-    k = w.shape[1]
-    return max(128, TILE_BYTES // (4 * k) // 128 * 128)
+    """Rows of W per tile: TILE_BYTES of float32, a multiple of 8 (packed zero points hold
+    8 rows a word), at least 8."""
+    return max(8, TILE_BYTES // (4 * w.shape[1]) // 8 * 8)
 
 
 def quant_linear(
