@@ -17,8 +17,11 @@ is scaled before the dot.
 The dot: on CUDA, fp16/bf16 activations meet the decoded tile in their own dtype
 (tensor cores, fp32 accumulation: W rounded into x's dtype, as the torch path does);
 fp32 activations, and everything under the interpreter (whose bf16 dot is wrong in
-triton 3.9), widen both to fp32. W8A8 (act_fp8, FP8 weights only) feeds fp8 x fp8 to
-the dot on CUDA and applies the per-token scale on the way out.
+triton 3.9), widen both to fp32. FP8 weights are read as bytes and decoded by integer
+ops (exact, and runs where the GPU has no fp8 type); W8A8 (act_fp8, sm89+) feeds fp8 x
+fp8 to the dot and applies the per-token scale on the way out.
+
+Decode GEMVs split K (_split_k) so that a one-row-block grid still fills the SMs.
 """
 
 from __future__ import annotations
@@ -48,17 +51,29 @@ ZERO_CONST8, ZERO_PACKED, ZERO_PACKED_PLUS1 = 0, 1, 2
 @triton.jit
 def _fp8_tile(
     w_ptr, s_ptr, offs_k, offs_n, k0, mask, mask_n, s_wn, s_wk, s_sn, s_sk,
-    BN: tl.constexpr, BK: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SCALE_AFTER: tl.constexpr, ACT_FP8: tl.constexpr,
 ):  # fmt: skip
-    w = tl.load(w_ptr + offs_n[None, :] * s_wn + offs_k[:, None] * s_wk, mask=mask, other=0.0)
+    """The e4m3 bytes (read as uint8: no fp8 type needed before sm89) of a [BLOCK_K,
+    BLOCK_N] tile of Wᵀ, decoded to fp16 holding value / 256 (the 256 goes into the
+    scale), or as fp8 for the W8A8 dot."""
+    b = tl.load(w_ptr + offs_n[None, :] * s_wn + offs_k[:, None] * s_wk, mask=mask, other=0)
     if SCALE_AFTER:
         s = tl.load(s_ptr + (offs_n // BN) * s_sn + (k0 // BK) * s_sk, mask=mask_n, other=0.0)
-        return w, s
+        if ACT_FP8:
+            return b.to(tl.float8e4nv, bitcast=True), s
+        return _e4m3_over_256(b), s * 256.0
     s_tile = tl.load(
         s_ptr + (offs_n[None, :] // BN) * s_sn + (offs_k[:, None] // BK) * s_sk,
         mask=mask, other=0.0,
     )  # fmt: skip
-    return w.to(tl.float32) * s_tile, s_tile
+    return _e4m3_over_256(b).to(tl.float32) * (s_tile * 256.0), s_tile
+
+
+@triton.jit
+def _e4m3_over_256(b):
+    """uint8 e4m3 bits -> fp16 value / 256, exactly: kernels.quant_formats.e4m3_over_256."""
+    h = b.to(tl.int16)
+    return (((h & 0x80) << 8) | ((h & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -189,7 +204,7 @@ def _quant_gemm_kernel(
         if FMT == 0:
             wt, s = _fp8_tile(
                 w_ptr, s_ptr, offs_k, offs_n, k0, mask, mask_n, s_w0, s_w1, s_s0, s_s1,
-                P0, P1, SCALE_AFTER,
+                P0, P1, SCALE_AFTER, ACT_FP8,
             )  # fmt: skip
         elif FMT == 1:
             wt, s = _int4_tile(
@@ -273,6 +288,8 @@ def _launch(
     if act_fp8:
         if not fmt.scale_after:
             raise ValueError(f"quant_linear: act_fp8 needs FP8 blocks of {block_k}-multiples")
+        if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+            raise ValueError("quant_linear: act_fp8 needs an fp8 tensor-core GPU (sm89+)")
         x, xs = per_token_fp8(x)
     tiles = (rows[0], triton.cdiv(rows[1], block_m), triton.cdiv(n, block_n))
     split = split_k or _split_k(tiles[0] * tiles[1] * tiles[2], k, block_k, x.device)
@@ -340,7 +357,7 @@ def _format_args(w: QuantizedWeight, block_k: int) -> _FormatArgs:
         bn, bk = w.block
         after = bk % block_k == 0 or bk >= k
         strides = _strides(w.weight, stacked) + _strides(w.scale, stacked) + [0, 0, 0, 0]
-        tensors = (w.weight, w.scale, w.scale, w.scale, w.scale)
+        tensors = (w.weight.view(torch.uint8), w.scale, w.scale, w.scale, w.scale)
         return _FormatArgs(FP8, tensors, strides, p0=bn, p1=bk, scale_after=after)
     if isinstance(w, PackQuantizedInt4 | GptqInt4 | AwqInt4):
         return _int4_args(w, stacked, block_k)
