@@ -8,10 +8,11 @@ times kernels.quant_linear (the torch path on a CPU, the Triton kernel on CUDA: 
 device's own dispatch) beside the dense bf16 matmul (F.linear against a bf16 W) on the
 same inputs, and reports the packed weight's device bytes against bf16's. Weights are
 random packed tensors of the right layout (codes, scales, zeros drawn at random): the
-time of a dequantizing GEMM does not depend on the values. Each figure is the median of
---repeats timed calls after one warm-up; CUDA calls are timed with events after a
-synchronize. The W4A16 (GPTQ, batch 1) and FP8 targets of issue 42 are GPU figures: run
-this on a GPU to measure them.
+time of a dequantizing GEMM does not depend on the values. Dense and quantized calls
+alternate, each figure the median of --repeats after one warm-up (a shared machine's
+drift hits both alike; the JSON records the load average before and after); CUDA calls
+are timed with events after a synchronize. The W4A16 (GPTQ, batch 1) and FP8 targets
+of issue 42 are GPU figures: run this on a GPU to measure them.
 
 Prints a table and writes JSON (default benchmarks/results/quant_gemm.json).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -88,28 +90,34 @@ def random_packed(fmt: str, n: int, k: int, device: torch.device) -> kernels.Qua
 FORMATS = ("fp8_block", "fp8_channel", "gptq_int4", "awq_int4", "ct_int4", "mxfp4", "nf4")
 
 
-def timed_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median milliseconds of `repeats` calls after one warm-up."""
+def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call (CUDA: events after a synchronize)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)
+
+
+def paired_ms(
+    dense: Callable[[], object], quant: Callable[[], object], repeats: int, device: torch.device
+) -> tuple[float, float]:
+    """Median milliseconds of dense and quant, timed alternately after one warm-up each, so
+    a shared machine's drift hits both alike."""
+    dense(), quant()
+    pairs = [(timed_ms(dense, device), timed_ms(quant, device)) for _ in range(repeats)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def run(ms: list[int], formats: list[str], layers: list[str], repeats: int) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    load_before = os.getloadavg()[0]
     rows = []
     for layer in layers:
         n, k = LAYERS[layer]
@@ -117,9 +125,12 @@ def run(ms: list[int], formats: list[str], layers: list[str], repeats: int) -> d
         packed = {fmt: random_packed(fmt, n, k, device) for fmt in formats}
         for m in ms:
             x = torch.randn(m, k, device=device).to(torch.bfloat16)
-            dense_ms = timed_ms(lambda x=x, d=dense: F.linear(x, d), repeats, device)
             for fmt, w in packed.items():
-                quant_ms = timed_ms(lambda x=x, w=w: kernels.quant_linear(x, w), repeats, device)
+                dense_ms, quant_ms = paired_ms(
+                    lambda x=x, d=dense: F.linear(x, d),
+                    lambda x=x, w=w: kernels.quant_linear(x, w),
+                    repeats, device,
+                )  # fmt: skip
                 row = {
                     "layer": layer, "n": n, "k": k, "m": m, "format": fmt,
                     "backend": kernels.backend_for(x), "quant_ms": round(quant_ms, 3),
@@ -137,14 +148,24 @@ def run(ms: list[int], formats: list[str], layers: list[str], repeats: int) -> d
                 )
         del dense, packed
     return {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device": _device_name(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "repeats": repeats,
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "rows": rows,
     }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    return platform.machine()
 
 
 def main() -> None:
