@@ -13,9 +13,9 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from cluster.adapter_store import AdapterStore
 from cluster.config import AppConfig
 from cluster.resolvers import build_resolvers
+from cluster.store import AdapterStore
 from replica.config import EngineConfig
 from replica.serve.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter

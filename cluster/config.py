@@ -65,9 +65,6 @@ class AppConfig(IngressOptions):
         "first this-many prompt tokens (and model) agree go to the same replica, where that "
         "prefix is cached, within the load bound. 0 turns it off.",
     )
-    routing_stats_period_s: float = Field(
-        1.0, gt=0, description="How often replicas publish residency and load to the router."
-    )
     max_queued_requests: int = Field(
         512,
         ge=-1,

@@ -6,6 +6,9 @@ is validated or built once, on the side that makes it, and never re-checked:
 - `SamplingParams`: how a request picks its tokens; its field types carry the only bounds
   (the HTTP request models reuse them), its defaults are the API's.
 - `AdapterKey`: one registered version of an adapter, `name@vN` as the engine names it.
+- `AdapterInfo`, `AdapterWeightsRef`, `Listing`, `ReportReply`: the AdapterStore's answers
+  (cluster/store/): to the ingress, what the registry holds; to a replica, where a
+  version's weights are and what it must drop.
 - `GenerateRequest`: the argument of `LoRAReplica.generate`; the request router reads its
   adapter to place it.
 - `Reply`: one message of a replica's answer stream (new tokens, or the end, or a refusal).
@@ -21,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the engine seeds a 64-bit torch.Generator
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # 64 bits: what the sampler mixes into its keys
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs
@@ -153,6 +156,76 @@ class AdapterKey:
         if not sep or not name or not version.isdigit():
             raise ValueError(f"not an adapter key (name@vN): {key!r}")
         return cls(name, int(version))
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One registered adapter version, as the AdapterStore tells of it (no weights): what
+    the ingress lists and resolves names to, and what a replica reserves device rows by.
+
+    `ranks` is computed once, where the store converts the weights: the rank rows the
+    adapter needs in each projection group it targets (qkv_proj, o_proj, ..., see
+    replica/model/lora.py; groups it does not target are absent). A replica reserves
+    exactly those before it fetches the weights."""
+
+    name: str
+    version: int
+    ranks: Mapping[str, int] = field(hash=False)
+    path: str
+    target_modules: tuple[str, ...]
+    nbytes: int  # the converted weights' bytes
+    created: int  # unix time of the registration
+    source: str | None = None  # the resolver that found it; None: loaded or preloaded
+
+    @property
+    def key(self) -> AdapterKey:
+        return AdapterKey(self.name, self.version)
+
+    @property
+    def rank(self) -> int:
+        """The largest rank of any module (what `max_lora_rank` bounds)."""
+        return max(self.ranks.values(), default=0)
+
+
+@dataclass(frozen=True)
+class AdapterWeightsRef:
+    """Where one adapter version's converted weights are: the store's answer to a replica
+    that fetches it. `weights` is the ray.ObjectRef of the packed arrays
+    (replica/adapters/packing.py), typed Any so that this module needs no Ray."""
+
+    info: AdapterInfo
+    weights: Any
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The store's registry for the ingress: every adapter sorted by name, or None when
+    the caller already holds the listing of `tag` (a tag changes with every registration,
+    unload and store restart)."""
+
+    tag: str
+    adapters: tuple[AdapterInfo, ...] | None
+
+
+@dataclass(frozen=True)
+class RegistryEpoch:
+    """How far a replica has followed the store's removals: the store's incarnation (a
+    restarted store is a new one) and how many versions it had removed."""
+
+    incarnation: str
+    removals: int
+
+
+@dataclass(frozen=True)
+class ReportReply:
+    """The store's answer to a replica's periodic report: the versions removed since the
+    epoch the replica last saw (unloads, in-place replacements). When the store cannot
+    tell (another incarnation, a replica behind its change log), `live` lists every live
+    version (name -> version) and `removed` those removed ones still fetchable."""
+
+    epoch: RegistryEpoch
+    removed: tuple[AdapterKey, ...] = ()
+    live: Mapping[str, int] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The ingress's model catalogue: which models a caller sees (/v1/models), what a request's
-`model` names (resolved through the AdapterStore, its resolvers included), and vLLM's
-load/unload endpoints. A tenant's scope filters every one of them alike: a name outside
-it is answered exactly as a name that does not exist, and is never sent to a resolver."""
+`model` names (from this ingress's Catalog of the registry; a name it lacks goes to the
+AdapterStore, its resolvers included), and vLLM's load/unload endpoints. A tenant's scope
+filters every one of them alike: a name outside it is answered exactly as a name that
+does not exist, and is never sent to a resolver."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import time
 from typing import Any
 
 from fastapi.responses import Response
+from ray.serve.handle import DeploymentHandle
 
-from replica.wire import AdapterKey
+from replica.wire import AdapterInfo, AdapterKey
 from router import protocol as p
+from router.catalog import Catalog
 from router.errors import BadRequestError, ForbiddenError, GatewayTimeoutError, NotFoundError
 from router.http_app import AUTHORIZATION, app, refuse_invalid_unicode
+from router.options import IngressOptions
 from router.tenancy import Caller, Tenancy, unknown_model
 
 
@@ -22,15 +26,16 @@ class AdapterRoutes:
     """Mixed into Ingress (Serve's class-based views take routes from every base class);
     Ingress.__init__ sets what these methods read."""
 
-    store: Any  # the AdapterStore's handle
+    store: DeploymentHandle  # the AdapterStore's
+    catalog: Catalog
     model_name: str
     model_dir: str
     created: int
-    options: Any  # IngressOptions
+    options: IngressOptions
     tenancy: Tenancy
-    # the store's last listing (tag, AdapterInfos) and the /v1/models body rendered from
-    # it per scope (a tenant's name; None: everything)
-    _listing: tuple[Any, list[Any]] | None
+    # the /v1/models bodies rendered from the listing of tag _models_tag, per scope (a
+    # tenant's name; None: everything)
+    _models_tag: str | None
     _models_bodies: dict[str | None, bytes]
 
     @app.get("/v1/models", response_model=p.ModelList)
@@ -39,16 +44,15 @@ class AdapterRoutes:
         per registry change (the store's listing tag) and kept: with thousands of adapters
         a GET costs one small store call, not a list pickled, validated and rendered."""
         caller = self.tenancy.identify(authorization)
-        known = self._listing[0] if self._listing is not None else None
-        tag, infos = await self.store.listing.remote(known)
-        if infos is not None or self._listing is None:
-            self._listing, self._models_bodies = (tag, list(infos or ())), {}
+        tag, infos = await self.catalog.listing()
+        if tag != self._models_tag:
+            self._models_tag, self._models_bodies = tag, {}
         body = self._models_bodies.get(caller.name)
         if body is None:
             base = [self._base_card()] if caller.may_use(self.model_name, self.model_name) else []
             cards = [
                 self._adapter_card(info)
-                for info in self._listing[1]
+                for info in infos
                 if caller.may_use(info.name, self.model_name)
             ]
             body = p.ModelList(data=[*base, *cards]).model_dump_json().encode()
@@ -68,7 +72,7 @@ class AdapterRoutes:
     def _base_card(self) -> p.ModelCard:
         return p.ModelCard(id=self.model_name, created=self.created, root=self.model_dir)
 
-    def _adapter_card(self, info: Any) -> p.ModelCard:
+    def _adapter_card(self, info: AdapterInfo) -> p.ModelCard:
         """An AdapterInfo as a ModelCard."""
         return p.ModelCard(
             id=info.name, created=info.created, root=info.path, parent=self.model_name
@@ -91,9 +95,10 @@ class AdapterRoutes:
                 "lora_name",
             )
         roots = None if caller.tenant is None else caller.tenant.adapter_roots
-        info = await self.store.register.remote(
+        info: AdapterInfo = await self.store.register.remote(
             body.lora_name, body.lora_path, body.load_inplace, roots
         )
+        self.catalog.learned(info)
         return {"status": "ok", "lora_name": info.name, "version": info.version}
 
     @app.post("/v1/unload_lora_adapter")
@@ -105,11 +110,13 @@ class AdapterRoutes:
         if not caller.may_use(body.lora_name, self.model_name):
             raise unknown_model(body.lora_name)
         try:
-            info = await self.store.unregister.remote(body.lora_name)
+            info: AdapterInfo = await self.store.unregister.remote(body.lora_name)
         except NotFoundError:
             if caller.tenant is None:
                 raise
             raise unknown_model(body.lora_name) from None
+        finally:  # from the store's answer on, whatever it was
+            self.catalog.forgot(body.lora_name)
         return {"status": "ok", "lora_name": info.name}
 
     # -- resolution ----------------------------------------------------------------------------
@@ -125,15 +132,21 @@ class AdapterRoutes:
         info = await self._adapter_info(model, caller, deadline)
         return AdapterKey(info.name, info.version)
 
-    async def _adapter_info(self, model: str, caller: Caller, deadline: float | None = None) -> Any:
-        """The store's AdapterInfo of `model`. The store may have to find and load it first
+    async def _adapter_info(
+        self, model: str, caller: Caller, deadline: float | None = None
+    ) -> AdapterInfo:
+        """The AdapterInfo of `model`: from the catalog, without a store call, when it
+        lists the name; else the store's answer, which may have to find and load it first
         (adapter_resolvers): that wait ends at `deadline` (perf_counter; default: the
         request time limit from now)."""
+        info = self.catalog.cached(model)
+        if info is not None:
+            return info
         if deadline is None:
             deadline = time.perf_counter() + self.options.request_timeout_s
         try:
             return await asyncio.wait_for(
-                self.store.resolve.remote(model), max(0.0, deadline - time.perf_counter())
+                self.catalog.ask_store(model), max(0.0, deadline - time.perf_counter())
             )
         except NotFoundError as e:
             if caller.tenant is not None:  # the same bytes as a name out of its scope

@@ -27,6 +27,7 @@ from typing import Any
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from replica.wire import GenerateRequest
@@ -34,6 +35,7 @@ from router import extra_protocol as xp
 from router import protocol as p
 from router import responses
 from router.adapter_routes import AdapterRoutes
+from router.catalog import Catalog
 from router.choices import LogprobFormatter, Prompt, RequestOutput, TextOptions
 from router.errors import APIError, BadRequestError, ServiceUnavailableError
 from router.http_app import AUTHORIZATION, app, log, refuse_invalid_unicode
@@ -118,8 +120,8 @@ def _token_charge(prompts: list[Prompt], sampling: Any, n: int, max_model_len: i
 class Ingress(AdapterRoutes):
     def __init__(
         self,
-        replicas: Any,
-        store: Any,
+        replicas: DeploymentHandle,
+        store: DeploymentHandle,
         model_dir: str,
         served_model_name: str,
         options: IngressOptions | None = None,
@@ -132,6 +134,7 @@ class Ingress(AdapterRoutes):
         self.model_dir = model_dir
         self.model_name = served_model_name
         self.options = options = options or IngressOptions()
+        self.catalog = Catalog(store, options.routing_stats_period_s)
         self.default_max_tokens = options.default_max_tokens
         self.model_defaults = sampling_defaults(model_dir)  # generation_config.json
         key = options.api_key or os.environ.get(options.api_key_env) or None
@@ -141,7 +144,7 @@ class Ingress(AdapterRoutes):
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
         self.metrics = IngressMetrics()
-        self._listing, self._models_bodies = None, {}
+        self._models_tag, self._models_bodies = None, {}
 
     # -- service -------------------------------------------------------------------------------
 
@@ -323,8 +326,8 @@ class Ingress(AdapterRoutes):
             lease = await self.tenancy.admit(caller, charge)
             request_id = p.chat_completion_id() if chat else p.completion_id()
             log.debug("%s: model %s, user %r", request_id, model, body.user)
-            # a batch of prompts: one replica request each (ids that the store's cancel
-            # list and the replicas' logs tell apart)
+            # a batch of prompts: one replica request each (ids the replicas' logs tell
+            # apart)
             ids = (
                 [request_id]
                 if len(prompts) == 1
@@ -348,12 +351,7 @@ class Ingress(AdapterRoutes):
                 )
                 for prompt, rid in zip(prompts, ids)
             ]
-            streams = Streams(
-                [calls[0](), *(own_request_id(call) for call in calls[1:])],
-                ids,
-                n,
-                self._give_up,
-            )
+            streams = Streams([calls[0](), *(own_request_id(call) for call in calls[1:])], n)
             firsts = await streams.first(backstop)
             if body.stream:
                 chunks = responses.sse(
@@ -392,15 +390,6 @@ class Ingress(AdapterRoutes):
                 if ended is not None:  # the usage endpoint counts it once this answers
                     with contextlib.suppress(Exception):
                         await ended
-
-    def _give_up(self, stream: Any, request_id: str) -> None:
-        """Stop a request we no longer want: Serve's cancel, and the store's cancel list,
-        which replicas read every stats period (Serve's cancel does not always reach)."""
-        # A call that already failed (refused, replica gone) re-raises that error from
-        # cancel(): then there is nothing to cancel.
-        with contextlib.suppress(Exception):
-            stream.cancel()
-        self.store.cancel_requests.remote([request_id])
 
     def _record(
         self, kind: str, model: str, outcome: str, output: RequestOutput, lease: Lease | None

@@ -101,6 +101,12 @@ class IngressOptions(BaseModel):
         description="Customers, each with its keys and adapter scope; with any, every "
         "endpoint but /health and /metrics needs a tenant's key or the admin key.",
     )
+    routing_stats_period_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often replicas publish residency and load to the router; the "
+        "ingress refreshes its list of adapters as often.",
+    )
     rate_limit_window_s: float = Field(
         60.0,
         gt=0,

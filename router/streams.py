@@ -1,10 +1,13 @@
 """One HTTP request's generations at the replicas: the handle calls' reply streams, read
 until each choice ends or the deadline, and cancelled (KV and slot freed) by whoever
-stops early."""
+stops early: Serve's cancel reaches the replica running the call (CancelledError in
+LoRAReplica.generate, which aborts the request there) or, not assigned yet, stops it
+before it reaches one."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,6 +15,7 @@ from typing import Any
 
 from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentResponseGenerator
 
 from replica.wire import Reply
 from router import protocol as p
@@ -26,7 +30,7 @@ from router.errors import (
 )
 
 
-async def _next(stream: Any, deadline: float) -> Reply:
+async def _next(stream: DeploymentResponseGenerator, deadline: float) -> Reply:
     """The stream's next message, or GatewayTimeoutError at the request's deadline."""
     try:
         return await asyncio.wait_for(stream.__anext__(), deadline - time.perf_counter())
@@ -34,7 +38,7 @@ async def _next(stream: Any, deadline: float) -> Reply:
         raise GatewayTimeoutError("the request did not finish within its time limit") from None
 
 
-async def _first_message(stream: Any, deadline: float) -> Reply:
+async def _first_message(stream: DeploymentResponseGenerator, deadline: float) -> Reply:
     try:
         return await _next(stream, deadline)
     except StopAsyncIteration:
@@ -66,11 +70,8 @@ class Streams:
     of Replies for its n choices. Whoever stops early (a stop string, an error, the
     deadline, a client gone) cancels the replica work still going, freeing its KV and slot."""
 
-    def __init__(
-        self, calls: list[Any], request_ids: list[str], n: int, give_up: Callable[[Any, str], None]
-    ) -> None:
-        self.calls, self.request_ids, self.n = calls, request_ids, n
-        self._give_up = give_up
+    def __init__(self, calls: list[DeploymentResponseGenerator], n: int) -> None:
+        self.calls, self.n = calls, n
         self._ended: list[set[int]] = [set() for _ in calls]  # choices the replica finished
 
     async def first(self, deadline: float) -> list[Reply]:
@@ -123,7 +124,10 @@ class Streams:
         for i, call in enumerate(self.calls):
             if only in (None, i) and len(self._ended[i]) < self.n:
                 self._ended[i] = set(range(self.n))
-                self._give_up(call, self.request_ids[i])
+                # a call that already failed (refused, replica gone) re-raises that error
+                # from cancel(): then there is nothing to cancel
+                with contextlib.suppress(Exception):
+                    call.cancel()
 
     def _seen(self, i: int, message: Reply) -> None:
         if message.finished:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from replica.adapters.host_cache import HostCache
-from replica.adapters.slot_pool import AdapterSlotPool, Ranks
+from replica.adapters.slot_pool import AdapterSlotPool
 from replica.device import LoadHandle, StepProgress, wait_any
 from replica.model.lora_slots import LoRASlotBuffers
 
@@ -22,9 +22,11 @@ from replica.model.lora_slots import LoRASlotBuffers
 class _InFlight:
     name: str
     slot: int
+    ranks: Mapping[str, int]  # what its rows were reserved for
+    handed_over: bool  # into a slot whose last step was running: its blocks kept whole
     handle: LoadHandle
     started: float
-    meta: dict  # filled by the job: the adapter's weights and its rank per group
+    meta: dict  # filled by the job: the adapter's weights
 
 
 @dataclass
@@ -42,15 +44,12 @@ class Prefetcher:
         loader,
         window: int,
         max_inflight: int,
-        ranks_of: Callable[[str], Ranks],
+        ranks_of: Callable[[str], Mapping[str, int]],
     ) -> None:
-        """`ranks_of(name)`: an adapter's rank per group, or one rank, without fetching
-        it (None: unknown), so a load reserves the rows its ranks need; what it reserved
-        beyond its weights' ranks per group is given back when it lands."""
+        """`ranks_of(name)`: an adapter's rank per projection group, known without
+        fetching it (the source's record), so a load reserves exactly the rows it needs."""
         self.pool, self.buffers, self.host_cache, self.loader = pool, buffers, host_cache, loader
         self.ranks_of = ranks_of
-        # each landed adapter's exact rank per group: its next load reserves just that
-        self.known_ranks: dict[str, dict[str, int]] = {}
         self.window, self.max_inflight = window, max_inflight
         self._inflight: dict[str, _InFlight] = {}
         self.loads_started = 0
@@ -84,11 +83,10 @@ class Prefetcher:
                 self.pool.cancel(job.slot)
                 failures.append(LoadFailure(name, e))
                 continue
-            ranks = job.meta["ranks"]
-            self.pool.shrink(job.slot, ranks)
+            if job.handed_over:  # the step that read the slot's old adapter is over
+                self.pool.trim(job.slot, job.ranks)
             self.buffers.activate(job.slot, self.pool.slots[job.slot].offsets, job.meta["adapter"])
             self.pool.mark_ready(job.slot)
-            self.known_ranks[name] = ranks
             latency = time.perf_counter() - job.started
             self.loads_done += 1
             self.load_seconds += latency
@@ -124,7 +122,7 @@ class Prefetcher:
                 continue
             # an adapter wanted by an older request stays; one nobody waits for goes first;
             # the slot's blocks (or free ones) must hold the new adapter's ranks
-            ranks = self.reserve_ranks(name)
+            ranks = self.ranks_of(name)
             free = [
                 i for i in ending
                 if self.pool.slots[i].adapter not in names[:k]
@@ -135,7 +133,7 @@ class Prefetcher:
             idx = min(free, key=lambda i: self.pool.slots[i].adapter in names)
             ending.remove(idx)
             self.pool.hand_over(name, idx, ranks)
-            self._submit(name, idx, progress)
+            self._submit(name, idx, ranks, progress)
             self.handovers += 1
             started += 1
         return started
@@ -149,38 +147,36 @@ class Prefetcher:
                 names.append(n)
         return names
 
-    def reserve_ranks(self, name: str) -> Ranks:
-        """What a load of `name` reserves: its ranks per group once it has landed here,
-        else what ranks_of knows."""
-        known = self.known_ranks.get(name)
-        return known if known is not None else self.ranks_of(name)
-
-    def forget(self, name: str) -> None:
-        """`name` was unloaded or registered anew: its ranks are not known any more."""
-        self.known_ranks.pop(name, None)
-
     def start(self, name: str, protected: set[str] = frozenset()) -> bool:
-        slot = self.pool.reserve(name, protected, self.reserve_ranks(name))
+        ranks = self.ranks_of(name)
+        slot = self.pool.reserve(name, ranks, protected)
         if slot is None:
             return False
-        self._submit(name, slot)
+        self._submit(name, slot, ranks)
         return True
 
-    def _submit(self, name: str, slot: int, progress: StepProgress | None = None) -> None:
+    def _submit(
+        self,
+        name: str,
+        slot: int,
+        ranks: Mapping[str, int],
+        progress: StepProgress | None = None,
+    ) -> None:
         self.buffers.clear(slot)
         meta: dict = {}
         rows = self.pool.slots[slot].offsets
 
         def job() -> None:
             weights = self.host_cache.get(name)
-            ranks = self.buffers.group_ranks(weights)
-            if not self.pool.fits(slot, ranks):  # staged anew with other ranks
-                raise ValueError(f"{name}: ranks {ranks} do not fit its reserved rows")
+            fetched = {g: r for g, r in self.buffers.group_ranks(weights).items() if r}
+            if fetched != dict(ranks):  # not the weights it was registered with (rewritten)
+                raise ValueError(f"{name}: ranks {fetched} are not those it was registered with")
             self.buffers.write(rows, weights, progress)
-            meta["adapter"], meta["ranks"] = weights, ranks
+            meta["adapter"] = weights
 
         started = time.perf_counter()
         self.loads_started += 1
         handle = self.loader.submit(job)
         self.blocked_seconds += time.perf_counter() - started
-        self._inflight[name] = _InFlight(name, slot, handle, started, meta)
+        handed_over = progress is not None
+        self._inflight[name] = _InFlight(name, slot, ranks, handed_over, handle, started, meta)

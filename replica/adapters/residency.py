@@ -11,7 +11,7 @@ weights go only once its last request has ended.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import torch
 from replica.adapters.eviction import make_policy
 from replica.adapters.host_cache import HostCache
 from replica.adapters.prefetcher import LoadFailure, Prefetcher
-from replica.adapters.slot_pool import AdapterSlotPool, Ranks, SlotState
+from replica.adapters.slot_pool import AdapterSlotPool, SlotState
 from replica.adapters.sources import AdapterLocator, AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
 from replica.device import InlineLoader, SideStreamLoader, StepProgress
@@ -31,8 +31,9 @@ from replica.model.lora_slots import LoRASlotBuffers, SlotTable
 
 BASE_KEY = "__base__"  # the base model's pool name when its slot is not pinned (ablation)
 
-# What the executor makes of a source: where each rank's host cache fetches from, and what
-# slot writes go through (rank 0's buffers alone, or every rank's; see adapters/sharded.py).
+# What the executor makes of a source: where each rank's host cache fetches from (and what
+# it keeps of a whole adapter: `stage`), and what slot writes go through (rank 0's buffers
+# alone, or every rank's; see adapters/sharded.py).
 Staging = Callable[[Any], tuple[Any, Any]]
 
 
@@ -58,8 +59,8 @@ class AdapterResidency:
         rank's); `stage`: the executor's adapter_staging."""
         c = config
         self.source, self.buffers, self.device = source, buffers, device
-        staged, slots = stage(_WithBase(source))
-        self.host_cache = HostCache(staged, c.host_cache_bytes)
+        self.staged, slots = stage(_WithBase(source))
+        self.host_cache = HostCache(self.staged, c.host_cache_bytes)
         self.pool = AdapterSlotPool(
             c.num_slots, make_policy(c.eviction_policy), c.max_lora_rank, buffers.groups
         )
@@ -76,20 +77,14 @@ class AdapterResidency:
     # -- registry ------------------------------------------------------------------------------
 
     def register(self, name: str, path: str | Path) -> LoRAAdapterWeights:
-        """Register a PEFT directory as `name`: validated and staged in the host cache now,
-        copied into a device slot when a request needs it."""
+        """Register a PEFT directory as `name`: read, validated and staged in the host cache
+        now (once: the source's conversion is what is staged), copied into a device slot
+        when a request needs it. Nothing is registered on error."""
         if not isinstance(self.source, PeftDirectorySource):
             raise TypeError("registering a directory needs the PEFT directory source")
         if name in self.unloading:
             raise RequestError(f"adapter {name!r} is being unloaded: requests on it still run")
-        self.source.add(name, path)
-        self.host_cache.drop(name)
-        self.prefetcher.forget(name)
-        try:
-            return self.host_cache.get(name)
-        except Exception:
-            self.source.remove(name)
-            raise
+        return self.host_cache.put(name, self.staged.stage(self.source.add(name, path)))
 
     def unregister(self, name: str) -> None:
         """Refuse `name` for new requests; its weights go at release_unloaded, once unused."""
@@ -111,25 +106,18 @@ class AdapterResidency:
             if self.pool.evict(name):  # the slot's rank is zeroed when it is reserved again
                 self.source.remove(name)
                 self.host_cache.drop(name)
-                self.prefetcher.forget(name)
                 self.unloading.discard(name)
 
-    def ranks_of(self, name: str) -> Ranks:
-        """`name`'s rank without fetching it: per projection group from the host copy,
-        else one rank, the source's record (its largest module's: a load reserves it in
-        every group and gives back what the weights do not use); None when unknown."""
-        staged = self.host_cache.peek(name)
-        if staged is not None:
-            return self.buffers.group_ranks(staged)
-        if name == BASE_KEY:
-            return 0
-        return getattr(self.source, "rank_of", lambda _: None)(name)
+    def ranks_of(self, name: str) -> Mapping[str, int]:
+        """`name`'s rank per projection group, the source's record (known since it was
+        registered, without fetching it): what a load of it reserves."""
+        return {} if name == BASE_KEY else self.source.ranks(name)
 
     def tier(self, name: str) -> str:
         """Where `name` is now: "device" (a slot, ready or loading), "host", or "miss"."""
         if self.pool.state(name) is not None:
             return "device"
-        return "host" if self.host_cache.rank_of(name) is not None else "miss"
+        return "host" if self.host_cache.peek(name) is not None else "miss"
 
     # -- per step ------------------------------------------------------------------------------
 
@@ -214,6 +202,10 @@ class _WithBase:
 
     def locate(self, name: str) -> AdapterLocator:
         return _BaseLocator() if name == BASE_KEY else self.source.locate(name)
+
+    def stage(self, adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
+        """What the host cache holds of a whole adapter: all of it (one rank)."""
+        return adapter
 
 
 class _BaseLocator:

@@ -41,6 +41,10 @@ class ShardedSource:
     def fetch(self, name: str) -> LoRAAdapterWeights:
         return self.source.locate(name).fetch(name, self.shard.slice_lora)
 
+    def stage(self, adapter: LoRAAdapterWeights) -> LoRAAdapterWeights:
+        """This rank's shard of a whole adapter (one converted elsewhere)."""
+        return adapter.select(self.shard.slice_lora)
+
 
 class ShardedSlotWriter:
     """Rank 0's slot buffers, as the prefetcher uses them, with writes fanned out: each

@@ -6,9 +6,12 @@ one arena per projection group (qkv_proj, o_proj, ...; replica/adapters/arena.py
 in each the adapter holds a block sized by its own rank there: a rank-8 adapter holds an
 eighth of what a rank-64 one does, a rank_pattern adapter with rank-64 attention and a
 rank-8 MLP holds 64 rows of the attention arenas and 8 of the MLP's, and a q/v adapter
-holds no rows of the MLP arenas. A load whose rank per group is not known yet reserves
-its largest rank (or max_lora_rank) everywhere and gives the rest back once its weights
-are in place (shrink). Index ranges:
+holds no rows of the MLP arenas. An adapter's rank per group is known before its weights
+are fetched (computed once at conversion, wire.AdapterInfo.ranks), so a reservation
+takes exactly the blocks they need. A slot handed over while its sequences run their last
+step keeps its blocks until the new adapter's load lands (that step still reads them),
+then keeps only what the new ranks need (trim).
+Index ranges:
   slot 0          the base model: pinned, always READY, holds no rows, never evicted
   slots 1..S-1    adapters: FREE -> LOADING (a copy is in flight) -> READY -> (evicted) FREE
 An adapter may be evicted only when READY, unreferenced (no sequence in the running
@@ -30,9 +33,6 @@ from replica.adapters.arena import RowArena
 from replica.adapters.eviction import EvictionPolicy
 from replica.model.lora_slots import arena_rows, block_rows, num_slot_handles
 
-# An adapter's rank per projection group (missing groups: 0, no rows there), one rank for
-# every group, or None: not known yet (max_lora_rank everywhere).
-Ranks = Mapping[str, int] | int | None
 ONE_GROUP = ("lora",)  # a pool with a single arena (the slot-pool tests use plain names)
 
 
@@ -118,11 +118,9 @@ class AdapterSlotPool:
         counts[SlotState.FREE.value] = self.num_free
         return counts
 
-    def block_sizes(self, ranks: Ranks) -> dict[str, int]:
-        """The rows `ranks` needs in each group (groups needing none left out)."""
-        if ranks is None or isinstance(ranks, int):
-            rank = self.max_rank if ranks is None else ranks
-            ranks = dict.fromkeys(self.arenas, rank)
+    def block_sizes(self, ranks: Mapping[str, int]) -> dict[str, int]:
+        """The rows an adapter of `ranks` (rank per projection group; a group left out: 0)
+        needs in each group (groups needing none left out)."""
         unknown = set(ranks) - set(self.arenas)
         if unknown:
             raise ValueError(
@@ -134,9 +132,9 @@ class AdapterSlotPool:
     # -- transitions ---------------------------------------------------------------------------
 
     def reserve(
-        self, name: str, protected: set[str] = frozenset(), ranks: Ranks = None
+        self, name: str, ranks: Mapping[str, int], protected: set[str] = frozenset()
     ) -> int | None:
-        """A slot and rows for `name` (its `ranks`, see Ranks) to be loaded into (marked
+        """A slot and exactly the rows `name`'s `ranks` need, to be loaded into (marked
         LOADING), evicting if needed; None when nothing can be evicted. Adapters in
         `protected` (wanted by requests about to run) are not evicted."""
         if name in self._by_name:
@@ -154,18 +152,51 @@ class AdapterSlotPool:
         self._claim(slot, name)
         return slot.index
 
-    def fits(self, index: int, ranks: Ranks) -> bool:
-        """Whether slot `index`'s blocks can hold an adapter of `ranks` (hand-over, and a
-        load checking what it reserved against the weights it fetched)."""
+    def holds(self, index: int, ranks: Mapping[str, int]) -> bool:
+        """Whether slot `index`'s blocks are exactly those `ranks` need."""
         blocks = self.slots[index].blocks
-        return all(size <= blocks.get(g, (0, 0))[1] for g, size in self.block_sizes(ranks).items())
+        return {g: rows for g, (_, rows) in blocks.items()} == self.block_sizes(ranks)
 
-    def shrink(self, index: int, ranks: Mapping[str, int]) -> None:
-        """Give back the rows of slot `index` that its adapter's `ranks` (exact, known once
-        its weights are) do not need: a reservation made for an unknown or single rank
-        keeps only its own rank's block per group (aligned: a block's first rows are an
-        aligned block of any smaller size). Only while no step reads the slot: LOADING,
-        or READY and unreferenced."""
+    def can_hand_over(self, index: int, ranks: Mapping[str, int]) -> bool:
+        """Whether an adapter of `ranks` can be handed slot `index`: each group's block is
+        large enough, or, in a group where the slot holds no rows, a free block is."""
+        blocks = self.slots[index].blocks
+        return all(
+            size <= blocks[g][1] if g in blocks else self.arenas[g].find_free(size) is not None
+            for g, size in self.block_sizes(ranks).items()
+        )
+
+    def hand_over(self, name: str, index: int, ranks: Mapping[str, int]) -> None:
+        """Give slot `index` and its whole blocks to `name` (LOADING) while the sequences
+        that reference it run their last step: its adapter is evicted now and the refs
+        drain when they finish. The caller orders the new copies after that step's reads
+        (StepProgress) and checks can_hand_over(): the blocks are kept whole, since the
+        running step still reads their rows and no other adapter may be written there
+        meanwhile (trim() gives back what `ranks` do not need once the load has landed);
+        a group where `ranks` needs rows the slot lacks gets a free block (no running
+        sequence reads free rows)."""
+        slot = self.slots[index]
+        if slot.pinned or slot.state is not SlotState.READY:
+            raise ValueError(f"slot {index} cannot be handed over: {slot}")
+        if name in self._by_name:
+            raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
+        if not self.can_hand_over(index, ranks):
+            raise ValueError(f"slot {index} cannot hold {name!r} of ranks {dict(ranks)}")
+        for g, size in self.block_sizes(ranks).items():
+            if g not in slot.blocks:
+                start = self.arenas[g].find_free(size)
+                self.arenas[g].take(start, size, index)
+                slot.blocks[g] = (start, size)
+        self._forget(slot)
+        self.num_evictions += 1
+        self._claim(slot, name)
+
+    def trim(self, index: int, ranks: Mapping[str, int]) -> None:
+        """Give back the rows of handed-over slot `index` that its adapter's `ranks` do not
+        need, once the step that read its old adapter is over (its load has landed): each
+        group keeps its block's first rows (an aligned block of any smaller size), a
+        group it does not target none. Only while no step reads the slot: LOADING, or
+        READY and unreferenced."""
         slot = self.slots[index]
         assert slot.state is SlotState.LOADING or not slot.refs, slot
         need = self.block_sizes(ranks)
@@ -179,39 +210,6 @@ class AdapterSlotPool:
                 slot.blocks[g] = (row0, keep)
             else:
                 del slot.blocks[g]
-
-    def can_hand_over(self, index: int, ranks: Ranks) -> bool:
-        """Whether an adapter of `ranks` can be handed slot `index`: each group's block is
-        large enough, or, in a group where the slot holds no rows, a free block is."""
-        blocks = self.slots[index].blocks
-        return all(
-            size <= blocks[g][1] if g in blocks else self.arenas[g].find_free(size) is not None
-            for g, size in self.block_sizes(ranks).items()
-        )
-
-    def hand_over(self, name: str, index: int, ranks: Ranks = None) -> None:
-        """Give slot `index` and its whole blocks to `name` (LOADING) while the sequences
-        that reference it run their last step: its adapter is evicted now and the refs
-        drain when they finish. The caller orders the new copies after that step's reads
-        (StepProgress) and checks can_hand_over(): the blocks are kept whole, since the
-        running step still reads their rows and no other adapter may be written there
-        meanwhile; a group where `ranks` needs rows the slot lacks gets a free block
-        (no running sequence reads free rows)."""
-        slot = self.slots[index]
-        if slot.pinned or slot.state is not SlotState.READY:
-            raise ValueError(f"slot {index} cannot be handed over: {slot}")
-        if name in self._by_name:
-            raise ValueError(f"adapter {name!r} already has slot {self._by_name[name]}")
-        if not self.can_hand_over(index, ranks):
-            raise ValueError(f"slot {index} cannot hold {name!r} of ranks {ranks}")
-        for g, size in self.block_sizes(ranks).items():
-            if g not in slot.blocks:
-                start = self.arenas[g].find_free(size)
-                self.arenas[g].take(start, size, index)
-                slot.blocks[g] = (start, size)
-        self._forget(slot)
-        self.num_evictions += 1
-        self._claim(slot, name)
 
     def mark_ready(self, index: int) -> None:
         slot = self.slots[index]

@@ -1,21 +1,22 @@
 """Where adapter weights come from: the source protocols and the PEFT-directory source.
 
-A source names the adapters it can provide and fetches their converted weights (the
-engine layout of model/adapter_weights.py); a locator is the picklable address of one
-adapter's weights, so tensor-parallel ranks can each fetch their own shard. The cluster's
-source, the object store, is adapters/object_store.py.
+A source names the adapters it can provide, knows each one's rank per projection group
+from its registration on (what a load reserves before fetching), and fetches their
+converted weights (the engine layout of model/adapter_weights.py); a locator is the
+picklable address of one adapter's weights, so tensor-parallel ranks can each fetch their
+own shard. The cluster's source, the object store, is adapters/object_store.py.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from replica.model.adapter_weights import LoRAAdapterWeights, SelectLoRA, load_peft_adapter
-from replica.model.peft_config import peft_config_rank
+from replica.model.lora_slots import adapter_group_ranks
 from replica.model.spec import ModelSpec
 
 
@@ -45,9 +46,9 @@ class AdapterSource(Protocol):
     def remove(self, name: str) -> None:
         """Forget `name` (unloaded)."""
 
-    def rank_of(self, name: str) -> int | None:
-        """`name`'s rank without fetching its weights, None when that is not known: a
-        load then reserves rows for max_lora_rank."""
+    def ranks(self, name: str) -> Mapping[str, int]:
+        """`name`'s rank per projection group it targets, recorded when it was registered
+        (no fetch): what a load of it reserves. Raises KeyError if unknown."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ class PeftDirectoryLocator:
         return adapter if select is None else adapter.select(select)
 
 
+@dataclass(frozen=True)
+class _Directory:
+    """One registered PEFT directory: where, which registration, its rank per group."""
+
+    path: str
+    generation: int  # changes when the name is registered again: other ranks re-read it
+    ranks: Mapping[str, int]
+
+
 class PeftDirectorySource:
     """Adapters read from PEFT directories through the one conversion function."""
 
@@ -72,45 +82,47 @@ class PeftDirectorySource:
         self,
         spec: ModelSpec,
         max_lora_rank: int,
-        paths: dict[str, str | Path],
+        paths: Mapping[str, str | Path],
         lora_embeddings: bool = False,
     ) -> None:
+        """`paths`: name -> directory, each registered as by add()."""
         self.spec, self.max_lora_rank = spec, max_lora_rank
         self.lora_embeddings = lora_embeddings
-        self.paths = dict(paths)
         self._generations = itertools.count(1)
-        self._generation: dict[str, int] = {}
+        self._directories: dict[str, _Directory] = {}
+        for name, path in paths.items():
+            self.add(name, path)
 
-    def add(self, name: str, path: str | Path) -> None:
-        self.paths[name] = path
-        self._generation[name] = next(self._generations)
+    def add(self, name: str, path: str | Path) -> LoRAAdapterWeights:
+        """Register `path` as `name`: read and converted now (AdapterFormatError if it is
+        not a valid adapter for this model; nothing registered then), its rank per group
+        recorded from the converted weights. Returns them, for the caller to stage."""
+        weights = self._read(name, path)
+        ranks = adapter_group_ranks(self.spec, weights)
+        self._directories[name] = _Directory(str(path), next(self._generations), ranks)
+        return weights
 
     def remove(self, name: str) -> None:
-        self.paths.pop(name, None)
+        self._directories.pop(name, None)
 
     def names(self) -> list[str]:
-        return list(self.paths)
+        return list(self._directories)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.paths
+        return name in self._directories
+
+    def ranks(self, name: str) -> Mapping[str, int]:
+        return self._directories[name].ranks
 
     def fetch(self, name: str) -> LoRAAdapterWeights:
-        return load_peft_adapter(
-            self.paths[name], self.spec, self.max_lora_rank, name, self.lora_embeddings
-        )
-
-    def rank_of(self, name: str) -> int | None:
-        """The largest rank the directory's adapter_config.json gives a module (`r`, or a
-        larger rank_pattern value; a small read, no weights), at most max_lora_rank."""
-        try:
-            config = json.loads((Path(self.paths[name]) / "adapter_config.json").read_text())
-            return min(peft_config_rank(config), self.max_lora_rank)
-        except (KeyError, OSError, ValueError, TypeError, AttributeError):
-            return None
+        return self._read(name, self._directories[name].path)
 
     def locate(self, name: str) -> PeftDirectoryLocator:
-        path = str(self.paths[name])
+        directory = self._directories[name]
         return PeftDirectoryLocator(
-            path, self.spec, self.max_lora_rank, self._generation.get(name, 0),
+            directory.path, self.spec, self.max_lora_rank, directory.generation,
             self.lora_embeddings,
         )  # fmt: skip
+
+    def _read(self, name: str, path: str | Path) -> LoRAAdapterWeights:
+        return load_peft_adapter(path, self.spec, self.max_lora_rank, name, self.lora_embeddings)

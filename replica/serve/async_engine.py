@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from replica.device import use_device
 from replica.engine.engine import LLMEngine, StepOutput
 from replica.engine.sequence import Sequence
 from replica.wire import Reply, SamplingParams
@@ -159,6 +160,7 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def _loop(self) -> None:
+        use_device(self.engine.device)  # this thread's launches, events and graphs
         while not self._stopping:
             self._drain_commands()
             if not self.engine.has_work():

@@ -2,11 +2,13 @@
 
 The ingress calls `generate(request)` (a wire.GenerateRequest, whose adapter the
 request router reads) through a DeploymentHandle and streams the wire.Replies: per
-batch of new tokens, one message per choice (Reply.index) that has some. Adapter
-weights come from the object store; this class only turns an AdapterKey into an
-ObjectRef once per version, and publishes what is resident for routing
-(wire.RoutingStats). Nothing here speaks HTTP: refusals are replies with a status,
-not responses.
+batch of new tokens, one message per choice (Reply.index) that has some. A caller that
+gives up cancels its call (DeploymentResponseGenerator.cancel): Serve raises
+CancelledError in `generate`, which aborts the request here, freeing its KV blocks and
+adapter slot reference. Adapter weights come from the object store; this class only asks
+the AdapterStore where an AdapterKey's weights are, once per version, and publishes what
+is resident for routing (wire.RoutingStats). Nothing here speaks HTTP: refusals are
+replies with a status, not responses.
 """
 
 from __future__ import annotations
@@ -21,13 +23,22 @@ from typing import Any
 import ray
 import torch
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from replica.adapters.object_store import ObjectStoreSource
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.serve.async_engine import AsyncLLMEngine
 from replica.serve.metrics import ReplicaMetrics
-from replica.wire import AdapterKey, GenerateRequest, Reply, RoutingStats
+from replica.wire import (
+    AdapterKey,
+    AdapterWeightsRef,
+    GenerateRequest,
+    RegistryEpoch,
+    Reply,
+    ReportReply,
+    RoutingStats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +51,7 @@ REMOVED_MEMORY_S = 180.0
 
 @serve.deployment(name="LoRAReplica")
 class LoRAReplica:
-    def __init__(self, engine_config: dict[str, Any], store: Any) -> None:
+    def __init__(self, engine_config: dict[str, Any], store: DeploymentHandle) -> None:
         """`store` is a DeploymentHandle to the AdapterStore."""
         _use_assigned_cpus()
         self.source = ObjectStoreSource()
@@ -51,24 +62,30 @@ class LoRAReplica:
         self.replica_id = context.replica_id.unique_id
         self.metrics = ReplicaMetrics(self.replica_id)
         self._fetching: dict[str, asyncio.Future] = {}
-        self._active: set[str] = set()  # request ids being generated here
-        self._store_epoch: Any = None  # the registry epoch of the store's last answer
+        self._store_epoch: RegistryEpoch | None = None  # of the store's last answer
         self._removed: dict[str, float] = {}  # adapter key -> when the store removed it
 
     async def generate(self, request: GenerateRequest):
         """Yields wire.Replies; a refused request yields one finished reply with a status.
-        A request still running after its `timeout_s` is aborted and ends with status 504."""
+        A request still running after its `timeout_s` is aborted and ends with status 504;
+        one whose caller cancels it (CancelledError, wherever it lands) is aborted too."""
         try:
             key = None if request.adapter is None else await self._ensure_adapter(request.adapter)
-            stream = await self.aengine.add_request(
-                request.prompt_ids,
-                request.sampling,
-                key,
-                request.request_id,
-                tenant=request.tenant,
-                tenant_weight=request.tenant_weight,
-                cache_salt=request.cache_salt,
-            )
+            try:
+                stream = await self.aengine.add_request(
+                    request.prompt_ids,
+                    request.sampling,
+                    key,
+                    request.request_id,
+                    tenant=request.tenant,
+                    tenant_weight=request.tenant_weight,
+                    cache_salt=request.cache_salt,
+                )
+            except asyncio.CancelledError:
+                # the add may still run on the engine thread: the abort queued behind it
+                # ends the request it adds, which no one would read
+                self.aengine.abort(request.request_id)
+                raise
         except ValueError as e:  # a RequestError, or a duplicate request id
             yield Reply.refusal(400, str(e))
             return
@@ -77,7 +94,6 @@ class LoRAReplica:
             return
         timeout_s = request.timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._active.add(stream.request_id)
         try:
             while True:
                 try:
@@ -90,7 +106,6 @@ class LoRAReplica:
                 for reply in batch:  # one per choice with news
                     yield reply
         finally:
-            self._active.discard(stream.request_id)
             if not stream.finished:  # the caller went away: free KV and the slot reference
                 self.aengine.abort(stream.request_id)
 
@@ -133,8 +148,9 @@ class LoRAReplica:
     # -- adapters ------------------------------------------------------------------------------
 
     async def _ensure_adapter(self, adapter: AdapterKey) -> str:
-        """The engine's key of one adapter version, fetching its ObjectRef on first use.
-        Concurrent first requests for one version share one fetch."""
+        """The engine's key of one adapter version, asking the store where its weights are
+        (and its ranks per group) on first use. Concurrent first requests for one version
+        share one fetch."""
         key = str(adapter)
         if key in self.source:
             return key
@@ -147,30 +163,28 @@ class LoRAReplica:
         return key
 
     async def _fetch_ref(self, adapter: AdapterKey) -> None:
-        ref, rank = await self.store.get_ref.remote(adapter.name, adapter.version)
-        self.source.add(str(adapter), ref, rank)
+        stored: AdapterWeightsRef = await self.store.get_weights.remote(adapter)
+        self.source.add(stored)
 
     async def _report(self, stats: dict[str, Any]) -> None:
         """Report to the store; drop references to adapter versions it no longer holds.
         The store answers with the versions removed since the epoch we last saw, or with
         every live version when it cannot tell (a restarted store, a replica far behind)."""
         try:
-            reply = await asyncio.wait_for(
+            reply: ReportReply = await asyncio.wait_for(
                 self.store.report_replica.remote(self.replica_id, stats, self._store_epoch),
                 STORE_TIMEOUT_S,
             )
         except Exception as e:  # the store restarting must not break routing stats
             log.warning("adapter store unreachable: %s", e)
             return
-        for request_id in self._active.intersection(reply["cancelled"]):
-            self.aengine.abort(request_id)
-        self._store_epoch = reply["epoch"]
+        self._store_epoch = reply.epoch
         now = time.monotonic()
         self._removed = {k: t for k, t in self._removed.items() if now - t < REMOVED_MEMORY_S}
-        self._removed.update(dict.fromkeys((str(AdapterKey(*r)) for r in reply["removed"]), now))
+        self._removed.update(dict.fromkeys(map(str, reply.removed), now))
         stale = {key for key in self._removed if key in self.source}
-        if "live" in reply:
-            live = reply["live"]
+        if reply.live is not None:
+            live = reply.live
             held = map(AdapterKey.parse, self.source.names())
             stale.update(str(a) for a in held if live.get(a.name) != a.version)
         for key in stale:

@@ -1,12 +1,11 @@
-"""The AdapterStore without Serve (a local Ray for the object store and the GCS key-value
-store): adapters resolved on first request, the incremental checkpoint, replica reports
+"""The AdapterStore without Serve (a local Ray for the object store and the checkpoint
+actor): adapters resolved on first request, the incremental checkpoint, replica reports
 that carry changes only, and a registry of 4,096 adapters."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import pickle
 import shutil
 import time
@@ -18,11 +17,11 @@ from typing import Any
 import pytest
 import ray
 import torch
-from ray.experimental import internal_kv
 
-from cluster import adapter_store
-from cluster.adapter_store import KV_NAMESPACE, AdapterStore
 from cluster.resolvers import HFCacheResolver, LocalDirResolver
+from cluster.store import AdapterStore, deployment, reports
+from cluster.store.checkpoint import NAMESPACE, Checkpoint
+from replica.wire import AdapterInfo, AdapterKey, RegistryEpoch
 from router.errors import BadRequestError, NotFoundError
 from tests.cluster.test_resolvers import fake_hf_cache
 
@@ -52,12 +51,12 @@ def root(tmp_path, tiny) -> Path:
 
 
 @pytest.fixture
-def prefix(monkeypatch, local_ray) -> str:
-    """A checkpoint key prefix of this test's own (Serve's app name is not there)."""
-    prefix = f"test-registry/{uuid.uuid4().hex}/"
-    monkeypatch.setattr(adapter_store, "_checkpoint_prefix", lambda: prefix)
-    yield prefix
-    internal_kv._internal_kv_del(prefix, del_by_prefix=True, namespace=KV_NAMESPACE)
+def checkpoint(monkeypatch, local_ray) -> str:
+    """A checkpoint actor name of this test's own (Serve's app name is not there)."""
+    name = f"test-registry/{uuid.uuid4().hex}"
+    monkeypatch.setattr(deployment, "checkpoint_name", lambda: name)
+    yield name
+    ray.kill(ray.get_actor(name, namespace=NAMESPACE))
 
 
 def make_store(tiny, root: Path, local_ray=None, **kwargs) -> AdapterStore:
@@ -70,6 +69,16 @@ def local_store(tiny, root: Path, **kwargs) -> AdapterStore:
     return make_store(tiny, root, resolvers=[LocalDirResolver([root])], **kwargs)
 
 
+def listed(store: AdapterStore) -> tuple[AdapterInfo, ...]:
+    """Every adapter the store lists (its listing, taken without a tag)."""
+    return run(store.listing()).adapters
+
+
+def saved(name: str) -> dict[str, AdapterInfo]:
+    """What checkpoint actor `name` holds, per adapter name."""
+    return Checkpoint(name).restore().adapters
+
+
 async def refusal(store: AdapterStore, name: str) -> str:
     """The message of the 404 resolving `name` ends in."""
     with pytest.raises(NotFoundError) as e:
@@ -77,35 +86,30 @@ async def refusal(store: AdapterStore, name: str) -> str:
     return e.value.message
 
 
-class KVWrites:
-    """Records the checkpoint keys written and deleted."""
+class Writes:
+    """Records the checkpoint writes: (what, adapter name or "meta")."""
 
     def __init__(self, monkeypatch) -> None:
-        self.keys: list[str] = []
-        put, delete = internal_kv._internal_kv_put, internal_kv._internal_kv_del
+        self.done: list[tuple[str, str]] = []
+        write = Checkpoint._write
 
-        def recording_put(key, value, **kwargs):
-            self.keys.append(key)
-            return put(key, value, **kwargs)
+        async def recording(checkpoint, method, *args):
+            self.done.append((method, "meta" if method == "put_meta" else args[0]))
+            return await write(checkpoint, method, *args)
 
-        def recording_del(key, **kwargs):
-            self.keys.append(key)
-            return delete(key, **kwargs)
+        monkeypatch.setattr(Checkpoint, "_write", recording)
 
-        monkeypatch.setattr(internal_kv, "_internal_kv_put", recording_put)
-        monkeypatch.setattr(internal_kv, "_internal_kv_del", recording_del)
-
-    def during(self, action) -> list[str]:
-        start = len(self.keys)
+    def during(self, action) -> list[tuple[str, str]]:
+        start = len(self.done)
         action()
-        return self.keys[start:]
+        return self.done[start:]
 
 
 def test_every_store_method_runs_on_the_event_loop():
     """Serve runs a deployment's sync methods on a thread pool: one reading the registry
     there could see a registration half done on the event loop."""
     public = [n for n, f in vars(AdapterStore).items() if callable(f) and not n.startswith("_")]
-    assert {"resolve", "register", "get_ref", "list", "report_replica"} <= set(public)
+    assert {"resolve", "register", "get_weights", "listing", "report_replica"} <= set(public)
     assert [n for n in public if not inspect.iscoroutinefunction(getattr(AdapterStore, n))] == []
 
 
@@ -120,36 +124,38 @@ def test_an_unregistered_adapter_in_a_root_is_registered_on_first_request(tiny, 
         assert (info.name, info.rank, info.source) == ("adapter-01", 16, "local")
         assert info.path == str((root / "adapter-01").resolve())
         assert await store.resolve("adapter-01") == info  # registered: no second lookup
-        assert [i.name for i in await store.list()] == ["adapter-01"]
-        ref, rank = await store.get_ref("adapter-01", info.version)
-        assert ref is not None and rank == 16  # replicas reserve rows by it before fetching
+        assert [i.name for i in (await store.listing()).adapters] == ["adapter-01"]
+        # per projection group, computed at conversion: replicas reserve exactly these rows
+        assert info.ranks == {"qkv_proj": 16, "o_proj": 16}
+        stored = await store.get_weights(info.key)
+        assert stored.info == info and ray.get(stored.weights) is not None
         # as an explicit load would: taken, so a plain load of the name is refused
         with pytest.raises(BadRequestError, match="already registered"):
             await store.register("adapter-01", str(root / "adapter-01"))
 
     asyncio.run(main())
-    assert run(store.stats())["num_resolved"] == 1 and store.num_puts == 1
+    assert run(store.stats())["num_resolved"] == 1 and store.registry.num_puts == 1
 
 
 def test_concurrent_first_requests_share_one_resolution(tiny, root, local_ray, monkeypatch):
     store = local_store(tiny, root)
     finds = []
-    find = store.resolvers[0].find
+    find = store.registry.resolvers[0].find
 
     def slow_find(name):
         finds.append(name)
         time.sleep(0.2)  # long enough for every request to arrive meanwhile
         return find(name)
 
-    monkeypatch.setattr(store.resolvers[0], "find", slow_find)
+    monkeypatch.setattr(store.registry.resolvers[0], "find", slow_find)
 
     async def main():
         return await asyncio.gather(*(store.resolve("adapter-00") for _ in range(10)))
 
     infos = asyncio.run(main())
-    assert finds == ["adapter-00"] and store.num_puts == 1
+    assert finds == ["adapter-00"] and store.registry.num_puts == 1
     assert len({(i.name, i.version) for i in infos}) == 1
-    assert store._resolving == {}  # nothing left behind
+    assert store.registry._resolving == {}  # nothing left behind
 
 
 def test_a_failed_resolution_is_404_with_the_reason_and_registers_nothing(tiny, root, local_ray):
@@ -170,12 +176,12 @@ def test_a_failed_resolution_is_404_with_the_reason_and_registers_nothing(tiny, 
         assert "not a valid adapter" in await refused("adapter-02")
 
     asyncio.run(main())
-    assert run(store.list()) == [] and store.num_puts == 0
+    assert listed(store) == () and store.registry.num_puts == 0
 
 
 def test_names_outside_the_allow_list_are_never_looked_up(tiny, root, local_ray, monkeypatch):
     store = local_store(tiny, root, resolve_allow=["support-*"])
-    monkeypatch.setattr(store.resolvers[0], "find", lambda name: pytest.fail("looked up"))
+    monkeypatch.setattr(store.registry.resolvers[0], "find", lambda name: pytest.fail("looked up"))
 
     async def main():
         for name in ("adapter-00", "../adapter-00", "support/../../x" + "\x00"):
@@ -198,7 +204,7 @@ def test_resolved_adapters_meet_the_limits_of_explicit_loads(tiny, root, tmp_pat
     with open(root / "big" / "adapter_model.safetensors", "ab") as f:
         f.write(b"\0" * 16)
     store = make_store(tiny, root, resolvers=[LocalDirResolver([root])], max_adapter_bytes=size)
-    store.max_lora_rank = 16
+    store.registry.converter.max_lora_rank = 16
 
     async def main():
         assert "outside the configured adapter roots" in await refusal(store, "escape")
@@ -207,7 +213,7 @@ def test_resolved_adapters_meet_the_limits_of_explicit_loads(tiny, root, tmp_pat
         assert (await store.resolve("adapter-00")).rank == 8
 
     asyncio.run(main())
-    assert [i.name for i in run(store.list())] == ["adapter-00"]
+    assert [i.name for i in listed(store)] == ["adapter-00"]
 
 
 def test_bin_weights_meet_the_same_confinement_and_size_limits(tiny, root, tmp_path, local_ray):
@@ -258,7 +264,7 @@ def test_hf_cache_adapters_resolve_by_org_and_name(tiny, root, tmp_path, local_r
         assert (await store.resolve("adapter-00")).source == "local"  # the local one first
 
     asyncio.run(main())
-    assert [i.name for i in run(store.list())] == ["acme/support", "adapter-00"]
+    assert [i.name for i in listed(store)] == ["acme/support", "adapter-00"]
 
 
 def test_a_tenants_loads_are_confined_to_its_own_roots(tiny, root, local_ray):
@@ -277,7 +283,7 @@ def test_a_tenants_loads_are_confined_to_its_own_roots(tiny, root, local_ray):
             await store.register("acme-3", str(root / "acme" / "mine"), roots=["/tmp"])
 
     asyncio.run(main())
-    assert [i.name for i in run(store.list())] == ["acme-1"]
+    assert [i.name for i in listed(store)] == ["acme-1"]
 
 
 def test_without_resolvers_an_unknown_name_is_just_not_registered(tiny, root, local_ray):
@@ -286,34 +292,37 @@ def test_without_resolvers_an_unknown_name_is_just_not_registered(tiny, root, lo
         asyncio.run(store.resolve("adapter-00"))
 
 
-# -- checkpoint: one key per adapter -----------------------------------------------------------
+# -- checkpoint: one entry per adapter --------------------------------------------------------
 
 
-def test_each_change_writes_its_own_keys_only(tiny, root, prefix, monkeypatch):
+def test_each_change_writes_its_own_entry_only(tiny, root, checkpoint, monkeypatch):
     store = local_store(tiny, root, checkpoint=True)
-    kv = KVWrites(monkeypatch)
+    writes = Writes(monkeypatch)
     path = str(root / "adapter-00")
 
     async def main():
         for i in range(20):
             await store.register(f"a-{i}", path)
-        assert kv.during(lambda: None) == []
-        start = len(kv.keys)
+        # one entry each: the versions were reserved in a block when the store started
+        assert writes.done == [("put", f"a-{i}") for i in range(20)]
+        start = len(writes.done)
         await store.register("one-more", path)
-        assert kv.keys[start:] == [f"{prefix}adapter/one-more"]
-        start = len(kv.keys)
+        assert writes.done[start:] == [("put", "one-more")]
+        start = len(writes.done)
         await store.unregister("a-3")
-        assert kv.keys[start:] == [f"{prefix}adapter/a-3"]
-        start = len(kv.keys)
+        assert writes.done[start:] == [("delete", "a-3")]
+        start = len(writes.done)
         await store.register("a-4", str(root / "adapter-01"), inplace=True)
-        assert kv.keys[start:] == [f"{prefix}adapter/a-4"]
+        assert writes.done[start:] == [("put", "a-4")]
 
     asyncio.run(main())
-    entry = internal_kv._internal_kv_get(f"{prefix}adapter/a-4", namespace=KV_NAMESPACE)
-    assert json.loads(entry)["path"] == str((root / "adapter-01").resolve())
+    entries = saved(checkpoint)
+    assert entries["a-4"].path == str((root / "adapter-01").resolve())
+    assert "a-3" not in entries and len(entries) == 20
+    assert run(store.stats())["num_checkpoint_writes"] == 23
 
 
-def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, root, prefix):
+def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, root, checkpoint):
     preload = {"pre": str(tiny.adapters["adapter-02"])}
     store = local_store(tiny, root, checkpoint=True, preload=preload)
     shutil.copytree(root / "adapter-01", root / "other")
@@ -328,70 +337,84 @@ def test_a_restarted_store_restores_the_registry_with_the_same_versions(tiny, ro
         await store.unregister("last")
 
     asyncio.run(main())
-    before = run(store.list())
+    before = listed(store)
     again = local_store(tiny, root, checkpoint=True, preload=preload)
-    assert run(again.list()) == before  # versions, paths, sources, ranks, modules, bytes
+    assert listed(again) == before  # versions, paths, sources, ranks, modules, bytes
     assert {i.name for i in before} == {"pre", "loaded", "adapter-01"}
-    assert again.num_restored == 3 and again.num_puts == 0  # no adapter file read yet
-    assert again._peek_version() >= store._peek_version()  # no version is handed out twice
+    assert again.registry.num_restored == 3 and again.registry.num_puts == 0  # no file read
+    # no version is handed out twice
+    assert again.registry._peek_version() >= store.registry._peek_version()
 
-    # each is read and put once, on its first get_ref, however many replicas ask at once
+    # each is read and put once, on its first fetch, however many replicas ask at once
     loaded = next(i for i in before if i.name == "loaded")
 
     async def fetch_all():
-        return await asyncio.gather(*(again.get_ref("loaded", loaded.version) for _ in range(5)))
+        return await asyncio.gather(*(again.get_weights(loaded.key) for _ in range(5)))
 
-    refs = asyncio.run(fetch_all())
-    assert again.num_puts == 1 and {rank for _, rank in refs} == {loaded.rank}
-    assert len({ref for ref, _ in refs}) == 1 and ray.get(refs[0][0]) is not None
+    fetched = asyncio.run(fetch_all())
+    assert again.registry.num_puts == 1 and {w.info for w in fetched} == {loaded}
+    assert len({w.weights for w in fetched}) == 1 and ray.get(fetched[0].weights) is not None
 
     # versions unloaded before the restart are not handed out again either
     assert asyncio.run(again.register("new", str(root / "adapter-00"))).version > 6
 
-    # an entry whose files no longer check out is dropped on first use, its key too
+    # an entry whose files no longer check out is dropped on first use, its entry too
     shutil.rmtree(root / "adapter-01")
     third = local_store(tiny, root, checkpoint=True, preload=preload)
-    gone = next(i for i in run(third.list()) if i.name == "adapter-01")
-    epoch = run(third.report_replica("r1", {}))["epoch"]
+    gone = next(i for i in listed(third) if i.name == "adapter-01")
+    epoch = run(third.report_replica("r1", {})).epoch
     with pytest.raises(NotFoundError, match="no longer check out"):
-        run(third.get_ref("adapter-01", gone.version))
+        run(third.get_weights(gone.key))
     # a replica that kept its copy from before the restart is told to drop it
-    assert run(third.report_replica("r1", {}, epoch))["removed"] == [("adapter-01", gone.version)]
-    assert {i.name for i in run(third.list())} == {"pre", "loaded", "new"}
-    keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
-    assert sorted(keys) == [f"{prefix}adapter/{n}".encode() for n in ("loaded", "new", "pre")]
+    assert run(third.report_replica("r1", {}, epoch)).removed == (gone.key,)
+    assert {i.name for i in listed(third)} == {"pre", "loaded", "new"}
+    assert set(saved(checkpoint)) == {"loaded", "new", "pre"}
     with pytest.raises(NotFoundError):
         run(third.resolve("adapter-01"))  # its resolver no longer finds it either
 
 
-def test_a_checkpoint_entry_from_before_the_listing_was_recorded_is_read_at_once(
-    tiny, root, prefix
+def test_a_checkpoint_actor_lost_while_the_store_lives_is_written_again_whole(
+    tiny, root, checkpoint
 ):
+    """Its node died, say: the next change makes a new one and gives it the whole
+    registry, so a restart after that still finds every adapter."""
     store = local_store(tiny, root, checkpoint=True)
-    info = asyncio.run(store.register("old", str(root / "adapter-01")))
-    key = f"{prefix}adapter/old"
-    old_form = {"name": "old", "path": info.path, "version": info.version}
-    internal_kv._internal_kv_put(key, json.dumps(old_form), namespace=KV_NAMESPACE)
+    path = str(root / "adapter-00")
+    for name in ("a", "b"):
+        asyncio.run(store.register(name, path))
+    ray.kill(ray.get_actor(checkpoint, namespace=NAMESPACE))
+    asyncio.run(store.register("c", path))
+    assert set(saved(checkpoint)) == {"a", "b", "c"}
     again = local_store(tiny, root, checkpoint=True)
-    assert again.num_restored == 1 and again.num_puts == 1  # read, checked and put now
-    [restored] = run(again.list())
-    assert (restored.version, restored.rank) == (info.version, 16)
-    rewritten = json.loads(internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE))
-    assert rewritten["rank"] == 16  # in the new form: the next restart reads no file
+    assert listed(again) == listed(store)
 
 
-def test_a_checkpoint_of_another_preload_list_is_dropped(tiny, root, prefix):
+def test_a_checkpoint_in_fields_this_version_does_not_read_is_started_afresh(
+    tiny, root, checkpoint
+):
+    """The checkpoint actor outlives redeploys: one written by a lorafleet whose records
+    had other fields is replaced, not misread."""
+    store = local_store(tiny, root, checkpoint=True)
+    asyncio.run(store.register("loaded", str(root / "adapter-00")))
+    keeper = ray.get_actor(checkpoint, namespace=NAMESPACE)
+    old = {"meta": {"preload": {}, "next": 7}, "adapters": {"loaded": {"name": "loaded"}}}
+    ray.get(keeper.replace.remote(old))
+    again = local_store(tiny, root, checkpoint=True)
+    assert listed(again) == () and again.registry.num_restored == 0
+    assert saved(checkpoint) == {}  # in this version's fields now
+
+
+def test_a_checkpoint_of_another_preload_list_is_dropped(tiny, root, checkpoint):
     store = local_store(tiny, root, checkpoint=True)
     asyncio.run(store.register("loaded", str(root / "adapter-00")))
     preload = {"pre": str(tiny.adapters["adapter-02"])}
     other = local_store(tiny, root, checkpoint=True, preload=preload)
-    assert [i.name for i in run(other.list())] == ["pre"] and other.num_restored == 0
-    keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
-    assert sorted(keys) == [f"{prefix}adapter/pre".encode(), f"{prefix}meta".encode()]
+    assert [i.name for i in listed(other)] == ["pre"] and other.registry.num_restored == 0
+    assert set(saved(checkpoint)) == {"pre"}
 
 
 def test_a_resolved_hub_adapter_is_restored_only_while_its_resolver_finds_it(
-    tiny, root, tmp_path, prefix
+    tiny, root, tmp_path, checkpoint
 ):
     cache = tmp_path / "hub"
     fake_hf_cache(cache, "acme/support", tiny.adapters["adapter-01"])
@@ -399,9 +422,9 @@ def test_a_resolved_hub_adapter_is_restored_only_while_its_resolver_finds_it(
     store = make_store(tiny, root, checkpoint=True, resolvers=resolvers)
     version = asyncio.run(store.resolve("acme/support")).version
     again = make_store(tiny, root, checkpoint=True, resolvers=resolvers)
-    assert [(i.name, i.version) for i in run(again.list())] == [("acme/support", version)]
+    assert [(i.name, i.version) for i in listed(again)] == [("acme/support", version)]
     without = make_store(tiny, root, checkpoint=True)
-    assert run(without.list()) == []
+    assert listed(without) == ()
 
 
 # -- replica reports carry changes ----------------------------------------------------------
@@ -410,41 +433,42 @@ def test_a_resolved_hub_adapter_is_restored_only_while_its_resolver_finds_it(
 def test_replica_reports_carry_only_what_was_removed_since_the_last(tiny, root, local_ray):
     store = make_store(tiny, root)
     path = str(root / "adapter-00")
+    b2, c3 = AdapterKey("b", 2), AdapterKey("c", 3)
 
     async def main():
         for name in ("a", "b", "c"):
             await store.register(name, path)
         first = await store.report_replica("r1", {})
-        assert first["live"] == {"a": 1, "b": 2, "c": 3} and first["removed"] == []
-        quiet = await store.report_replica("r1", {}, first["epoch"])
-        assert "live" not in quiet and quiet["removed"] == []
+        assert first.live == {"a": 1, "b": 2, "c": 3} and first.removed == ()
+        quiet = await store.report_replica("r1", {}, first.epoch)
+        assert quiet.live is None and quiet.removed == ()
         await store.unregister("b")
         await store.register("c", str(root / "adapter-01"), inplace=True)
         await store.register("d", path)  # a new name: nothing a replica must drop
-        changed = await store.report_replica("r1", {}, quiet["epoch"])
-        assert "live" not in changed and changed["removed"] == [("b", 2), ("c", 3)]
-        assert (await store.report_replica("r1", {}, changed["epoch"]))["removed"] == []
+        changed = await store.report_replica("r1", {}, quiet.epoch)
+        assert changed.live is None and changed.removed == (b2, c3)
+        assert (await store.report_replica("r1", {}, changed.epoch)).removed == ()
         # another store's epoch (a restart): the whole map, and what is still fetchable
-        other = await store.report_replica("r1", {}, ("another-incarnation", 1))
-        assert other["live"] == {"a": 1, "c": 4, "d": 5}
-        assert other["removed"] == [("b", 2), ("c", 3)]
+        other = await store.report_replica("r1", {}, RegistryEpoch("another-incarnation", 1))
+        assert other.live == {"a": 1, "c": 4, "d": 5} and other.removed == (b2, c3)
+        assert set(await store.replica_stats()) == {"r1"}
 
     asyncio.run(main())
 
 
 def test_a_replica_behind_the_change_log_gets_the_whole_map(tiny, root, local_ray, monkeypatch):
-    monkeypatch.setattr(adapter_store, "CHANGE_LOG_LEN", 4)
+    monkeypatch.setattr(reports, "CHANGE_LOG_LEN", 4)
     store = make_store(tiny, root)
     path = str(root / "adapter-00")
 
     async def main():
-        epoch = (await store.report_replica("r1", {}))["epoch"]
+        epoch = (await store.report_replica("r1", {})).epoch
         for i in range(6):
             await store.register(f"n{i}", path)
             await store.unregister(f"n{i}")
         behind = await store.report_replica("r1", {}, epoch)
-        assert behind["live"] == {}
-        assert (await store.report_replica("r1", {}, behind["epoch"]))["removed"] == []
+        assert behind.live == {}
+        assert (await store.report_replica("r1", {}, behind.epoch)).removed == ()
 
     asyncio.run(main())
 
@@ -460,15 +484,15 @@ NUM_MANY = 4096
 NUM_TRACED = 1024
 
 
-def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, prefix, monkeypatch):
-    """A change writes two checkpoint keys and a replica's report carries that change
+def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, checkpoint, monkeypatch):
+    """A change writes one checkpoint entry and a replica's report carries that change
     alone, with 4,096 adapters registered; the store's own memory grows by under 4 KiB per
     adapter registered (the weights live in the object store: measured over the last
     1,024, 3,072 already there), the listing moves only when the registry changed, and a
     restarted store lists them all without reading an adapter file."""
     store = local_store(tiny, root, checkpoint=True)
     path = str(tiny.adapters["adapter-02"])  # the smallest: q and v only
-    store.roots.append(Path(path).parent.resolve())
+    store.registry.roots.roots.append(Path(path).parent.resolve())
 
     async def register(first: int, stop: int):
         for i in range(first, stop):
@@ -485,31 +509,32 @@ def test_a_registry_of_4096_adapters_costs_the_same_per_change(tiny, root, prefi
     assert per_adapter < 4096, f"{per_adapter:.0f} bytes of store memory per adapter"
     assert run(store.stats())["num_adapters"] == NUM_MANY
 
-    epoch = run(store.report_replica("r1", {}))["epoch"]
-    kv = KVWrites(monkeypatch)
-    written = kv.during(lambda: asyncio.run(store.unregister("many-00007")))
-    assert written == [f"{prefix}adapter/many-00007"]
-    written = kv.during(
+    epoch = run(store.report_replica("r1", {})).epoch
+    writes = Writes(monkeypatch)
+    written = writes.during(lambda: asyncio.run(store.unregister("many-00007")))
+    assert written == [("delete", "many-00007")]
+    written = writes.during(
         lambda: asyncio.run(store.register("many-00008", str(root / "adapter-01"), inplace=True))
     )
-    key = f"{prefix}adapter/many-00008"
-    assert written in ([key], [f"{prefix}meta", key])  # the meta key once per 1,024 versions
+    put = ("put", "many-00008")
+    assert written in ([put], [("put_meta", "meta"), put])  # meta once per 1,024 versions
 
     report = run(store.report_replica("r1", {}, epoch))
     # versions count from 1: many-i is version i + 1
-    assert "live" not in report and report["removed"] == [("many-00007", 8), ("many-00008", 9)]
+    assert report.live is None
+    assert report.removed == (AdapterKey("many-00007", 8), AdapterKey("many-00008", 9))
     assert len(pickle.dumps(report)) < 1024
 
     # the listing is sorted once per change; a caller holding the current tag gets no list
-    tag, listing = run(store.listing())
-    assert len(listing) == NUM_MANY - 1 and run(store.list()) is listing
-    assert run(store.listing(tag)) == (tag, None)
+    listing = run(store.listing())
+    assert len(listing.adapters) == NUM_MANY - 1
+    assert run(store.listing()).adapters is listing.adapters
+    assert run(store.listing(listing.tag)).adapters is None
     asyncio.run(store.unregister("many-00009"))
-    new_tag, shorter = run(store.listing(tag))
-    assert new_tag != tag and len(shorter) == NUM_MANY - 2
+    shorter = run(store.listing(listing.tag))
+    assert shorter.tag != listing.tag and len(shorter.adapters) == NUM_MANY - 2
 
-    keys = internal_kv._internal_kv_list(prefix + "adapter/", namespace=KV_NAMESPACE)
-    assert len(keys) == NUM_MANY - 2  # what a restart reads back
+    assert len(saved(checkpoint)) == NUM_MANY - 2  # what a restart reads back
     restarted = local_store(tiny, root, checkpoint=True)  # lists them all, reads no file
-    assert restarted.num_restored == NUM_MANY - 2 and restarted.num_puts == 0
-    assert run(restarted.list()) == run(store.list())
+    assert restarted.registry.num_restored == NUM_MANY - 2 and restarted.registry.num_puts == 0
+    assert listed(restarted) == listed(store)

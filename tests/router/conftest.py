@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from tests.conftest import tiny_assets
-from tests.router.test_ingress_api import AdapterInfo, FakeReplicas, FakeStore, ingress_client
+from tests.router.test_ingress_api import FakeReplicas, FakeStore, ingress_client, registered
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture
 def store() -> FakeStore:
-    return FakeStore({"ad-1": AdapterInfo("ad-1", 3, "/adapters/ad-1")})
+    return FakeStore({"ad-1": registered("ad-1", 3, "/adapters/ad-1")})
 
 
 @pytest.fixture

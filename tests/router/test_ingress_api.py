@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -22,7 +24,7 @@ import pytest
 from fastapi.testclient import TestClient
 from ray import cloudpickle, serve
 
-from replica.wire import GenerateRequest, Reply
+from replica.wire import AdapterInfo, GenerateRequest, Listing, Reply
 from router import ingress
 from router.errors import NotFoundError
 from router.options import IngressOptions
@@ -32,24 +34,21 @@ BASE = "tiny-base"
 KEY = "secret-key-123"
 
 
-@dataclass(frozen=True)
-class AdapterInfo:
-    name: str
-    version: int
-    path: str
-    created: int = 1700000000
+def registered(name: str, version: int, path: str, created: int = 1700000000) -> AdapterInfo:
+    """An AdapterInfo as the store answers it (a rank-8 q/v adapter)."""
+    return AdapterInfo(name, version, {"qkv_proj": 8}, path, ("q_proj", "v_proj"), 0, created)
 
 
 class _Call:
-    """What a handle's .remote() returns: awaitable once, and harmless if never awaited
-    (the ingress fires cancel_requests and forgets it)."""
+    """What a handle's .remote() returns: awaitable once, and harmless if never awaited."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
         self.fn, self.args = fn, args
 
     def __await__(self):
         async def run() -> Any:
-            return self.fn(*self.args)
+            result = self.fn(*self.args)
+            return await result if inspect.isawaitable(result) else result
 
         return run().__await__()
 
@@ -64,26 +63,35 @@ class _Method:
 
 @dataclass
 class FakeStore:
+    """The AdapterStore's handle; counts the calls of each method (`calls`)."""
+
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     reports: dict[str, dict] = field(default_factory=lambda: {"r1": {"age_s": 0.2}})
     fail: Exception | None = None  # raised by every call
     listings_sent: int = 0
+    calls: Counter[str] = field(default_factory=Counter)
 
     def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self, f"_{name}"))
+        method = getattr(self, f"_{name}")
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] += 1
+            return method(*args)
+
+        return _Method(counted)
 
     def _check(self) -> None:
         if self.fail is not None:
             raise self.fail
 
-    def _listing(self, known: Any = None) -> tuple[Any, list[AdapterInfo] | None]:
+    def _listing(self, known: str | None = None) -> Listing:
         """AdapterStore.listing: the list only when the registry changed since `known`."""
         self._check()
-        tag = tuple(sorted((a.name, a.version) for a in self.adapters.values()))
+        tag = repr(sorted((a.name, a.version) for a in self.adapters.values()))
         if known == tag:
-            return tag, None
+            return Listing(tag, None)
         self.listings_sent += 1
-        return tag, sorted(self.adapters.values(), key=lambda a: a.name)
+        return Listing(tag, tuple(sorted(self.adapters.values(), key=lambda a: a.name)))
 
     def _resolve(self, name: str) -> AdapterInfo:
         self._check()
@@ -97,9 +105,6 @@ class FakeStore:
 
     def _stats(self) -> dict[str, Any]:
         return {}
-
-    def _cancel_requests(self, request_ids: list[str]) -> None:
-        pass
 
 
 class _Stream:
@@ -561,7 +566,7 @@ def test_generation_still_answers(client, replicas, tokenizer):
 
 def test_models_lists_10000_adapters_and_renders_them_once_per_change(client, store):
     for i in range(10_000):
-        store.adapters[f"customer-{i:05d}"] = AdapterInfo(f"customer-{i:05d}", 1, f"/a/{i}")
+        store.adapters[f"customer-{i:05d}"] = registered(f"customer-{i:05d}", 1, f"/a/{i}")
     first = client.get("/v1/models")
     assert first.status_code == 200 and first.headers["content-type"] == "application/json"
     data = first.json()["data"]
@@ -578,7 +583,7 @@ def test_models_lists_10000_adapters_and_renders_them_once_per_change(client, st
 def test_an_unknown_model_404_names_it_not_every_adapter(client, store):
     """With thousands of adapters, a 404 that listed them all would be megabytes."""
     for i in range(50):
-        store.adapters[f"customer-{i}"] = AdapterInfo(f"customer-{i}", 1, f"/a/{i}")
+        store.adapters[f"customer-{i}"] = registered(f"customer-{i}", 1, f"/a/{i}")
     body = {"model": "ghost", "prompt": "x", "max_tokens": 1}
     r = client.post("/v1/completions", json=body)
     message = assert_openai_error(r, 404)["message"]

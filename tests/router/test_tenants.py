@@ -14,15 +14,15 @@ import httpx2
 import openai
 import pytest
 
-from replica.wire import Reply
+from replica.wire import AdapterInfo, Reply
 from router.ledger import TenantLedger
 from router.tenancy import LocalHandle, key_digest
 from tests.router.test_ingress_api import (
     BASE,
-    AdapterInfo,
     FakeReplicas,
     FakeStore,
     ingress_client,
+    registered,
     served_app,
 )
 
@@ -59,7 +59,7 @@ class Store(FakeStore):
         self, name: str, path: str, inplace: bool = False, roots: list[str] | None = None
     ) -> AdapterInfo:
         self.roots.append(roots)
-        self.adapters[name] = AdapterInfo(name, 1, path)
+        self.adapters[name] = registered(name, 1, path)
         return self.adapters[name]
 
     def _unregister(self, name: str) -> AdapterInfo:
@@ -68,7 +68,7 @@ class Store(FakeStore):
 
 def _store() -> Store:
     names = ["a-1", "b-1", "c-1"]
-    return Store({n: AdapterInfo(n, 1, f"/adapters/{n}") for n in names})
+    return Store({n: registered(n, 1, f"/adapters/{n}") for n in names})
 
 
 @pytest.fixture

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica.adapters.eviction import FIFOPolicy, LRUPolicy, make_policy
-from replica.adapters.slot_pool import AdapterSlotPool, Ranks, SlotState
+from replica.adapters.slot_pool import AdapterSlotPool, SlotState
 
 
 def test_lru_and_fifo_pick_different_victims():
@@ -23,8 +25,16 @@ def test_lru_and_fifo_pick_different_victims():
         make_policy("random")
 
 
-def ready(pool: AdapterSlotPool, name: str, ranks: Ranks = None) -> int:
-    slot = pool.reserve(name, ranks=ranks)
+def r(rank: int) -> dict[str, int]:
+    """The ranks of an adapter of `rank` in a one-group pool (plain names, one arena)."""
+    return {"lora": rank}
+
+
+MAX = r(64)  # max_lora_rank in a one-group pool
+
+
+def ready(pool: AdapterSlotPool, name: str, ranks: Mapping[str, int] = MAX) -> int:
+    slot = pool.reserve(name, ranks)
     assert slot is not None
     pool.mark_ready(slot)
     pool.check_integrity()
@@ -33,7 +43,7 @@ def ready(pool: AdapterSlotPool, name: str, ranks: Ranks = None) -> int:
 
 def test_base_slot_is_pinned_and_never_handed_out():
     pool = AdapterSlotPool(3, LRUPolicy())
-    slots = {ready(pool, "a"), ready(pool, "b")}  # unknown rank: a max-rank block each
+    slots = {ready(pool, "a"), ready(pool, "b")}  # a max-rank block each
     assert slots == {1, 2}
     for i in range(10):  # churn: every reserve evicts, never slot 0
         slot = ready(pool, f"x{i}")
@@ -46,12 +56,12 @@ def test_referenced_and_loading_slots_are_never_evicted():
     pool = AdapterSlotPool(3, LRUPolicy())
     a = ready(pool, "a")
     pool.acquire(a)
-    b = pool.reserve("b")  # LOADING
-    assert pool.reserve("c") is None  # a is referenced, b is in flight
+    b = pool.reserve("b", MAX)  # LOADING
+    assert pool.reserve("c", MAX) is None  # a is referenced, b is in flight
     pool.mark_ready(b)
-    assert pool.reserve("c", protected={"b"}) is None  # b is wanted by a waiting request
+    assert pool.reserve("c", MAX, protected={"b"}) is None  # wanted by a waiting request
     rows_b = pool.slots[b].blocks
-    c = pool.reserve("c")
+    c = pool.reserve("c", MAX)
     assert pool.slots[c].blocks == rows_b and pool.state("b") is None
     pool.release(a)
     pool.check_integrity()
@@ -63,7 +73,7 @@ def test_referenced_and_loading_slots_are_never_evicted():
 
 def test_failed_load_frees_the_slot():
     pool = AdapterSlotPool(2, LRUPolicy())
-    slot = pool.reserve("a")
+    slot = pool.reserve("a", MAX)
     assert pool.num_free == 0
     pool.cancel(slot)
     pool.check_integrity()
@@ -76,11 +86,11 @@ def test_adapters_hold_their_rank_in_aligned_blocks_packed_tight():
     need, so the rest stay whole for rank-64 adapters."""
     pool = AdapterSlotPool(17, LRUPolicy(), max_rank=64)  # 16 blocks of 64 rows
     ranks = [8, 16, 32, 64] * 4 + [4, 12]  # the order the demo adapters arrive in
-    for i, r in enumerate(ranks):
-        slot = pool.slots[pool.reserve(f"a{i}", ranks=r)]
+    for i, rank in enumerate(ranks):
+        slot = pool.slots[pool.reserve(f"a{i}", {"lora": rank})]
         pool.check_integrity()
         (row0, rows), *_ = slot.blocks.values()
-        assert rows == {4: 8, 12: 16}.get(r, r) and row0 % rows == 0
+        assert rows == {4: 8, 12: 16}.get(rank, rank) and row0 % rows == 0
     assert pool.rows_used == 4 * (8 + 16 + 32 + 64) + 8 + 16 == 504
     assert pool.num_free == 16 - 8  # 504 rows in 8 blocks of 64: no block half used
     assert pool.occupancy() == {"free": 8, "loading": 18, "ready": 0}
@@ -91,39 +101,47 @@ def test_a_large_adapter_evicts_the_cheapest_aligned_region():
     the one whose most recently used occupant is oldest; referenced, loading and
     protected adapters keep their region."""
     pool = AdapterSlotPool(3, LRUPolicy(), max_rank=64)  # two blocks of 64 rows
-    small = [ready(pool, f"s{i}", ranks=8) for i in range(8)]  # block 0, all of it
-    assert pool.slots[ready(pool, "big", ranks=64)].offsets == {"lora": 64}  # block 1
+    small = [ready(pool, f"s{i}", r(8)) for i in range(8)]  # block 0, all of it
+    assert pool.slots[ready(pool, "big", MAX)].offsets == {"lora": 64}  # block 1
     assert pool.num_free == 0
     for s in small:  # the small ones were used since: big is the cheapest region
         pool.acquire(s)
         pool.release(s)
-    new = pool.reserve("new", ranks=64)
+    new = pool.reserve("new", MAX)
     assert pool.state("big") is None and pool.slots[new].offsets == {"lora": 64}
     assert all(pool.state(f"s{i}") is SlotState.READY for i in range(8))
     assert pool.num_evictions == 1
     pool.mark_ready(new)
     pool.acquire(new)  # referenced: block 1 stays, so all eight small ones go together
-    again = pool.reserve("again", ranks=64)
+    again = pool.reserve("again", MAX)
     assert pool.slots[again].offsets == {"lora": 0} and pool.num_evictions == 9
     pool.check_integrity()
     pool.mark_ready(again)
     # rank 8 fits into neither block now: one referenced, one protected
-    assert pool.reserve("tiny", protected={"again"}, ranks=8) is None
+    assert pool.reserve("tiny", r(8), protected={"again"}) is None
     pool.check_integrity()
 
 
-def test_hand_over_keeps_the_whole_block_and_needs_it_to_fit():
+def test_hand_over_keeps_the_whole_block_until_the_load_lands_then_trims_it():
+    """The running step still reads the slot's rows, so a hand-over keeps its blocks
+    whole (one too small for the new ranks rules the slot out); once the new adapter's
+    load has landed, trim keeps just the rows its ranks need, and the rest are whole
+    aligned free blocks again."""
     pool = AdapterSlotPool(3, LRUPolicy(), max_rank=64)
-    a = ready(pool, "a", ranks=16)
+    a = ready(pool, "a", r(16))
     assert pool.slots[a].rows == 16
-    assert pool.fits(a, 16) and pool.fits(a, 9) and not pool.fits(a, 32)
-    assert not pool.can_hand_over(a, 32) and not pool.can_hand_over(a, None)
+    assert pool.holds(a, r(16)) and pool.holds(a, r(9)) and not pool.holds(a, r(8))
+    assert not pool.can_hand_over(a, r(32))
     with pytest.raises(ValueError, match="cannot hold 'b'"):
-        pool.hand_over("b", a, 32)
-    pool.hand_over("b", a, 9)
+        pool.hand_over("b", a, r(32))
+    pool.hand_over("b", a, r(8))
     assert pool.state("a") is None and pool.state("b") is SlotState.LOADING
-    assert pool.slots[a].rows == 16 and pool.rows_used == 16
+    assert pool.slots[a].rows == 16 and pool.rows_used == 16  # whole while the step runs
     pool.check_integrity()
+    pool.trim(a, r(8))
+    pool.check_integrity()
+    assert pool.holds(a, r(8)) and pool.rows_used == 8
+    assert pool.slots[ready(pool, "c", r(8))].offsets == {"lora": 8}  # the rows given back
 
 
 def test_hand_over_takes_a_free_block_in_a_group_the_slot_holds_no_rows_of():
@@ -135,7 +153,7 @@ def test_hand_over_takes_a_free_block_in_a_group_the_slot_holds_no_rows_of():
     ready(pool, "mlp", {"gate_up_proj": 64, "down_proj": 64})
     assert pool.can_hand_over(qv, {"qkv_proj": 64, "o_proj": 64, "down_proj": 64})
     assert not pool.can_hand_over(qv, {"o_proj": 64, "down_proj": 128})
-    pool.hand_over("all", qv, 64)
+    pool.hand_over("all", qv, dict.fromkeys(GROUPS, 64))
     assert pool.slots[qv].offsets == {
         "qkv_proj": 0, "o_proj": 0, "gate_up_proj": 64, "down_proj": 64,
     }  # fmt: skip
@@ -172,13 +190,13 @@ def test_an_adapter_holds_its_own_rank_in_each_group_and_none_where_it_targets_n
     assert pool.state("qv") is None and pool.state("mlp") is SlotState.READY
     assert pool.num_evictions == 1
     with pytest.raises(ValueError, match="groups \\['lm_head'\\]"):
-        pool.reserve("x", ranks={"lm_head": 8})
+        pool.reserve("x", {"lm_head": 8})
 
 
 def test_evicting_for_one_group_frees_the_victims_rows_in_every_group():
     pool = AdapterSlotPool(2, LRUPolicy(), max_rank=64, groups=GROUPS)
-    ready(pool, "all", 64)  # 64 rows in every group
-    ready(pool, "none", 0)  # rank 0 (the unpinned base): a handle, no rows
+    ready(pool, "all", dict.fromkeys(GROUPS, 64))  # 64 rows in every group
+    ready(pool, "none", {})  # no ranks (the unpinned base): a handle, no rows
     new = ready(pool, "attn", {"qkv_proj": 32, "o_proj": 32})
     assert pool.state("all") is None and pool.state("none") is SlotState.READY
     assert pool.rows_used == 64 and pool.arenas["down_proj"].rows_used == 0
@@ -193,25 +211,24 @@ def test_a_load_that_cannot_be_placed_evicts_no_one():
     busy = ready(pool, "busy", {"qkv_proj": 64})
     pool.acquire(busy)
     ready(pool, "idle", {"gate_up_proj": 64, "down_proj": 64})
-    assert pool.reserve("both", ranks={"qkv_proj": 8, "down_proj": 64}) is None
+    assert pool.reserve("both", {"qkv_proj": 8, "down_proj": 64}) is None
     assert pool.state("idle") is SlotState.READY and pool.num_evictions == 0
     pool.check_integrity()
 
 
-def test_shrink_gives_back_what_the_weights_do_not_use_and_fits_checks_every_group():
-    """A load reserved with one rank (the store's record: its largest module's) keeps
-    only each group's own rank once its weights are known; the freed rows are whole
-    aligned blocks again."""
+def test_a_reservation_holds_exactly_each_groups_own_rank_from_the_start():
+    """The ranks per group are known before the weights (computed at conversion): a
+    reservation takes each group's own block and none in a group the adapter does not
+    target, and the rows it leaves are whole aligned blocks for the next."""
     pool = AdapterSlotPool(2, LRUPolicy(), max_rank=64, groups=GROUPS)
-    slot = pool.reserve("a", ranks=64)
     exact = {"qkv_proj": 64, "o_proj": 16, "gate_up_proj": 0, "down_proj": 8}
-    assert pool.fits(slot, exact) and pool.fits(slot, 64)
-    pool.shrink(slot, exact)
+    slot = pool.reserve("a", exact)
     pool.check_integrity()
     blocks = pool.slots[slot].blocks
     assert blocks == {"qkv_proj": (0, 64), "o_proj": (0, 16), "down_proj": (0, 8)}
-    assert pool.fits(slot, exact) and not pool.fits(slot, 64)
-    assert not pool.fits(slot, {"gate_up_proj": 8}) and not pool.fits(slot, {"o_proj": 32})
+    assert pool.holds(slot, exact) and not pool.holds(slot, dict.fromkeys(GROUPS, 64))
+    assert not pool.holds(slot, {**exact, "gate_up_proj": 8})
+    assert not pool.holds(slot, {**exact, "o_proj": 32})
     pool.mark_ready(slot)
     b = ready(pool, "b", {"o_proj": 32, "down_proj": 32, "gate_up_proj": 64})
     assert pool.slots[b].offsets == {"o_proj": 32, "down_proj": 32, "gate_up_proj": 0}
@@ -222,7 +239,9 @@ def test_shrink_gives_back_what_the_weights_do_not_use_and_fits_checks_every_gro
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["reserve", "ready", "acquire", "release", "evict", "cancel"]),
+            st.sampled_from(
+                ["reserve", "ready", "acquire", "release", "evict", "cancel", "hand_over"]
+            ),
             st.integers(0, 11),  # adapter name
             st.dictionaries(st.sampled_from(GROUPS), st.sampled_from([0, 1, 8, 12, 32, 64])),
         ),
@@ -230,24 +249,36 @@ def test_shrink_gives_back_what_the_weights_do_not_use_and_fits_checks_every_gro
     )
 )
 def test_any_sequence_of_operations_keeps_slots_and_every_groups_rows_consistent(ops):
-    """Slots, names and each group's arena rows agree after every operation, a reserved
-    slot holds exactly its ranks' blocks, and a shrink after it keeps them."""
+    """Slots, names and each group's arena rows agree after every operation, and every
+    adapter's slot holds exactly its ranks' blocks: from its reservation on, or, handed
+    over from a slot whose step ended, once its load has landed (trimmed)."""
     pool = AdapterSlotPool(3, LRUPolicy(), max_rank=64, groups=GROUPS)
+    given: dict[str, dict[str, int]] = {}  # each adapter's ranks, as it was placed
+    handed: set[str] = set()  # handed over, its load not landed yet
     for op, n, ranks in ops:
         name = f"a{n}"
         i = pool._by_name.get(name)
         slot = None if i is None else pool.slots[i]
         if op == "reserve" and slot is None:
-            got = pool.reserve(name, ranks=ranks or None)
-            if got is not None and ranks:
-                pool.shrink(got, ranks)
-                assert pool.slots[got].blocks.keys() == {g for g, r in ranks.items() if r}
-                assert pool.fits(got, ranks)
+            if pool.reserve(name, ranks) is not None:
+                given[name] = ranks
+        elif op == "hand_over" and slot is None:
+            # a slot whose sequences all ended with the step (their refs released)
+            ending = [s.index for s in pool.slots[1:] if s.state is SlotState.READY and not s.refs]
+            fitting = [j for j in ending if pool.can_hand_over(j, ranks)]
+            if fitting:
+                pool.hand_over(name, fitting[0], ranks)
+                given[name] = ranks
+                handed.add(name)
         elif slot is not None and slot.state is SlotState.LOADING:
             if op == "ready":
+                if name in handed:
+                    pool.trim(i, given[name])
                 pool.mark_ready(i)
+                handed.discard(name)
             elif op == "cancel":
                 pool.cancel(i)
+                handed.discard(name)
         elif slot is not None and op == "acquire":
             pool.acquire(i)
         elif slot is not None and op == "release" and slot.refs:
@@ -255,3 +286,5 @@ def test_any_sequence_of_operations_keeps_slots_and_every_groups_rows_consistent
         elif op == "evict":
             assert pool.evict(name) or slot.refs
         pool.check_integrity()
+        for held, j in pool._by_name.items():
+            assert held in handed or pool.holds(j, given[held]), (held, pool.slots[j])

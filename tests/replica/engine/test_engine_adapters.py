@@ -191,10 +191,11 @@ def test_a_batch_ending_at_once_hands_its_slots_to_the_next_adapters(tiny):
     """Every request has the same length, so a whole batch ends in one step. The slots it
     frees start loading the waiting requests' adapters during that last step, layer by
     layer behind the forward; the tokens stay each request's solo tokens. Adapters of
-    rank 64 in two rank-64 blocks: each batch's blocks are what the next batch needs."""
+    rank 64 in two rank-64 blocks: each batch's blocks are what the next batch needs (a
+    hand-over keeps them whole while that step runs, then trims them to the new ranks)."""
     many = tiny_assets("llama", num_adapters=16)
     source = SlowSource(many)
-    names = [n for n in many.adapters if source.rank_of(n) == 64]
+    names = [n for n in many.adapters if max(source.ranks(n).values()) == 64]
     eng = engine(many, source, num_slots=3, max_loras_per_batch=2)
     seqs = [eng.add_request(prompt(i), GREEDY, names[i % len(names)]) for i in range(8)]
     run(eng, check=eng.adapters.pool.check_integrity)

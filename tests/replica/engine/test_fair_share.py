@@ -154,7 +154,7 @@ def scheduler(policy: AdmissionPolicy, max_num_seqs: int = 8, num_blocks: int = 
 
 def test_a_tenant_whose_adapter_is_not_ready_does_not_block_the_others():
     sched = scheduler(VTC())
-    ready = sched.pool.reserve("ready")
+    ready = sched.pool.reserve("ready", {"lora": 64})
     sched.pool.mark_ready(ready)
     waiting_on_load = [seq("b", adapter="loading") for _ in range(2)]  # b: lowest counter
     for s in waiting_on_load:

@@ -79,7 +79,7 @@ def worker(eng: LLMEngine):
 
 
 def expected_shard(eng: LLMEngine, adapter: str, rank: int):
-    path = eng.adapters.source.paths[adapter]
+    path = eng.adapters.source.locate(adapter).path
     whole = load_peft_adapter(path, eng.spec, eng.config.max_lora_rank, adapter)
     return whole, whole.select(TPShard(eng.spec, rank, 2).slice_lora)
 

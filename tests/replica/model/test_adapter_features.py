@@ -157,9 +157,17 @@ def test_pattern_max_rank_is_checked(tiny, built):
         load_peft_adapter(built["pattern"], spec, 8)
 
 
-def test_source_rank_of_counts_the_pattern(tiny, built):
+def test_the_directory_source_records_each_groups_rank_at_registration(tiny, built):
+    """The rank per projection group, from the converted weights (rank_pattern counted):
+    the pattern adapter's down_proj is rank 16 in layer 1, its attention 4 and 8."""
     source = PeftDirectorySource(load_model_spec(tiny.model_dir), 64, built)
-    assert source.rank_of("pattern") == 16 and source.rank_of("plain") == 8
+    pattern = load_peft_adapter(built["pattern"], load_model_spec(tiny.model_dir), 64)
+    assert source.ranks("pattern")["down_proj"] == 16
+    assert source.ranks("pattern")["o_proj"] == pattern.group_rank(("o_proj",)) == 8
+    assert set(source.ranks("plain").values()) == {8}
+    with pytest.raises(AdapterFormatError):  # refused at registration: nothing recorded
+        source.add("broken", built["pattern"].parent / "missing")
+    assert "broken" not in source
 
 
 def test_rank_disagreeing_with_config_is_named(tiny, built, tmp_path):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
+import torch
 
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
@@ -72,3 +74,33 @@ def test_refused_request_raises_in_the_caller(aengine):
     with pytest.raises(RequestError, match="unknown adapter 'no-such-adapter'"):
         asyncio.run(main())
     assert aengine.is_alive()
+
+
+class _StepRecorder:
+    """An engine on cuda:1 whose step is a (fake) kernel launch; one step of work."""
+
+    def __init__(self, cuda) -> None:
+        self.device, self._cuda, self.stepped = torch.device("cuda", 1), cuda, threading.Event()
+
+    def has_work(self) -> bool:
+        return not self.stepped.is_set()
+
+    def step(self) -> list:
+        self._cuda.launch()
+        self.stepped.set()
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_loop_thread_steps_on_the_engine_device(fake_cuda):
+    """Triton launches, graph capture and events go to the thread's current device: the
+    loop thread starts on GPU 0, so it must make the engine's current first."""
+    engine = _StepRecorder(fake_cuda)
+    a = AsyncLLMEngine(engine)
+    try:
+        assert engine.stepped.wait(10)
+    finally:
+        a.shutdown()
+    assert fake_cuda.launches == [1]

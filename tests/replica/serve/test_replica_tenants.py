@@ -22,7 +22,7 @@ def replica(tiny) -> Any:
                           block_size=4, scheduling="vtc")  # fmt: skip
     r = LoRAReplica.func_or_class.__new__(LoRAReplica.func_or_class)
     r.engine = LLMEngine(config)
-    r.aengine, r._active = AsyncLLMEngine(r.engine), set()
+    r.aengine = AsyncLLMEngine(r.engine)
     return r
 
 

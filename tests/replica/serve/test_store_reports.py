@@ -1,6 +1,6 @@
 """A replica drops its copies of the adapter versions the store removed, from answers
-that carry only the changes (cluster.adapter_store's report_replica): also a version
-whose fetch crossed the answer that announced its removal."""
+that carry only the changes (cluster/store/reports.py): also a version whose fetch
+crossed the answer that announced its removal."""
 
 from __future__ import annotations
 
@@ -10,28 +10,33 @@ from typing import Any
 
 from replica.adapters.object_store import ObjectStoreSource
 from replica.serve.deployment import LoRAReplica
-from replica.wire import AdapterKey
+from replica.wire import AdapterInfo, AdapterKey, AdapterWeightsRef, RegistryEpoch, ReportReply
+
+
+def stored(key: AdapterKey) -> AdapterWeightsRef:
+    """The store's answer to a fetch of `key` (a stand-in for the weights' reference)."""
+    info = AdapterInfo(key.name, key.version, {"qkv_proj": 8}, "/a", ("q_proj",), 0, 0)
+    return AdapterWeightsRef(info, f"ref-{key}")
 
 
 @dataclass
 class Store:
     """Answers each report with the next scripted answer; keeps the epochs it was sent."""
 
-    answers: list[dict[str, Any]]
-    seen: list[Any] = field(default_factory=list)
-    refs: dict[tuple[str, int], str] = field(default_factory=dict)
+    answers: list[ReportReply]
+    seen: list[RegistryEpoch | None] = field(default_factory=list)
 
     @property
     def report_replica(self) -> Any:
         return _Remote(self._report)
 
     @property
-    def get_ref(self) -> Any:
-        return _Remote(lambda name, version: [self.refs[(name, version)], 8])  # ref, rank
+    def get_weights(self) -> Any:
+        return _Remote(stored)
 
-    def _report(self, replica_id: str, stats: dict, seen: Any) -> dict:
+    def _report(self, replica_id: str, stats: dict, seen: RegistryEpoch | None) -> ReportReply:
         self.seen.append(seen)
-        return {"cancelled": [], **self.answers.pop(0)}
+        return self.answers.pop(0)
 
 
 @dataclass
@@ -66,20 +71,20 @@ def replica(store: Store, held: list[str]) -> Any:
     r = LoRAReplica.func_or_class.__new__(LoRAReplica.func_or_class)
     r.source = ObjectStoreSource()
     for key in held:
-        r.source.add(key, f"ref-{key}")
+        r.source.add(stored(AdapterKey.parse(key)))
     r.engine, r.aengine, r.store = Engine(r.source), AsyncEngine(), store
-    r.replica_id, r._active, r._fetching = "r1", set(), {}
+    r.replica_id, r._fetching = "r1", {}
     r._store_epoch, r._removed = None, {}
     return r
 
 
 def test_reports_drop_removed_versions_and_keep_the_rest():
-    epoch = ("store-1", 0)
+    epoch, later = RegistryEpoch("store-1", 0), RegistryEpoch("store-1", 2)
     store = Store(
         [
-            {"epoch": epoch, "live": {"a": 1, "b": 2}, "removed": []},
-            {"epoch": ("store-1", 2), "removed": [("b", 2), ("gone", 9)]},
-            {"epoch": ("store-1", 2), "removed": []},
+            ReportReply(epoch, live={"a": 1, "b": 2}),
+            ReportReply(later, (AdapterKey("b", 2), AdapterKey("gone", 9))),
+            ReportReply(later),
         ]
     )
     r = replica(store, ["a@v1", "b@v2", "old@v7"])
@@ -92,19 +97,18 @@ def test_reports_drop_removed_versions_and_keep_the_rest():
         await r._report({})
 
     asyncio.run(main())
-    assert store.seen == [None, epoch, ("store-1", 2)]  # each report sends the last epoch
+    assert store.seen == [None, epoch, later]  # each report sends the last epoch
 
 
 def test_a_fetch_that_lands_after_its_removal_was_announced_is_dropped_next_report():
     store = Store(
         [
-            {"epoch": ("s", 1), "removed": [("late", 3)]},
-            {"epoch": ("s", 1), "removed": []},
+            ReportReply(RegistryEpoch("s", 1), (AdapterKey("late", 3),)),
+            ReportReply(RegistryEpoch("s", 1)),
         ]
     )
-    store.refs[("late", 3)] = "ref"
     r = replica(store, [])
-    r._store_epoch = ("s", 0)
+    r._store_epoch = RegistryEpoch("s", 0)
 
     async def main():
         await r._report({})  # announces the removal before this replica holds it
