@@ -18,6 +18,9 @@
     expert_lora_expand(y, inter, b, plan, seg, slice_offsets)   # (adapter, expert)
     y = quant_linear(x, w, bias)          # [M, N]: x · dequantize(w)ᵀ, w packed (FP8, INT4,
     y = quant_moe_gemm(x_sorted, w, plan)  # MXFP4, NF4; kernels.quant_formats), experts too
+    batch = make_state_batch(seq_lens, state_slots, has_initial_state, device)  # Gated
+    y = causal_conv1d(x, weight, bias, conv_state, batch)        # DeltaNet: conv + SiLU,
+    o = gated_delta_rule(q, k, v, g, beta, recurrent_state, batch)  # then the delta rule
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -39,6 +42,11 @@ none reads a device value for that (so offsets past the arena are the caller's b
 checked). `kernels.reference` and `kernels.paged_attention_reference` are the slow
 oracles they are tested against (`kernels.prefill_attention_reference` the prefill's);
 `lorafleet bench kernels` times the LoRA ops.
+
+Gated DeltaNet (Qwen3.5/3.6's linear attention): `causal_conv1d` and `gated_delta_rule`
+run over a StateBatch (sequences of a flattened batch and their rows of the per-sequence
+conv and recurrent state pools, read and written in place); backends
+`kernels.gated_delta_{torch,triton}`, oracle `kernels.gated_delta_reference`.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import math
 import torch
 
 from kernels.backend import backend_for, force_backend, forced_backend, implementation
+from kernels.gated_delta_batch import StateBatch, make_state_batch
 from kernels.lora_embedding import lora_embedding_shrink as _embedding_shrink
 from kernels.moe_plan import ExpertPlan, expert_segments, make_expert_plan
 from kernels.quant_formats import (
@@ -96,6 +105,10 @@ __all__ = [
     "stack_experts",
     "quant_linear",
     "quant_moe_gemm",
+    "StateBatch",
+    "make_state_batch",
+    "causal_conv1d",
+    "gated_delta_rule",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -696,3 +709,145 @@ def _check_quant(x: torch.Tensor, w: QuantizedWeight, name: str) -> None:
             f"{name}: x {x.dtype} on {x.device} must be one of {_DTYPES} on the weight's "
             f"{w.device}, unit stride along K"
         )
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [T, D]: the batch's tokens (sequences concatenated), unit stride on D
+    weight: torch.Tensor,  # [D, K], K >= 2: one K-tap filter per channel
+    bias: torch.Tensor | None,  # [D]
+    conv_state: torch.Tensor,  # [num_slots, D, K-1], x.dtype, contiguous: updated in place
+    batch: StateBatch,
+    activation: str | None = "silu",  # "silu" or None
+) -> torch.Tensor:  # [T, D], x.dtype
+    """The causal depthwise convolution of Gated DeltaNet (and Mamba) with a conv state
+    per sequence. Per sequence i with tokens X = x[lo:hi] (L of them) and pool row
+    s = state_slots[i], with P = conv_state[s] if has_initial_state[i] else zeros [D, K-1]
+    and W = cat(P, Xᵀ, dim=1) [D, K-1+L]:
+
+        out[lo + t] = act(sum_j weight[:, j] * W[:, t + j] + bias)      t in [0, L)
+        conv_state[s] = W[:, L:]                     (the last K-1 inputs, in order)
+
+    i.e. transformers' causal_conv1d_fn over cat(P, X) (causal_conv1d_update for L = 1),
+    act = SiLU. fp32 arithmetic, out rounded once into x.dtype (fp32, fp16, bf16); the
+    state keeps inputs exactly. A row without an initial state is never read (NaN there
+    cannot reach an output); pool rows no sequence names are left bit-identical. Slots
+    must be distinct within a batch. Nothing reads a device value: a decode batch (one
+    token per sequence) is a fixed launch. See
+    kernels.gated_delta_reference.causal_conv1d_reference.
+    """
+    name = "causal_conv1d"
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 2:
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} must be [T, D] and weight {tuple(weight.shape)} "
+            "[D, K] with K >= 2"
+        )
+    d, kernel = weight.shape
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (d, kernel - 1):
+        raise ValueError(
+            f"{name}: conv_state {tuple(conv_state.shape)} must be [num_slots, {d}, {kernel - 1}]"
+        )
+    if bias is not None and bias.shape != (d,):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} must be [{d}]")
+    if activation not in ("silu", None):
+        raise ValueError(f"{name}: activation {activation!r} must be 'silu' or None")
+    if x.dtype not in _DTYPES or conv_state.dtype != x.dtype or weight.dtype not in _DTYPES:
+        raise ValueError(
+            f"{name}: x {x.dtype} and conv_state {conv_state.dtype} must share one of "
+            f"{_DTYPES}; weight {weight.dtype} one of them"
+        )
+    if x.stride(1) != 1 or not conv_state.is_contiguous():
+        raise ValueError(f"{name}: x needs unit stride along D and conv_state contiguity")
+    tensors = [x, weight, conv_state] + ([] if bias is None else [bias])
+    _check_state_batch(name, batch, x.shape[0], tensors)
+    return implementation(x, "gated_delta").causal_conv1d(
+        x, weight, bias, conv_state, batch, activation
+    )
+
+
+def gated_delta_rule(
+    q: torch.Tensor,  # [T, HK, dk]: queries, unit stride on dk (not yet normalized)
+    k: torch.Tensor,  # [T, HK, dk]: keys, likewise
+    v: torch.Tensor,  # [T, HV, dv], HV a multiple of HK
+    g: torch.Tensor,  # [T, HV]: log decay, <= 0
+    beta: torch.Tensor,  # [T, HV]: write strength, in [0, 1]
+    recurrent_state: torch.Tensor,  # [num_slots, HV, dk, dv] float32, contiguous: in place
+    batch: StateBatch,
+    out: torch.Tensor | None = None,  # [T, HV, dv] v.dtype, contiguous: written, returned
+) -> torch.Tensor:  # [T, HV, dv], v.dtype
+    """The gated delta rule of Gated DeltaNet (Qwen3.5/3.6's linear attention). Per
+    sequence i and value head h (key head h // (HV // HK), as transformers'
+    repeat_interleave), from S = recurrent_state[s, h] (s = state_slots[i]; zeros
+    without an initial state), for each token t in order:
+
+        q̂ = l2norm(q[t]) * dk**-0.5,   k̂ = l2norm(k[t])     (x / sqrt(sum(x²) + 1e-6))
+        S = exp(g[t, h]) * S
+        S = S + outer(k̂, beta[t, h] * (v[t, h] - Sᵀ k̂))
+        out[t, h] = Sᵀ q̂
+
+    then recurrent_state[s, h] = S (fp32). This is transformers'
+    torch_recurrent_gated_delta_rule / torch_chunk_gated_delta_rule with
+    use_qk_l2norm_in_kernel=True, initial_state and output_final_state, over a varlen
+    batch; Qwen3.5 feeds g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b).
+    Prefill chunks run the chunked form (chunks of 64), decodes the recurrent update;
+    fp32 arithmetic, out rounded once into v.dtype. A row without an initial state is
+    never read; rows no sequence names are left bit-identical; slots must be distinct
+    within a batch. Nothing reads a device value: a decode batch is a fixed launch. See
+    kernels.gated_delta_reference.gated_delta_rule_reference.
+    """
+    name = "gated_delta_rule"
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must be one [T, HK, dk] shape "
+            f"and v {tuple(v.shape)} [T, HV, dv]"
+        )
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hk == 0 or hv % hk or g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(
+            f"{name}: HV {hv} must be a multiple of HK {hk}; g {tuple(g.shape)} and beta "
+            f"{tuple(beta.shape)} [{t}, {hv}]"
+        )
+    if recurrent_state.dim() != 4 or recurrent_state.shape[1:] != (hv, dk, dv):
+        raise ValueError(
+            f"{name}: recurrent_state {tuple(recurrent_state.shape)} must be "
+            f"[num_slots, {hv}, {dk}, {dv}]"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{name}: q {q.dtype}, k {k.dtype}, v {v.dtype}: one of {_DTYPES}")
+    if g.dtype not in _DTYPES or beta.dtype not in _DTYPES:
+        raise ValueError(f"{name}: g {g.dtype} and beta {beta.dtype} must be among {_DTYPES}")
+    if recurrent_state.dtype != torch.float32 or not recurrent_state.is_contiguous():
+        raise ValueError(f"{name}: recurrent_state must be contiguous float32")
+    if any(x.stride(-1) != 1 for x in (q, k, v) if x.shape[-1] > 1):
+        raise ValueError(f"{name}: q, k and v need unit stride along the head dim")
+    if out is not None and (
+        out.shape != v.shape or out.dtype != v.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(f"{name}: out must be contiguous {tuple(v.shape)} {v.dtype}")
+    tensors = [q, k, v, g, beta, recurrent_state] + ([] if out is None else [out])
+    _check_state_batch(name, batch, t, tensors)
+    return implementation(v, "gated_delta").gated_delta_rule(
+        q, k, v, g, beta, recurrent_state, batch, out
+    )
+
+
+def _check_state_batch(
+    name: str, batch: StateBatch, tokens: int, tensors: list[torch.Tensor]
+) -> None:
+    meta = (batch.cu_seqlens, batch.state_slots, batch.has_initial_state)
+    n = batch.num_seqs
+    if tuple(m.dtype for m in meta) != (torch.int32, torch.int32, torch.bool):
+        raise ValueError(
+            f"{name}: cu_seqlens and state_slots must be int32, has_initial_state bool; got "
+            f"{[m.dtype for m in meta]}"
+        )
+    if tuple(m.shape for m in meta) != ((n + 1,), (n,), (n,)):
+        raise ValueError(
+            f"{name}: {n} sequences need cu_seqlens [{n + 1}], state_slots and "
+            f"has_initial_state [{n}]; got {[tuple(m.shape) for m in meta]}"
+        )
+    if batch.num_tokens != tokens:
+        raise ValueError(f"{name}: the batch holds {batch.num_tokens} tokens, the inputs {tokens}")
+    devices = {str(x.device) for x in [*tensors, *meta]}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: inputs, pools and batch tensors on several devices {devices}")
