@@ -17,6 +17,8 @@ tenants.py       fair share between two tenants on one replica
 suite.py         the demo cluster under every routing/loading variant and scenario
 many_adapters.py 16 to 4,096 adapters registered at runtime: tok/s, TTFT, registration
 long_prefill.py  a long prompt's prefill against transformers' sdpa: time and memory
+gated_delta.py   Gated DeltaNet's layer core against transformers' torch, on a CPU
+quant_gemm.py    quantized GEMMs against the dense matmul at Llama-3.1-8B layer shapes
 results/         the committed JSON and plots that docs/performance.md shows
 
 Not part of the installed package: `lorafleet bench http`, the load generator a user

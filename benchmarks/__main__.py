@@ -18,6 +18,8 @@ BENCHES = {
     "suite": "the demo cluster under every variant and scenario: JSON, table, plots",
     "many-adapters": "16 to 4,096 adapters registered at runtime: tok/s, TTFT, registration",
     "long-prefill": "a long prompt's prefill against transformers' sdpa: time and memory",
+    "gated-delta": "Gated DeltaNet's layer core against transformers' torch, on a CPU",
+    "quant-gemm": "quantized GEMMs against the dense matmul at Llama-3.1-8B layer shapes",
 }
 
 

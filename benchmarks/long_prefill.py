@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks import harness
+
 VARIANTS = ("hf", "ours_chunked", "ours_whole")
 RESULTS = Path(__file__).resolve().parent / "results" / "long_prefill.json"
 CHUNK = 2048  # EngineConfig's default max_num_batched_tokens
@@ -237,13 +239,9 @@ def run(args: argparse.Namespace) -> int:
         "runs": runs,
         **summary,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    harness.write_json(args.json, report)
     return 0
 
 
 if __name__ == "__main__":
-    from benchmarks import harness
-
     sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))
