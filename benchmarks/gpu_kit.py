@@ -131,8 +131,11 @@ def summary(bench_json: Path, pytest_log: Path, dry_run: bool) -> dict:
 
 
 def test_counts(log: str) -> dict[str, int]:
-    """pytest's closing counts ('3 passed, 1 failed in 2s'; '12 tests collected')."""
-    tail = log.strip().splitlines()[-1] if log.strip() else ""
+    """pytest's closing counts ('3 passed, 1 failed in 2s'; '12 tests collected'), from
+    the last line that has them (an interrupted run prints them before its last lines)."""
+    closing = re.compile(r"\d+ (passed|failed|errors?|skipped|tests? collected)\b")
+    lines = [ln for ln in log.strip().splitlines() if closing.search(ln)]
+    tail = lines[-1] if lines else ""
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", tail)}
     if "tests" in counts or "test" in counts:
         return {"collected": counts.get("tests", counts.get("test", 0))}

@@ -144,3 +144,5 @@ def test_the_summary_counts_the_tests():
     assert gpu_kit.test_counts("1 failed, 4 passed, 1 error in 2s")["errors"] == 1
     assert gpu_kit.test_counts("429 tests collected in 3.96s") == {"collected": 429}
     assert gpu_kit.test_counts("") == {"unknown": 1}
+    interrupted = "!!! KeyboardInterrupt !!!\n(a traceback...)\n120 passed, 2 failed in 300.1s\n"
+    assert gpu_kit.test_counts(interrupted + "Interrupted\n") == {"passed": 120, "failed": 2}
