@@ -8,7 +8,7 @@ STAMP := $(VENV)/.lorafleet-installed
 # (grep's own "nothing left" status is ignored; pip's failure still fails the pipeline.)
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: run test test-multinode lint docs install clean
+.PHONY: run test test-multinode lint docs install clean gpu-kit
 
 run: $(STAMP)
 	$(VENV)/bin/lorafleet up
@@ -30,6 +30,13 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 install: $(STAMP)
+
+# What a bare GPU machine lacks for .ci/gpu (pydantic, pytest: ~5 MB of wheels for its
+# Python 3.12), into .dev/ (git-ignored): run here, then `.ci/gpu` there with .dev/ carried.
+# The versions are this machine's (the venv's when it exists); no venv is built for it.
+GPU_KIT_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-kit:
+	$(GPU_KIT_PY) -m benchmarks.gpu_kit stage .dev
 
 # A machine whose Python already has a CUDA torch keeps it (the venv sees system packages);
 # otherwise torch 2.13.0 is pinned first, which on this CPU machine is the CPU build on disk,

@@ -1,6 +1,6 @@
 """Gated DeltaNet prefill and decode on CPU: kernels' torch path against transformers.
 
-    python -m benchmarks.gated_delta [--tokens 4096] [--rounds 5] [--threads N]
+    python -m benchmarks gated-delta [--tokens 4096] [--rounds 5] [--threads N]
 
 The layer core of a Qwen3.5 linear-attention layer (the causal conv1d + SiLU over the
 fused q/k/v projection, then the gated delta rule with L2-normalised q and k, returning
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 import kernels
+from benchmarks import harness
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gated_delta.json"
 
@@ -196,14 +197,15 @@ def measure(args: argparse.Namespace, s: dict[str, int]) -> dict:
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="prompt length")
     parser.add_argument("--rounds", type=int, default=5, help="prefill rounds (decode: 4x)")
     parser.add_argument("--decode-batch", type=int, default=32, help="sequences per decode")
     parser.add_argument("--threads", default="1,2", help="torch thread counts, each measured")
     parser.add_argument("--json", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     transformers.logging.set_verbosity_error()  # its "falling back to torch" notices
     s = shapes()
     result = {
@@ -237,11 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     result["machine"]["loadavg_after"] = os.getloadavg()
     print(f"load average {result['machine']['loadavg_before']} -> {os.getloadavg()}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    harness.write_json(args.json, result)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))

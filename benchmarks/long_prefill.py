@@ -1,6 +1,6 @@
 """Long-prompt prefill: lorafleet's engine against transformers' sdpa forward, same prompt.
 
-    python -m benchmarks.long_prefill [--tokens 8192] [--repeats 3] [--json PATH]
+    python -m benchmarks long-prefill [--tokens 8192] [--repeats 3] [--json PATH]
 
 The demo model (cluster.demo.assets.DemoSpec(): hidden 512, 8 layers, GQA 8/2, fp32) with
 max_position_embeddings raised to hold the prompt (the weights are the same: they are
@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+
+from benchmarks import harness
 
 VARIANTS = ("hf", "ours_chunked", "ours_whole")
 RESULTS = Path(__file__).resolve().parent / "results" / "long_prefill.json"
@@ -179,17 +181,18 @@ def summarize(runs: list[dict], tokens: int) -> dict:
     return {"kv_bytes": kv, "variants": out}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--json", type=Path, default=RESULTS)
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.tokens)))
-        return
+        return 0
     if "hf" not in args.variants:
         args.variants.insert(0, "hf")  # every ratio is to hf
     from cluster.demo.assets import cached_demo_assets
@@ -236,10 +239,9 @@ def main() -> None:
         "runs": runs,
         **summary,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    harness.write_json(args.json, report)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))

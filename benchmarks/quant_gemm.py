@@ -1,6 +1,6 @@
 """Quantized GEMMs against the dense matmul at Llama-3.1-8B layer shapes.
 
-    python -m benchmarks.quant_gemm [--m 1 32 512] [--formats ...] [--repeats 3]
+    python -m benchmarks quant-gemm [--m 1 32 512] [--formats ...] [--repeats 3]
                                     [--threads N] [--json PATH]
 
 For each layer (q/k/v fused, o, gate/up fused, down), batch size M and packed format,
@@ -20,10 +20,10 @@ Prints a table and writes JSON (default benchmarks/results/quant_gemm.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from benchmarks import harness
 from kernels import AwqInt4, Fp8Weight, GptqInt4, Mxfp4Weight, Nf4Weight, PackQuantizedInt4
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quant_gemm.json"
@@ -115,7 +116,7 @@ def paired_ms(
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
-def run(ms: list[int], formats: list[str], layers: list[str], repeats: int) -> dict:
+def measure(ms: list[int], formats: list[str], layers: list[str], repeats: int) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     load_before = os.getloadavg()[0]
     rows = []
@@ -168,23 +169,23 @@ def _device_name(device: torch.device) -> str:
     return platform.machine()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 32, 512])
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", type=Path, default=RESULTS)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     with torch.inference_mode():
-        result = run(args.m, args.formats, args.layers, args.repeats)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}")
+        result = measure(args.m, args.formats, args.layers, args.repeats)
+    harness.write_json(args.json, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))

@@ -181,57 +181,11 @@ def _add_deploy(p: argparse.ArgumentParser) -> None:
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     bench = p.add_subparsers(dest="bench", required=True)
-    from cluster.bench import engine as bench_engine
     from cluster.bench import http as bench_http
-    from cluster.bench import kernels as bench_kernels
-    from cluster.bench import many_adapters as bench_many_adapters
-    from cluster.bench import overhead as bench_overhead
-    from cluster.bench import prefix as bench_prefix
-    from cluster.bench import suite as bench_suite
-    from cluster.bench import tenants as bench_tenants
 
     p = bench.add_parser("http", help="HTTP load against a running server (OpenAI API).")
     bench_http.add_arguments(p)
     p.set_defaults(func=bench_http.run)
-
-    p = bench.add_parser("engine", help="The replica engine in-process: scenarios, ablations.")
-    bench_engine.add_arguments(p)
-    p.set_defaults(func=bench_engine.run)
-
-    p = bench.add_parser(
-        "suite", help="Start the demo cluster; every scenario and ablation; JSON, table, plots."
-    )
-    bench_suite.add_arguments(p)
-    p.set_defaults(func=bench_suite.run)
-
-    p = bench.add_parser(
-        "prefix", help="Start the demo cluster; the prefix cache on and off, 1 and 2 replicas."
-    )
-    bench_prefix.add_arguments(p)
-    p.set_defaults(func=bench_prefix.run)
-
-    p = bench.add_parser(
-        "overhead", help="One workload in-process and over HTTP (2 replicas): the ratio."
-    )
-    bench_overhead.add_arguments(p)
-    p.set_defaults(func=bench_overhead.run)
-
-    p = bench.add_parser(
-        "many-adapters",
-        help="Start the demo cluster; register 16 to 4,096 adapters, tok/s and TTFT for each.",
-    )
-    bench_many_adapters.add_arguments(p)
-    p.set_defaults(func=bench_many_adapters.run)
-
-    p = bench.add_parser("kernels", help="Multi-LoRA kernels vs a per-sequence loop.")
-    bench_kernels.add_arguments(p)
-    p.set_defaults(func=bench_kernels.run)
-
-    p = bench.add_parser(
-        "tenants", help="Fair share on one replica: a tenant's flood vs another's TTFT (fcfs, vtc)."
-    )
-    bench_tenants.add_arguments(p)
-    p.set_defaults(func=bench_tenants.run)
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
@@ -241,7 +195,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "up": ("Serve over HTTP on a local (or running) Ray cluster.", _add_up),
     "plan": ("The memory plan of one GPU of a replica, from config.json alone.", _add_plan),
     "deploy": ("Deploy a Serve config to a running Ray cluster.", _add_deploy),
-    "bench": ("Benchmarks.", _add_bench),
+    "bench": ("Load generators (the experiments: python -m benchmarks).", _add_bench),
 }
 
 

@@ -1,5 +1,5 @@
 """The docs site builds strictly (mkdocs.yml: a broken link or anchor, or a page missing from
-the nav, is a warning, and --strict fails on it; ~2 s), cluster/bench/results/ holds only
+the nav, is a warning, and --strict fails on it; ~2 s), benchmarks/results/ holds only
 what the docs show, and the README stays short, its links resolving, each of the pages a
 new reader looks for one click away."""
 
@@ -15,7 +15,7 @@ from markdown.extensions.toc import slugify
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-RESULTS = ROOT / "cluster" / "bench" / "results"
+RESULTS = ROOT / "benchmarks" / "results"
 # The suite's table: copied into docs/performance.md between the RESULTS markers, not linked.
 NOT_LINKED = {"results.md"}
 

@@ -1,6 +1,8 @@
 """The commands of the README and of the docs (docs/, in their nav's order) run as written:
 every `lorafleet` line of their bash blocks parses with the real command line (no synopsis
-brackets, no pasted-in pipes), every `make` target exists, and the quick offline ones run,
+brackets, no pasted-in pipes), and so does every `python -m benchmarks NAME` line with its
+bench's (`python -m benchmarks --help` answers), every `make` target exists, and the quick
+offline ones run,
 in order and each distinct command once, in a fresh directory: through `main`, the
 `lorafleet` entry point, in this process (a Python of their own cost each ~5 s of imports
 here, torch and ray: the six took 51-87 s that way, ~33 s this way)."""
@@ -13,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import harness
+from benchmarks.__main__ import BENCHES, bench
+from benchmarks.__main__ import main as benchmarks_main
 from cluster.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +52,9 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
 PAGES = pages()
 COMMANDS = [c for page in PAGES for c in commands(page)]
 LORAFLEET = [(where, argv) for where, argv in COMMANDS if argv[:1] == ["lorafleet"]]
+BENCHMARKS = [(where, argv) for where, argv in COMMANDS
+              if argv[:2] == ["python", "-m"] and argv[2].partition(".")[0] == "benchmarks"
+              ]  # fmt: skip
 
 
 def test_the_pages_have_commands():
@@ -61,6 +69,32 @@ def test_every_lorafleet_command_parses(where, argv):
     assert not [a for a in argv if a.startswith("[") or "|" in a], f"{where}: {argv}"
     try:
         build_parser().parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"{where}: {shlex.join(argv)} does not parse")
+
+
+def test_the_pages_show_the_benchmarks():
+    named = {argv[3] if argv[2] == "benchmarks" else argv[2].split(".", 1)[1].replace("_", "-")
+             for _, argv in BENCHMARKS}  # fmt: skip
+    assert set(BENCHES) <= named, set(BENCHES) - named  # every bench, somewhere
+    assert not [argv for _, argv in LORAFLEET if argv[1:2] == ["bench"] and argv[2] != "http"]
+
+
+@pytest.mark.parametrize("where, argv", BENCHMARKS, ids=[w for w, _ in BENCHMARKS])
+def test_every_benchmarks_command_parses(where, argv, capsys):
+    """`python -m benchmarks NAME ARGS` (or `benchmarks.NAME`): ARGS parse with NAME's own
+    command line, as the bench would; `python -m benchmarks --help` lists them."""
+    assert not [a for a in argv if a.startswith("[") or "|" in a], f"{where}: {argv}"
+    if argv[2] == "benchmarks" and argv[3:] == ["--help"]:
+        assert benchmarks_main(["--help"]) == 0 and "engine" in capsys.readouterr().out
+        return
+    if argv[2] == "benchmarks":
+        name, rest = argv[3], argv[4:]
+    else:
+        name, rest = argv[2].split(".", 1)[1].replace("_", "-"), argv[3:]
+    assert name in BENCHES, f"{where}: no bench {name!r}"
+    try:
+        harness.parser(bench(name)).parse_args(rest)
     except SystemExit:
         pytest.fail(f"{where}: {shlex.join(argv)} does not parse")
 

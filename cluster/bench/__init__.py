@@ -1,14 +1,10 @@
-"""Benchmarks, run as `lorafleet bench {kernels,engine,http,suite,prefix,overhead}`; results
-go to results/.
+"""`lorafleet bench http`: a user's load generator against a running server (OpenAI API),
+as `vllm bench serve` is vLLM's.
 
-kernels.py  the multi-LoRA kernels against a per-sequence loop (and the base projection)
-engine.py   the replica engine in-process: scenarios, ablations, the transformers + PEFT baseline
-http.py     HTTP load against a running server (OpenAI API), per-request latencies
-suite.py    starts the demo cluster and runs every HTTP scenario and ablation: JSON, table, plots
-prefix.py   starts the demo cluster with the prefix cache on and off, 1 and 2 replicas
-overhead.py one workload in-process and over HTTP on the same CPUs: what serving costs
-stats.py    the percentiles, millisecond cells and machine description they share
+http.py   the load: scenarios (adapter popularity, prefixes, turns), arrivals, per-request
+          latencies, the server's adapter-load and prefix counters before and after
+stats.py  the percentiles and millisecond cells it reports
 
-The suite's plots and progress bar need the `bench` extra (matplotlib, tqdm); the rest runs
-on a plain install.
+The experiments (kernels, the engine in-process, the demo cluster under ablations) are not
+part of the package: they are `python -m benchmarks ...` in a checkout (benchmarks/).
 """

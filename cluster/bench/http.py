@@ -179,7 +179,11 @@ class LoadResult:
             "base_model": self.base_model,
             "adapters": self.adapters,
             "wall_s": self.wall_s,
-            "warmup": {"requests": len(self.warmup), "ok": sum(r.ok for r in self.warmup)},
+            "warmup": {
+                "requests": len(self.warmup),
+                "ok": sum(r.ok for r in self.warmup),
+                "requests_per_model": dict(Counter(r.model for r in self.warmup)),
+            },
             "requests_per_model": dict(Counter(r.model for r in self.records)),
             "errors": self.first_errors(),
             "all": _group(self.records, self.wall_s),
@@ -654,8 +658,8 @@ async def _send(
     if options.scenario == "multi-turn":  # vLLM's extension: the ids to go on from
         body["return_token_ids"] = True
     try:
-        return await asyncio.wait_for(_stream(client, f"{url}/v1/completions", body, record),
-                                      options.timeout_s)  # fmt: skip
+        streamed = stream_completion(client, f"{url}/v1/completions", body, record)
+        return await asyncio.wait_for(streamed, options.timeout_s)
     except asyncio.CancelledError:
         record.cancelled = True
         raise
@@ -666,7 +670,9 @@ async def _send(
     return Answer()
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> Answer:
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord
+) -> Answer:
     """One streamed completion, timed chunk by chunk into the record; its answer."""
     t0 = time.perf_counter()
     text_times: list[float] = []

@@ -156,7 +156,7 @@ def _manifest_matches(out: Path, spec: DemoSpec) -> bool:
 
 
 def _assets(out: Path, spec: DemoSpec) -> DemoAssets:
-    names = [plan[0] for plan in _adapter_plans(spec)]
+    names = [plan[0] for plan in adapter_plans(spec)]
     return DemoAssets(out, out / "model", {n: out / "adapters" / n for n in names})
 
 
@@ -166,15 +166,15 @@ def _build_tree(root: Path, spec: DemoSpec) -> None:
     _write_configs(spec, model_dir, tokenizer)
     weights = _model_weights(spec)
     save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-    for plan in _adapter_plans(spec):
-        _write_adapter(spec, root / "adapters" / plan[0], *plan)
+    for plan in adapter_plans(spec):
+        write_adapter(spec, root / "adapters" / plan[0], *plan)
     for path in [root, *root.rglob("*")]:  # mkdtemp and safetensors create owner-only modes
         path.chmod(0o755 if path.is_dir() else 0o644)
     # the manifest goes last: its presence marks a complete tree
     (root / MANIFEST).write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True) + "\n")
 
 
-def _randn(spec: DemoSpec, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+def seeded_randn(spec: DemoSpec, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
     """One tensor from its own generator, seeded by (spec.seed, name) through sha256."""
     digest = hashlib.sha256(f"{spec.seed}/{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
@@ -198,20 +198,20 @@ def _module_shapes(spec: DemoSpec) -> dict[str, tuple[int, int, float]]:
 
 def _model_weights(spec: DemoSpec) -> dict[str, torch.Tensor]:
     h, emb_std = spec.hidden_size, LOGIT_STD / math.sqrt(spec.hidden_size)
-    w = {"model.embed_tokens.weight": _randn(spec, "embed", (spec.vocab_size, h), emb_std)}
+    w = {"model.embed_tokens.weight": seeded_randn(spec, "embed", (spec.vocab_size, h), emb_std)}
     shapes = _module_shapes(spec)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
         for mod, (n_in, n_out, std) in shapes.items():
             group = "mlp" if mod in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            w[f"{p}.{group}.{mod}.weight"] = _randn(spec, f"{p}.{mod}", (n_out, n_in), std)
+            w[f"{p}.{group}.{mod}.weight"] = seeded_randn(spec, f"{p}.{mod}", (n_out, n_in), std)
             if spec.arch == "qwen2" and mod in ("q_proj", "k_proj", "v_proj"):
-                w[f"{p}.self_attn.{mod}.bias"] = _randn(spec, f"{p}.{mod}.b", (n_out,), 0.1)
+                w[f"{p}.self_attn.{mod}.bias"] = seeded_randn(spec, f"{p}.{mod}.b", (n_out,), 0.1)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            w[f"{p}.{norm}.weight"] = 1.0 + _randn(spec, f"{p}.{norm}", (h,), 0.1)
-    w["model.norm.weight"] = 1.0 + _randn(spec, "norm", (h,), 0.1)
+            w[f"{p}.{norm}.weight"] = 1.0 + seeded_randn(spec, f"{p}.{norm}", (h,), 0.1)
+    w["model.norm.weight"] = 1.0 + seeded_randn(spec, "norm", (h,), 0.1)
     if not spec.tie_word_embeddings:
-        w["lm_head.weight"] = _randn(spec, "lm_head", (spec.vocab_size, h), emb_std)
+        w["lm_head.weight"] = seeded_randn(spec, "lm_head", (spec.vocab_size, h), emb_std)
     return w
 
 
@@ -322,7 +322,7 @@ def _build_tokenizer(spec: DemoSpec, model_dir: Path):
     return hf
 
 
-def _adapter_plans(spec: DemoSpec) -> list[tuple[str, int, int, tuple[str, ...], bool]]:
+def adapter_plans(spec: DemoSpec) -> list[tuple[str, int, int, tuple[str, ...], bool]]:
     """(name, r, lora_alpha, target_modules, use_rslora) per adapter; cycles give variety."""
     plans = []
     for i in range(spec.num_adapters):
@@ -333,9 +333,11 @@ def _adapter_plans(spec: DemoSpec) -> list[tuple[str, int, int, tuple[str, ...],
     return plans
 
 
-def _write_adapter(
+def write_adapter(
     spec: DemoSpec, out: Path, name: str, r: int, alpha: int, targets: tuple, rslora: bool
 ) -> None:
+    """Writes a PEFT adapter of `spec`'s model at `out` (made here): its weights drawn by
+    (spec.seed, name), deltas of LORA_REL of each targeted weight's scale."""
     scaling = alpha / math.sqrt(r) if rslora else alpha / r
     shapes = _module_shapes(spec)
     tensors = {}
@@ -346,16 +348,21 @@ def _write_adapter(
             key = f"base_model.model.model.layers.{i}.{group}.{mod}"
             # std(scaling * B @ A) = scaling * b_std * a_std * sqrt(r) = LORA_REL * std
             a_std, b_std = n_in**-0.5, LORA_REL * std * math.sqrt(n_in / r) / scaling
-            tensors[f"{key}.lora_A.weight"] = _randn(spec, f"{name}/{key}.A", (r, n_in), a_std)
-            tensors[f"{key}.lora_B.weight"] = _randn(spec, f"{name}/{key}.B", (n_out, r), b_std)
+            tensors[f"{key}.lora_A.weight"] = seeded_randn(
+                spec, f"{name}/{key}.A", (r, n_in), a_std
+            )
+            tensors[f"{key}.lora_B.weight"] = seeded_randn(
+                spec, f"{name}/{key}.B", (n_out, r), b_std
+            )
     out.mkdir(parents=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(
-        json.dumps(_peft_config(spec, r, alpha, targets, rslora), indent=2, sort_keys=True) + "\n"
+        json.dumps(peft_config(spec, r, alpha, targets, rslora), indent=2, sort_keys=True) + "\n"
     )
 
 
-def _peft_config(spec: DemoSpec, r: int, alpha: int, targets: tuple, rslora: bool) -> dict:
+def peft_config(spec: DemoSpec, r: int, alpha: int, targets: tuple, rslora: bool) -> dict:
+    """The adapter_config.json of a demo adapter (its base named after spec.arch)."""
     # The LoraConfig fields peft has written since 0.13; newer peft fills later ones with its
     # defaults, and older peft would reject keys it does not know.
     return {

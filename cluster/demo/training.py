@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from cluster.demo.assets import DemoAssets, _peft_config
+from cluster.demo.assets import DemoAssets, peft_config
 
 ROOT = Path(__file__).resolve().parents[2] / "assets" / "demo-trained"
 PAD, BOS, EOS, UNK, ARROW = "<pad>", "<s>", "</s>", "<unk>", "->"
@@ -281,5 +281,5 @@ def _save_adapter(model, out: Path) -> None:
 def _peft_config_for(r: int, alpha: int, targets: tuple[str, ...]) -> dict:
     from cluster.demo.assets import DemoSpec
 
-    config = _peft_config(DemoSpec(), r, alpha, tuple(sorted(targets)), False)
+    config = peft_config(DemoSpec(), r, alpha, tuple(sorted(targets)), False)
     return {**config, "base_model_name_or_path": "lorafleet-demo-trained"}

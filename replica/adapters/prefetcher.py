@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from replica.adapters.host_cache import HostCache
 from replica.adapters.slot_pool import AdapterSlotPool
 from replica.device import LoadHandle, StepProgress, wait_any
+from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import LoRASlotBuffers
 
 
@@ -58,6 +59,8 @@ class Prefetcher:
         self.recent_load_seconds: deque[float] = deque(maxlen=4096)  # drained by telemetry
         self.blocked_seconds = 0.0  # caller time inside loader.submit (the whole load if inline)
         self.handovers = 0  # loads into slots whose sequences were running their last step
+        # run after each load's slot write, where the load runs (LLMEngine.set_load_hook)
+        self.load_hook: Callable[[LoRAAdapterWeights], None] | None = None
 
     @property
     def num_inflight(self) -> int:
@@ -172,6 +175,8 @@ class Prefetcher:
             if fetched != dict(ranks):  # not the weights it was registered with (rewritten)
                 raise ValueError(f"{name}: ranks {fetched} are not those it was registered with")
             self.buffers.write(rows, weights, progress)
+            if self.load_hook is not None:
+                self.load_hook(weights)
             meta["adapter"] = weights
 
         started = time.perf_counter()

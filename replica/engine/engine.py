@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -144,6 +145,14 @@ class LLMEngine:
         self.adapters.unregister(name)
         self.cache_ids.retire(name)
         self._release_unloaded()
+
+    def set_load_hook(self, hook: Callable[[LoRAAdapterWeights], None] | None) -> None:
+        """Run `hook(weights)` after every adapter load's copy into its slot, where the
+        load runs (the loader thread; inside the step with sync loading); None removes it.
+
+        A benchmark's seam: its small adapters load faster than real ones, and a hook that
+        sleeps makes each load cost what a real one would."""
+        self.adapters.prefetcher.load_hook = hook
 
     def known_adapters(self) -> list[str]:
         return self.adapters.known()

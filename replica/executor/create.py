@@ -7,7 +7,6 @@ import torch
 from replica.config import EngineConfig
 from replica.executor.base import Executor
 from replica.executor.runner import ModelRunner
-from replica.executor.tp_group import TPExecutor, TPGroup
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import TPRank
 
@@ -23,5 +22,8 @@ def create_executor(
 
     if config.tp_size == 1:
         return runner()
+    # imported here: a group needs Ray, which a one-device engine runs without
+    from replica.executor.tp_group import TPExecutor, TPGroup
+
     group, rank0 = TPGroup.start(config, device, runner)
     return TPExecutor(group, rank0)

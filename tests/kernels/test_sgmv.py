@@ -494,36 +494,6 @@ def test_triton_kernels_compile_for_cuda(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
-def test_bench_quick_writes_every_figure(tmp_path):
-    import argparse
-    import json
-
-    from cluster.bench import kernels as bench_kernels
-
-    parser = argparse.ArgumentParser()
-    bench_kernels.add_arguments(parser)
-    out = tmp_path / "bench.json"
-    args = parser.parse_args(
-        [
-            "--quick",
-            "--hidden",
-            "64",
-            "--footprint-mib",
-            "0",
-            "--min-time",
-            "0.01",
-            "--json",
-            str(out),
-        ]
-    )
-    assert bench_kernels.run(args) == 0
-    doc = json.loads(out.read_text())
-    assert doc["copy_gbps"] > 0 and len(doc["shapes"]) == 2
-    for shape in doc["shapes"]:
-        assert shape["speedup_vs_loop"] > 0 and shape["lora_over_base_time"] > 0
-        assert {"lora_gbps", "base_gbps", "lora_over_base_bytes"} <= set(shape)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_shrink_matches_reference(dtype):
     """Embedding LoRA's shrink (a gather of A's columns by token id) over ragged segments,

@@ -3,7 +3,7 @@ hit-rate arithmetic, and runs against a fake server on 127.0.0.1 that caches pre
 
 The fake's tokens are the prompt's words and it caches blocks of BLOCK words per model,
 generated words included (as the engine does), counting as the engine's telemetry does.
-The real server is measured by `lorafleet bench prefix` (test_bench_prefix.py).
+The real server is measured by `python -m benchmarks prefix` (tests/benchmarks/test_prefix.py).
 """
 
 from __future__ import annotations
@@ -350,7 +350,8 @@ def test_multi_turn_warmup_conversations_are_not_measured_and_not_reused(fake):
     options = _options(url, scenario="multi-turn", turns=2, num_requests=6, warmup_requests=4,
                        concurrency=2)  # fmt: skip
     result = asyncio.run(run_load(options))
-    assert len(state.log) == 10 and result.summary()["warmup"] == {"requests": 4, "ok": 4}
+    warmup = result.summary()["warmup"]
+    assert len(state.log) == 10 and (warmup["requests"], warmup["ok"]) == (4, 4)
     warm = {_conversation(e["prompt"])[0] for e in state.log[:4]}
     measured = {r.conversation for r in result.records}
     assert not warm & measured and min(measured) >= 4

@@ -1,4 +1,4 @@
-"""`lorafleet bench tenants`: fair share between tenants on one replica (issue 30).
+"""`python -m benchmarks tenants`: fair share between tenants on one replica (issue 30).
 
 One replica's engine, in-process: an `LLMEngine` on the demo model and its adapters,
 stepped by this process's loop as the replica's engine thread steps it (no Ray, no HTTP:
@@ -24,30 +24,32 @@ so that seats free at staggered steps.
 It reports B's TTFT p50/p99 (from its arrival time to its first token), the median step,
 total output tok/s, and per consecutive 10 s window each tenant's service (1 per uncached
 prompt token + 2 per output token, VTC's measure, divided by the tenant's weight): the
-largest difference between A's and B's, and for `weights` the service ratio A/B. Targets:
+largest difference between A's and B's, and for `weights` the service ratio A/B. Targets
+(benchmarks/targets.toml [tenants]):
 
-  vtc: B's TTFT p50 under the flood <= 2x its TTFT p50 alone
-  vtc: total output tok/s >= 0.95x fcfs's
-  weights 2:1: service ratio A/B within 10% of 2
+  vtc_ttft_p50_vs_alone   vtc: B's TTFT p50 under the flood over its TTFT p50 alone
+  vtc_tok_s_vs_fcfs       vtc: total output tok/s over fcfs's
+  weights_service_ratio   weights 2:1: service ratio A/B
 
-    lorafleet bench tenants                  # ~6 minutes on a 2-core CPU
-    lorafleet bench tenants --duration 10    # a shorter run (one 10 s window per run)
+    python -m benchmarks tenants                  # ~6 minutes on a 2-core CPU
+    python -m benchmarks tenants --duration 10    # a shorter run (one 10 s window per run)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from cluster.bench.stats import machine, ms, percentile
+from benchmarks import harness
+from benchmarks.harness import num, ratio
+from cluster.bench.stats import ms, percentile
 from cluster.demo.assets import DemoSpec, cached_demo_assets
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
@@ -55,24 +57,12 @@ from replica.engine.fair_share import W_IN, W_OUT
 from replica.engine.sequence import Sequence
 from replica.wire import SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
-DEFAULT_JSON = RESULTS / "tenants.json"
-DEFAULT_PLOT = RESULTS / "tenants_ttft.png"
+DEFAULT_JSON = harness.RESULTS / "tenants.json"
+DEFAULT_PLOT = harness.RESULTS / "tenants_ttft.png"
 WINDOW_S = 10.0
 # after the measured time, the flood goes on (unmeasured) until every measured request of B
 # has its first token, so that slow TTFTs are counted rather than cut off; at most this long
 DRAIN_CAP_S = 120.0
-
-
-@dataclass(frozen=True)
-class Targets:
-    vtc_ttft_p50_vs_alone_max: float = 2.0
-    vtc_tok_s_vs_fcfs_min: float = 0.95
-    weights_ratio: float = 2.0
-    weights_ratio_tolerance: float = 0.10
-
-
-TARGETS = Targets()
 
 
 @dataclass
@@ -171,23 +161,17 @@ def run(args: argparse.Namespace) -> int:
                for name, t in traces.items()}  # fmt: skip
     verdict = compare(figures)
     meta = {
-        "command": " ".join(["lorafleet bench tenants", *sys.argv[3:]]),
-        "machine": machine(),
+        **harness.run_meta(args),
         "how": "one in-process LLMEngine (the replica's engine, stepped by the bench's "
         "loop; no Ray, no HTTP)",
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                 if k != "func"},
-        "targets": asdict(TARGETS),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "service": f"per tenant: {W_IN:g} per uncached prompt token + {W_OUT:g} per output "
         "token, divided by its weight, in 10 s windows",
     }  # fmt: skip
     print(report(figures, verdict))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        points = {n: _ttft_points(traces[n]) for n in ("alone", "fcfs", "vtc")}
-        body = {**meta, "comparison": verdict, "runs": figures, "b_ttft_over_time_s": points}
-        args.json.write_text(json.dumps(body, indent=2))
-        print(f"wrote {args.json}")
+    points = {n: _ttft_points(traces[n]) for n in ("alone", "fcfs", "vtc")}
+    body = {**meta, "comparison": verdict, "runs": figures, "b_ttft_over_time_s": points}
+    harness.write_json(args.json, body)
     if not args.no_plot:
         plot_ttft_over_time(traces, args.plot)
         print(f"wrote {args.plot}")
@@ -333,7 +317,7 @@ def summarize(trace: Trace, weights: dict[str, float]) -> dict:
         "step_p50_s": percentile(trace.step_s, 50) if trace.step_s else None,
         # B's TTFT p50 in steps of its own run: what scheduling decides, the step's cost
         # (which grows with the batch on a CPU) set apart
-        "b_ttft_p50_steps": _ratio(
+        "b_ttft_p50_steps": ratio(
             percentile(ttfts, 50) if ttfts else None,
             percentile(trace.step_s, 50) if trace.step_s else None,
         ),
@@ -344,26 +328,16 @@ def summarize(trace: Trace, weights: dict[str, float]) -> dict:
     }
 
 
-def compare(figures: dict[str, dict], targets: Targets = TARGETS) -> dict:
-    """The three targets: each figure and whether it is met (None where unknown)."""
+def compare(figures: dict[str, dict]) -> dict:
+    """The ratios of the runs, each target checked (met None where unknown)."""
     alone, fcfs, vtc = figures["alone"], figures["fcfs"], figures["vtc"]
-    ttft = _ratio(vtc["b_ttft_p50_s"], alone["b_ttft_p50_s"])
-    fcfs_ttft = _ratio(fcfs["b_ttft_p50_s"], alone["b_ttft_p50_s"])
-    tok_s = _ratio(vtc["output_tok_per_s"], fcfs["output_tok_per_s"])
-    ratio = figures["weights"]["service_ratio_a_b"]
-    want, tol = targets.weights_ratio, targets.weights_ratio_tolerance
-    return {
-        "vtc_ttft_p50_vs_alone": ttft,
-        "fcfs_ttft_p50_vs_alone": fcfs_ttft,
-        "vtc_tok_s_vs_fcfs": tok_s,
-        "weights_service_ratio": ratio,
-        "met": {
-            "vtc_ttft_p50_vs_alone": None if ttft is None
-            else ttft <= targets.vtc_ttft_p50_vs_alone_max,
-            "vtc_tok_s_vs_fcfs": None if tok_s is None else tok_s >= targets.vtc_tok_s_vs_fcfs_min,
-            "weights_service_ratio": None if ratio is None else abs(ratio / want - 1) <= tol,
-        },
-    }  # fmt: skip
+    ratios = {
+        "vtc_ttft_p50_vs_alone": ratio(vtc["b_ttft_p50_s"], alone["b_ttft_p50_s"]),
+        "fcfs_ttft_p50_vs_alone": ratio(fcfs["b_ttft_p50_s"], alone["b_ttft_p50_s"]),
+        "vtc_tok_s_vs_fcfs": ratio(vtc["output_tok_per_s"], fcfs["output_tok_per_s"]),
+        "weights_service_ratio": figures["weights"]["service_ratio_a_b"],
+    }
+    return {**ratios, "targets": harness.check("tenants", ratios)}
 
 
 def report(figures: dict[str, dict], verdict: dict) -> str:
@@ -374,35 +348,28 @@ def report(figures: dict[str, dict], verdict: dict) -> str:
         lines.append(
             f"| {name} | {f['b_requests'] or '-'} | {ms(f['b_ttft_p50_s'], 0)} / "
             f"{ms(f['b_ttft_p99_s'], 0)} | {ms(f['step_p50_s'], 0)} | "
-            f"{f['output_tok_per_s']:.0f} | {_x(f['max_window_service_diff'], 0)} | "
-            f"{_x(f['service_ratio_a_b'])} |"
+            f"{f['output_tok_per_s']:.0f} | {num(f['max_window_service_diff'], 0)} | "
+            f"{num(f['service_ratio_a_b'])} |"
         )
-    t, met = TARGETS, verdict["met"]
+    t = verdict["targets"]
     lines += [
         "",
-        f"- vtc: B's TTFT p50 under the flood / alone = {_x(verdict['vtc_ttft_p50_vs_alone'])} "
-        f"(target <= {t.vtc_ttft_p50_vs_alone_max:g}: {_met(met['vtc_ttft_p50_vs_alone'])}); "
-        f"fcfs: {_x(verdict['fcfs_ttft_p50_vs_alone'])}. In steps of each run's median step: "
+        f"- vtc: B's TTFT p50 under the flood / alone = "
+        f"{harness.verdict(t['vtc_ttft_p50_vs_alone'])}; fcfs: "
+        f"{num(verdict['fcfs_ttft_p50_vs_alone'])}. In steps of each run's median step: "
         + ", ".join(
-            f"{n} {_x(figures[n]['b_ttft_p50_steps'], 1)}" for n in ("alone", "fcfs", "vtc")
+            f"{n} {num(figures[n]['b_ttft_p50_steps'], 1)}" for n in ("alone", "fcfs", "vtc")
         ),
-        f"- vtc total output tok/s / fcfs = {_x(verdict['vtc_tok_s_vs_fcfs'])} (target >= "
-        f"{t.vtc_tok_s_vs_fcfs_min:g}: {_met(met['vtc_tok_s_vs_fcfs'])})",
+        f"- vtc total output tok/s / fcfs = {harness.verdict(t['vtc_tok_s_vs_fcfs'])}",
         f"- weights 2:1, both backlogged: service ratio A/B = "
-        f"{_x(verdict['weights_service_ratio'])} (target {t.weights_ratio:g} within "
-        f"{t.weights_ratio_tolerance:.0%}: {_met(met['weights_service_ratio'])})",
+        f"{harness.verdict(t['weights_service_ratio'])}",
     ]
     return "\n".join(lines)
 
 
 def plot_ttft_over_time(traces: dict[str, Trace], path: Path) -> None:
     """B's TTFT against its arrival time, a line per run (alone, fcfs, vtc)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = harness.pyplot().subplots(figsize=(8, 4))
     for name in ("fcfs", "vtc", "alone"):
         points = _ttft_points(traces[name])
         ax.plot([p[0] for p in points], [p[1] * 1000 for p in points], marker=".", label=name)
@@ -410,10 +377,7 @@ def plot_ttft_over_time(traces: dict[str, Trace], path: Path) -> None:
            title="Tenant B's TTFT while tenant A floods (one replica)")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    harness.save_plot(fig, path)
 
 
 def _ttft_points(trace: Trace) -> list[tuple[float, float]]:
@@ -425,13 +389,5 @@ def _line(f: dict) -> str:
             f"{f['output_tok_per_s']:.0f} out tok/s")  # fmt: skip
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _x(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _met(ok: bool | None) -> str:
-    return "unknown" if ok is None else ("met" if ok else "NOT met")
+if __name__ == "__main__":
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))

@@ -1,29 +1,28 @@
-"""`lorafleet bench prefix`: its setups, its arithmetic against the targets, its report, and
+"""`python -m benchmarks prefix`: its setups, its arithmetic against the targets, its report, and
 one --quick run end to end (a real Ray and the demo app, deployed three times)."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import socket
 
 import pytest
 
-from cluster.bench import prefix as bench_prefix
-from cluster.bench import suite as bench_suite
-from cluster.bench.prefix import (
+from benchmarks import harness
+from benchmarks import prefix as bench_prefix
+from benchmarks import suite as bench_suite
+from benchmarks.harness import RunResult
+from benchmarks.prefix import (
+    FULL,
     QUICK,
     SCENARIOS,
     SETUPS,
-    RunResult,
-    Sizes,
+    Run,
     compare,
     hit_rate,
     load_options,
     report,
     serve_config,
 )
-from cluster.cli import build_parser
 
 SETUP = {s.name: s for s in SETUPS}
 
@@ -36,37 +35,37 @@ def _summary(ttft: float | None, tok_s: float, client: float | None, server: flo
 
 def _results(on: dict, off: dict, two: dict, scenario: str = "shared-prefix") -> list[RunResult]:
     return [
-        RunResult(SETUP["cache-on"], scenario, on),
-        RunResult(SETUP["cache-off"], scenario, off),
-        RunResult(SETUP["cache-on-2r"], scenario, two),
+        RunResult(Run(SETUP["cache-on"], scenario), on),
+        RunResult(Run(SETUP["cache-off"], scenario), off),
+        RunResult(Run(SETUP["cache-on-2r"], scenario), two),
     ]
 
 
 def test_setups_are_cache_on_off_and_two_replicas():
     assert [(s.replicas, s.cache) for s in SETUPS] == [(1, True), (1, False), (2, True)]
     for setup in SETUPS:
-        config = serve_config(setup, Sizes(), port=8123)
+        config = serve_config(setup, FULL, port=8123)
         app = config["applications"][0]
         engine = app["args"]["engine"]
         assert engine["enable_prefix_caching"] is setup.cache
         assert engine["model"] == "demo" and app["args"]["adapters"] == "demo"
-        assert engine["num_slots"] == Sizes().adapters + 1  # every adapter resident
+        assert engine["num_slots"] == FULL.adapters + 1  # every adapter resident
         replica = next(d for d in app["deployments"] if d["name"] == "LoRAReplica")
         assert replica["num_replicas"] == setup.replicas and "autoscaling_config" not in replica
         assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
 
 
 def test_load_options_per_scenario():
-    shared = load_options(Sizes(), "shared-prefix", "http://x", "l")
-    turns = load_options(Sizes(), "multi-turn", "http://x", "l")
+    shared = load_options(FULL, "shared-prefix", "http://x", "l")
+    turns = load_options(FULL, "multi-turn", "http://x", "l")
     assert (shared.prefix_tokens, shared.prompt_tokens) == (1000, 32)
     assert (turns.turns, turns.prompt_tokens, turns.concurrency) == (4, 64, 16)
     assert shared.num_requests == turns.num_requests == 96
     assert shared.warmup_requests == 32
-    assert load_options(Sizes(), "shared-prefix", "http://x", "l", 2).warmup_requests == 64
+    assert load_options(FULL, "shared-prefix", "http://x", "l", 2).warmup_requests == 64
     # the demo model's 2048 positions hold the longest prompt and its answer
-    s = Sizes()
-    assert s.prefix_tokens + s.suffix_tokens + s.max_tokens + 16 < 2048
+    s = FULL
+    assert s.prefix_tokens + s.prompt_tokens + s.max_tokens + 16 < 2048
     assert s.turns * (s.turn_tokens + 8 + s.max_tokens) < 2048
     assert QUICK.requests < 16 and QUICK.prefix_tokens <= 64
 
@@ -82,8 +81,8 @@ def test_compare_ratios_against_the_targets():
     assert c["output_tok_s_ratio"] == pytest.approx(2.0)
     assert c["hit_rate"] == {"cache-on": 0.9, "cache-off": 0.0, "cache-on-2r": 0.85}
     assert c["replica_hit_rate_ratio"] == pytest.approx(0.85 / 0.9)
-    assert c["met"] == {"ttft_p50_ratio": True, "output_tok_s_ratio": True,
-                        "replica_hit_rate_ratio": True}  # fmt: skip
+    assert _met(c) == {"ttft_p50_ratio": True, "output_tok_s_ratio": True,
+                       "replica_hit_rate_ratio": True}  # fmt: skip
     assert "multi-turn" not in compare(results)  # no runs of it: no comparison
 
     worse = compare(
@@ -93,8 +92,8 @@ def test_compare_ratios_against_the_targets():
             two=_summary(0.3, 150.0, 0.44, None),
         )
     )["shared-prefix"]
-    assert worse["met"] == {"ttft_p50_ratio": False, "output_tok_s_ratio": False,
-                            "replica_hit_rate_ratio": False}  # fmt: skip
+    assert _met(worse) == {"ttft_p50_ratio": False, "output_tok_s_ratio": False,
+                           "replica_hit_rate_ratio": False}  # fmt: skip
     edge = compare(
         _results(
             on=_summary(0.35, 150.0, 0.5, None),
@@ -102,7 +101,11 @@ def test_compare_ratios_against_the_targets():
             two=_summary(0.3, 150.0, 0.55, None),
         )
     )["shared-prefix"]
-    assert all(edge["met"].values())  # the bounds themselves meet the targets
+    assert all(_met(edge).values())  # the bounds themselves meet the targets
+
+
+def _met(comparison: dict) -> dict:
+    return {name: checked["met"] for name, checked in comparison["targets"].items()}
 
 
 def test_hit_rate_falls_back_to_the_server_then_unknown():
@@ -117,8 +120,8 @@ def test_hit_rate_falls_back_to_the_server_then_unknown():
         )
     )["shared-prefix"]
     assert unknown["ttft_p50_ratio"] is None and unknown["replica_hit_rate_ratio"] is None
-    assert unknown["met"] == {"ttft_p50_ratio": None, "output_tok_s_ratio": True,
-                              "replica_hit_rate_ratio": None}  # fmt: skip
+    assert _met(unknown) == {"ttft_p50_ratio": None, "output_tok_s_ratio": True,
+                             "replica_hit_rate_ratio": None}  # fmt: skip
 
 
 def test_report_has_a_row_per_run_and_a_line_per_scenario():
@@ -129,7 +132,8 @@ def test_report_has_a_row_per_run_and_a_line_per_scenario():
         _summary(0.5, 200.0, 0.5, 0.5), _summary(0.6, 190.0, 0.0, None),
         _summary(0.4, 210.0, 0.52, 0.5), scenario="multi-turn",
     )  # fmt: skip
-    meta = bench_prefix._meta(QUICK, quick=True)
+    meta = {"date": "2026-11-28", "machine": harness.machine(), "sizes": QUICK.to_json(),
+            "command": "python -m benchmarks prefix --quick"}  # fmt: skip
     text = report(results, compare(results), meta)
     rows = [line for line in text.splitlines() if line.startswith("| shared-prefix")]
     assert rows == [
@@ -139,37 +143,33 @@ def test_report_has_a_row_per_run_and_a_line_per_scenario():
     ]
     lines = [line for line in text.splitlines() if line.startswith("- ")]
     assert lines[0].startswith("- shared-prefix: TTFT p50 on/off 0.30 (target <= 0.35: met)")
-    assert "hit rate 2 replicas / 1 - (within 10%: unknown)" in lines[0]
+    assert "hit rate 2 replicas / 1 - (target 1 within 10%: unknown)" in lines[0]
     assert lines[1].startswith("- multi-turn: TTFT p50 on/off 0.83 (target <= 0.35: NOT met)")
     assert "hit rate unknown where '-'" in lines[2]
-    assert "bench prefix --quick" in text and meta["date"] in text
+    assert "benchmarks prefix --quick" in text and meta["date"] in text
 
 
-def test_the_command_is_registered():
-    args = build_parser().parse_args(["bench", "prefix", "--quick", "--json", "x.json"])
-    assert args.func is bench_prefix.run and args.quick and str(args.json) == "x.json"
-    assert args.scenarios == SCENARIOS
-    one = build_parser().parse_args(["bench", "prefix", "--scenarios", "multi-turn"])
-    assert one.scenarios == ("multi-turn",)
-    assert (
-        "--scenarios multi-turn"
-        in bench_prefix._meta(QUICK, False, scenarios=one.scenarios)["command"]
-    )
+def test_the_command_line():
+    parse = harness.parser(bench_prefix).parse_args
+    args = parse(["--quick", "--json", "x.json"])
+    assert args.quick and str(args.json) == "x.json"
+    assert args.scenarios == SCENARIOS and args.setups == tuple(s.name for s in SETUPS)
+    assert parse(["--scenarios", "multi-turn"]).scenarios == ("multi-turn",)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "prefix", "--scenarios", "zipf"])
+        parse(["--scenarios", "zipf"])
 
 
 def test_shared_cdf_plot_draws_the_suites_and_ours(tmp_path):
-    """plot_ttft_cdfs, which `bench suite` now draws its CDFs with too."""
+    """harness.plot_ttft_cdfs, which the suite draws its CDFs with too."""
     pytest.importorskip("matplotlib")
     suite_results = [
-        bench_suite.RunResult(bench_suite.Run(v, s), {}, [0.1, 0.2, 0.3])
+        RunResult(bench_suite.Run(v, s), {}, [0.1, 0.2, 0.3])
         for v in bench_suite.VARIANTS[:2]
         for s in bench_suite.CDF_SCENARIOS
     ]
     bench_suite._plot_ttft_cdf(suite_results, tmp_path / "suite.png")
     panels = {s: {"cache-on": [0.1, 0.2], "cache-off": [0.5, 0.9]} for s in SCENARIOS}
-    bench_suite.plot_ttft_cdfs(panels, tmp_path / "prefix.png")
+    harness.plot_ttft_cdfs(panels, tmp_path / "prefix.png")
     for name in ("suite.png", "prefix.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
 
@@ -179,15 +179,10 @@ def test_shared_cdf_plot_draws_the_suites_and_ours(tmp_path):
 def test_quick_prefix_bench_runs_end_to_end(tmp_path, capsys):
     """One setup (each deployment takes 20-30 s to start here; all three, ~2 minutes),
     against today's server too: cached tokens it does not report read as unknown."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    parser = argparse.ArgumentParser()
-    bench_prefix.add_arguments(parser)
     out, plot = tmp_path / "prefix.json", tmp_path / "prefix.png"
-    args = parser.parse_args(["--quick", "--setups", "cache-on", "--port", str(port),
-                              "--json", str(out), "--plot", str(plot)])  # fmt: skip
-    assert bench_prefix.run(args) == 0
+    argv = ["--quick", "--setups", "cache-on", "--port", str(harness.free_port()),
+            "--json", str(out), "--plot", str(plot)]  # fmt: skip
+    assert harness.main(bench_prefix, argv) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert [(r["setup"], r["scenario"]) for r in data["runs"]] == [
@@ -201,7 +196,7 @@ def test_quick_prefix_bench_runs_end_to_end(tmp_path, capsys):
         if figures["prefix_hit_rate"] is not None:  # once the server reports cached tokens
             assert figures["prefix_hit_rate"] > 0
     assert data["comparisons"] == {}  # they need all three setups
-    assert data["command"] == "lorafleet bench prefix --quick --setups cache-on"
+    assert data["command"].startswith("python -m benchmarks prefix --quick --setups cache-on")
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert printed.count("| shared-prefix |") == printed.count("| multi-turn |") == 1
     assert f"wrote {out}" in printed

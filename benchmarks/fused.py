@@ -1,4 +1,4 @@
-"""`lorafleet bench kernels --fused`: a fused projection's LoRA held split or fused.
+"""`python -m benchmarks fused`: a fused projection's LoRA held split or fused.
 
 Phi-3 / Phi-4-mini checkpoints fuse q/k/v into `qkv_proj` and gate/up into
 `gate_up_proj`, and their adapters target the fused modules: one A [r, hidden], one
@@ -11,7 +11,8 @@ a decode batch, with A as the parts' copies (split) or once (fused), the adapter
 weights rotating through --footprint-mib of copies so they come from memory, both
 variants interleaved, medians; and the bytes an adapter holds either way.
 
-    lorafleet bench kernels --fused          # Phi-3-mini and Phi-4-mini, ~30 s on 2 CPU cores
+    python -m benchmarks fused          # Phi-3-mini and Phi-4-mini, ~30 s on 2 CPU cores
+    python -m benchmarks fused --quick  # a smoke run: two rounds per shape, 64 MiB of copies
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +28,9 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from benchmarks import harness
+from benchmarks.harness import Clock
+from benchmarks.kernels import add_device_arguments, device_and_dtype, print_device
 
 ADAPTERS, TOKENS_EACH = 16, 2  # a decode batch of 32 tokens over 16 adapters
 
@@ -46,6 +51,21 @@ def fused_shapes() -> list[FusedShape]:
         FusedShape("phi4-mini", "qkv_proj", 3072, (3072, 1024, 1024)),
         FusedShape("phi4-mini", "gate_up_proj", 3072, (8192, 8192)),
     ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="A smoke run: 64 MiB, 2 rounds.")
+    add_device_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    device, dtype = device_and_dtype(args)
+    if args.quick:
+        args.footprint_mib, args.min_time = min(args.footprint_mib, 64), 0.0
+    head = print_device(args, device, dtype, args.quick)
+    rows = run_fused(args, device, dtype, Clock(device).time)
+    harness.write_json(args.json, {**head, "fused": rows})
+    return 0
 
 
 def run_fused(
@@ -137,7 +157,8 @@ def _run_shape(
     order, rnd = list(variants), random.Random(args.seed)
     deadline = time.perf_counter() + 2 * args.min_time
     i = 0
-    while i < 5 or (time.perf_counter() < deadline and i < 2000):
+    least = 2 if args.quick else 5
+    while i < least or (time.perf_counter() < deadline and i < 2000):
         rnd.shuffle(order)
         for k in order:
             times[k].append(clock_time(lambda fn=variants[k], i=i: fn(i)))
@@ -158,3 +179,7 @@ def _run_shape(
         "split_bytes": (n * r * h + out * r) * elem,
         "fused_bytes": (r * h + out * r) * elem,
     }
+
+
+if __name__ == "__main__":
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))

@@ -1,8 +1,8 @@
-"""`lorafleet bench many-adapters`: its adapters, its arguments, its arithmetic against the
+"""`python -m benchmarks many-adapters`: its adapters, its arguments, its arithmetic against the
 targets, and a sweep end to end against a fake server on 127.0.0.1 that registers adapters
 as the real one does (a 400 for a name already live, a 404 for a name not registered).
 
-The real server is measured by the command itself (cluster/bench/results/many_adapters.json).
+The real server is measured by the command itself (benchmarks/results/many_adapters.json).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.bench import many_adapters as bench
-from cluster.bench.many_adapters import (
+from benchmarks import harness
+from benchmarks import many_adapters as bench
+from benchmarks.harness import RunResult, Sizes
+from benchmarks.many_adapters import (
     DEFAULT_COUNTS,
-    QUICK,
+    FULL,
     AdapterSpec,
     Registration,
-    Sizes,
     Step,
     adapter_cache_dir,
     adapter_names,
@@ -34,7 +35,6 @@ from cluster.bench.many_adapters import (
     serve_config,
     sweep,
 )
-from cluster.cli import build_parser
 from replica.model.adapter_weights import load_peft_adapter
 from replica.model.spec import load_model_spec
 from tests.cluster.bench.fake_server import serving
@@ -52,24 +52,17 @@ def test_adapter_counts_parse_sorted_and_distinct():
             counts_arg(bad)
 
 
-def test_the_command_is_registered():
-    args = build_parser().parse_args(["bench", "many-adapters", "--adapters", "256,16"])
-    assert args.func is bench.run and args.adapters == (16, 256) and not args.quick
-    assert build_parser().parse_args(["bench", "many-adapters"]).adapters == DEFAULT_COUNTS
+def test_the_command_line():
+    parse = harness.parser(bench).parse_args
+    args = parse(["--adapters", "256,16"])
+    assert args.adapters == (16, 256) and not args.quick
+    assert parse([]).adapters == DEFAULT_COUNTS
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "many-adapters", "--adapters", "many"])
-    quick = argparse.Namespace(quick=True)
-    assert bench._meta(QUICK, AdapterSpec(), (2, 4), quick)["command"] == (
-        "lorafleet bench many-adapters --quick"
-    )
-    full = argparse.Namespace(quick=False)
-    assert bench._meta(Sizes(), AdapterSpec(), (16, 256, 1024), full)["command"] == (
-        "lorafleet bench many-adapters --adapters 16,256,1024"
-    )
+        parse(["--adapters", "many"])
 
 
 def test_the_load_is_the_issues():
-    o = load_options("http://x", 1024, Sizes())
+    o = load_options("http://x", 1024, FULL)
     assert (o.scenario, o.adapters, o.concurrency) == ("uniform", 1024, 32)
     assert (o.prompt_tokens, o.max_tokens, o.rate) == (64, 32, None)
     assert o.num_requests == 192 and o.warmup_requests == 32
@@ -146,7 +139,7 @@ def test_adapters_are_distinct_deterministic_valid_and_built_once(tmp_path, demo
 def _step(n: int, tok_s: float, ttft: float, before: int, seconds: float) -> Step:
     figures = {"ok": 10, "requests": 10, "output_tok_per_s": tok_s, "ttft_p50_s": ttft,
                "ttft_p99_s": 2 * ttft}  # fmt: skip
-    return Step(n, Registration(before, n, seconds), {"all": figures}, [], [1.5, 1.0, 0.5])
+    return Step(Registration(before, n, seconds), RunResult(n, {"all": figures}), [1.5, 1.0, 0.5])
 
 
 def _sweep_steps(tok_1024: float = 180.0, tok_4096: float = 160.0) -> list[Step]:
@@ -161,42 +154,49 @@ def _sweep_steps(tok_1024: float = 180.0, tok_4096: float = 160.0) -> list[Step]
 def test_ratios_to_the_smallest_count_and_the_targets():
     f = compare(_sweep_steps())
     assert f["ratio_to"] == 16
-    per = f["per_n"]
-    assert per[16]["tok_s_ratio"] == 1.0 and per[16]["tok_s_met"] is None  # no target at 16
-    assert per[256]["tok_s_ratio"] == pytest.approx(0.95) and per[256]["tok_s_target"] is None
-    assert per[1024]["tok_s_ratio"] == pytest.approx(0.9) and per[1024]["tok_s_met"] is True
-    assert per[4096]["tok_s_ratio"] == pytest.approx(0.8) and per[4096]["tok_s_met"] is False
+    per, met = f["per_n"], _met(f)
+    assert per[16]["tok_s_ratio"] == 1.0 and "tok_s_ratio_at_16" not in met  # no target
+    assert per[256]["tok_s_ratio"] == pytest.approx(0.95)
+    assert per[1024]["tok_s_ratio"] == pytest.approx(0.9) and met["tok_s_ratio_at_1024"] is True
+    assert per[4096]["tok_s_ratio"] == pytest.approx(0.8) and met["tok_s_ratio_at_4096"] is False
     assert per[4096]["ttft_p50_ratio"] == pytest.approx(4.0)
     reg = f["registration"]
     assert reg["count"] == 4095 and reg["seconds"] == pytest.approx(190.0)
     assert reg["per_s"] == pytest.approx(4095 / 190)
-    assert reg["first_1023_s"] == pytest.approx(40.0) and reg["first_1023_met"] is False
+    assert reg["first_1023_s"] == pytest.approx(40.0)
+    assert met["first_1023_registrations_s"] is False
     fast = compare([_step(16, 1.0, 0.1, 1, 1.0), _step(1024, 1.0, 0.1, 16, 14.0)])
     assert fast["registration"]["first_1023_s"] == 15.0  # the bound itself meets it
-    assert fast["registration"]["first_1023_met"] is True
+    assert _met(fast)["first_1023_registrations_s"] is True
+
+
+def _met(figures: dict) -> dict:
+    return {name: checked["met"] for name, checked in figures["targets"].items()}
 
 
 def test_without_1024_adapters_there_is_no_1023_figure():
     f = compare(_sweep_steps()[:2])
     assert f["registration"]["first_1023_s"] is None
-    assert f["registration"]["first_1023_met"] is None
+    assert _met(f)["first_1023_registrations_s"] is None
+    assert _met(f)["tok_s_ratio_at_1024"] is None  # not reached: unknown
     assert compare([])["per_n"] == {}
 
 
 def test_resolution_is_compared_with_registered_adapters_no_replica_held():
     cold = {"cold_ttft_p50_s": 0.2, "resolution": {"cold_ttft_p50_s": 0.3}}
-    r = compare(_sweep_steps(), cold)["resolution"]
-    assert r["over_registered"] == pytest.approx(1.5) and r["met"] is True  # the bound
+    f = compare(_sweep_steps(), cold)
+    assert f["resolution"]["over_registered"] == pytest.approx(1.5)
+    assert _met(f)["resolution_over_registered"] is True  # the bound
     cold["resolution"]["cold_ttft_p50_s"] = 0.31
-    assert compare(_sweep_steps(), cold)["resolution"]["met"] is False
+    assert _met(compare(_sweep_steps(), cold))["resolution_over_registered"] is False
     cold["resolution"]["cold_ttft_p50_s"] = None  # every probe failed
-    assert compare(_sweep_steps(), cold)["resolution"]["met"] is None
+    assert _met(compare(_sweep_steps(), cold))["resolution_over_registered"] is None
     assert compare(_sweep_steps(), {"cold_ttft_p50_s": 0.2})["resolution"] is None
 
 
 def test_report_has_a_row_per_count_and_the_registration_line():
     steps = _sweep_steps()
-    meta = bench._meta(Sizes(), AdapterSpec(), DEFAULT_COUNTS, argparse.Namespace(quick=False))
+    meta = bench._meta(FULL, AdapterSpec(), DEFAULT_COUNTS, argparse.Namespace(quick=False))
     meta |= {"load_average_before": [1.0, 2.0, 3.0], "load_average_after": None}
     cold = {"cold_ttft_p50_s": 0.9, "warm_ttft_p50_s": 0.3, "cold_ttft_s": [0.9, 0.9]}
     text = report(steps, compare(steps), cold, meta)
@@ -216,7 +216,7 @@ def test_report_has_a_row_per_count_and_the_registration_line():
 
 def test_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    meta = bench._meta(Sizes(), AdapterSpec(), DEFAULT_COUNTS, argparse.Namespace(quick=False))
+    meta = bench._meta(FULL, AdapterSpec(), DEFAULT_COUNTS, argparse.Namespace(quick=False))
     bench.plot(_sweep_steps(), tmp_path / "p.png", meta)
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
 
@@ -287,7 +287,7 @@ def test_a_sweep_registers_up_to_each_count_then_loads_exactly_those(tmp_path):
         a = step.summary["all"]
         assert a["ok"] == a["requests"] == 12 and a["output_tokens"] == 36
         assert set(step.summary["requests_per_model"]) <= set(adapter_names(step.adapters))
-        assert len(step.ttfts_s) == 12 and len(step.load_average) == 3
+        assert len(step.load.ttfts_s) == 12 and len(step.load_average) == 3
     # the probes: adapters no request of the sweep named, each sent twice, one at a time
     probed = cold["adapters"]
     assert len(probed) == 2 and not set(probed) & {m for m, _ in received[:30]}

@@ -1,32 +1,30 @@
-"""`lorafleet bench suite`: its plan, its outputs, and one reduced run end to end (real Ray)."""
+"""`python -m benchmarks suite`: its plan, its outputs, one reduced run end to end (real Ray)."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import socket
 from dataclasses import replace
 
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import build_app
-from cluster.bench import suite as bench_suite
-from cluster.bench.suite import (
+from benchmarks import harness
+from benchmarks import suite as bench_suite
+from benchmarks.harness import STOP_POLL_S, RunResult
+from benchmarks.suite import (
     ALL_SCENARIOS,
     CDF_SCENARIOS,
     QUICK,
     RESULTS_BEGIN,
     RESULTS_END,
-    STOP_POLL_S,
     VARIANTS,
     Run,
-    RunResult,
     markdown,
     plan,
     update_readme,
 )
+from cluster.app import build_app
 from cluster.config import AppConfig
 
 
@@ -51,20 +49,21 @@ def _summary(loads: int, hit: float | None) -> dict:
 
 
 def test_markdown_has_a_row_per_run_and_the_plots():
-    meta = bench_suite._meta(QUICK, quick=True)
+    meta = {"date": "2026-11-28", "machine": harness.machine(), "sizes": QUICK.to_json(),
+            "command": "python -m benchmarks suite --quick"}  # fmt: skip
     results = [
         RunResult(Run(VARIANTS[0], "zipf"), _summary(3, 0.75)),
         RunResult(Run(VARIANTS[1], "zipf", rate=2.0), _summary(9, None)),
     ]
-    text = markdown(results, meta, image_dir="cluster/bench/results")
+    text = markdown(results, meta, image_dir="benchmarks/results")
     rows = [line for line in text.splitlines() if line.startswith("| lorafleet") or
             line.startswith("| default-routing")]  # fmt: skip
     assert rows == [
         "| lorafleet | zipf | 4 conc. | 4/4 | 12.5 | 100 / 200 | 10 | 500 | 3 | 75% | 0.250 |",
         "| default-routing | zipf | 2 req/s | 4/4 | 12.5 | 100 / 200 | 10 | 500 | 9 | - | - |",
     ]
-    assert "![TTFT CDF per variant](cluster/bench/results/ttft_cdf.png)" in text
-    assert meta["date"] in text and "bench suite --quick" in text
+    assert "![TTFT CDF per variant](benchmarks/results/ttft_cdf.png)" in text
+    assert meta["date"] in text and "`python -m benchmarks suite --quick`" in text
 
 
 def test_readme_block_is_replaced_and_nothing_else(tmp_path):
@@ -83,7 +82,7 @@ def test_every_variant_config_builds_with_its_settings():
     """Each variant's app as the suite deploys it: a valid Serve config, its settings in
     the validated app config, the application built (the end-to-end run deploys two)."""
     for v in VARIANTS:
-        config = bench_suite._serve_config(v, QUICK, 8123)
+        config = bench_suite.serve_config(v, QUICK, 8123)
         ServeDeploySchema.model_validate(config)
         deployments = config["applications"][0]["deployments"]
         assert {d["name"] for d in deployments} == {"LoRAReplica", "AdapterStore", "Ingress"}
@@ -101,34 +100,24 @@ def test_every_variant_config_builds_with_its_settings():
         build_app(args)
 
 
-# The end-to-end run made smaller: two of the four deployments (~25 s each on 2 cores),
+# The end-to-end run made smaller: one of the four deployments (~25 s each on 2 cores),
 # every scenario once, one rate, fewer requests; each run still real load on a real
 # cluster. The quick plan is checked by test_plan_covers_every_variant_scenario_and_rate,
 # every variant's app by test_every_variant_config_builds_with_its_settings. The whole
-# quick plan took ~180 s here, this ~80 s.
+# quick plan took ~180 s here, two deployments ~80 s, this one ~50 s.
 E2E = replace(QUICK, requests=4, warmup=2, rates=(16.0,))
-LORAFLEET, DEFAULT_ROUTING = VARIANTS[0], VARIANTS[1]
-E2E_RUNS = [
-    *(Run(LORAFLEET, s) for s in ALL_SCENARIOS),
-    Run(LORAFLEET, "zipf", 16.0),
-    Run(DEFAULT_ROUTING, "zipf"),
-    Run(DEFAULT_ROUTING, "zipf", 16.0),
-]
+LORAFLEET = VARIANTS[0]
+E2E_RUNS = [*(Run(LORAFLEET, s) for s in ALL_SCENARIOS), Run(LORAFLEET, "zipf", 16.0)]
 
 
 @pytest.mark.serve
 def test_quick_suite_runs_end_to_end(tmp_path):
-    assert DEFAULT_ROUTING.name == "default-routing" and DEFAULT_ROUTING.rates
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = harness.free_port()
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{RESULTS_BEGIN}\n{RESULTS_END}\n")
     out = tmp_path / "results"
-    parser = argparse.ArgumentParser()
-    bench_suite.add_arguments(parser)
-    args = parser.parse_args(
-        ["--quick", "--out", str(out), "--readme", str(readme), "--port", str(port)]
+    args = harness.parser(bench_suite).parse_args(
+        ["--quick", "--out", str(out), "--page", str(readme), "--port", str(port)]
     )
     assert bench_suite.run(args, sizes=E2E, runs=E2E_RUNS) == 0
 
@@ -145,5 +134,4 @@ def test_quick_suite_runs_end_to_end(tmp_path):
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
     text = readme.read_text()
     assert text.count("| lorafleet |") == len(ALL_SCENARIOS) + len(E2E.rates)
-    assert text.count("| default-routing |") == 2
     assert "(results/ttft_cdf.png)" in text

@@ -1,5 +1,6 @@
-"""`lorafleet bench engine --quick`: every scenario runs and every headline figure is written;
-churn runs evict; --family measures the decode step on other model families."""
+"""`python -m benchmarks engine --quick`: every scenario runs and every headline figure is
+written, its targets checked; churn runs evict, their loads delayed through the engine's
+load hook; --family measures the decode step on other model families."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import math
 
 import pytest
 
-from cluster.bench.engine import (
+from benchmarks import harness
+from benchmarks.__main__ import main
+from benchmarks.engine import (
     CHURN_RUNS,
-    MIXED_SAMPLING_TARGET,
     Workload,
     _ChurnMemory,
     _mixed_sampling,
-    _run,
+    run_workload,
 )
-from cluster.cli import main
 from replica.config import EngineConfig
 
 HEADLINE = (
@@ -37,11 +38,10 @@ HEADLINE = (
 @pytest.mark.slow
 def test_quick_run_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "engine.json"
-    assert main(["bench", "engine", "--quick", "--json", str(out)]) == 0
+    assert main(["engine", "--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     for key in HEADLINE:
         assert isinstance(report[key], float) and report[key] > 0, key
-    assert report["speedup_ceiling_estimate"] > 1  # batching must beat one request at a time
     # ours before, between the baseline's halves and after: the speedup is their mean's
     runs = report["all_resident_uniform_tok_per_s_runs"]
     assert len(runs) == 3 and all(r > 0 for r in runs)
@@ -68,12 +68,17 @@ def test_quick_run_writes_every_figure(tmp_path, capsys):
     assert "decode_tok_per_s_ratio_mixed_vs_plain_sampling" in printed
     assert "evictions" in printed and "every load sleeps" in printed
     assert "families" not in report  # llama alone: the default output
+    # every target of [engine] reported, none asserted: met, NOT met, or unknown
+    assert set(report["targets"]) == set(harness.targets("engine"))
+    for name, checked in report["targets"].items():
+        assert checked["value"] == report[name] and checked["met"] in (True, False), name
+    assert report["command"] == "python -m benchmarks engine --quick --json " + str(out)
 
 
 @pytest.mark.slow
 def test_quick_family_run_writes_the_decode_step_figures(tmp_path, capsys):
     out = tmp_path / "engine-families.json"
-    assert main(["bench", "engine", "--quick", "--family", "qwen3,gemma2", "--json", str(out)]) == 0
+    assert main(["engine", "--quick", "--family", "qwen3,gemma2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert "scenarios" not in report  # llama not asked for: only the families' decode step
     assert list(report["families"]) == ["qwen3", "gemma2"]
@@ -83,6 +88,7 @@ def test_quick_family_run_writes_the_decode_step_figures(tmp_path, capsys):
             assert isinstance(figures[key], float) and figures[key] > 0, (family, key)
         assert figures["decode_bytes_ratio_16_adapters_vs_base"] > 1  # adapters were read
         assert figures["decode_batch"] == 8
+        assert figures["targets"]["decode_step_overhead_vs_bytes"]["target"] == "<= 1.15"
     printed = capsys.readouterr().out
     assert "decode_step_overhead_vs_bytes by family" in printed
     assert "  qwen3 " in printed and "  gemma2 " in printed
@@ -92,7 +98,7 @@ def test_quick_family_run_writes_the_decode_step_figures(tmp_path, capsys):
 def test_churn_without_eviction_fails_the_bench(tmp_path, capsys):
     # a zipf steep enough that every request names the one rank-8 adapter: nothing to evict
     out = tmp_path / "engine-zipf.json"
-    argv = ["bench", "engine", "--quick", "--scenarios", "zipf", "--zipf-alpha", "60"]
+    argv = ["engine", "--quick", "--scenarios", "zipf", "--zipf-alpha", "60"]
     assert main([*argv, "--json", str(out)]) == 1
     assert json.loads(out.read_text())["scenarios"]["zipf"]["evictions"] == 0  # still written
     err = capsys.readouterr().err
@@ -116,7 +122,7 @@ def test_churn_memory_is_half_the_working_set_and_loads_are_delayed(tiny):
     config = EngineConfig(**pressure.config(wl, adapter_loading="sync"))
     assert config.adapter_memory_bytes == pressure.churn(wl).memory_bytes
     assert config.max_loras_per_batch == 2
-    r = _run(config, tiny, wl, pressure.churn(wl))
+    r = run_workload(config, tiny, wl, pressure.churn(wl))
     assert r.evictions > 0 and r.adapter_loads > 4  # loaded again after eviction
     assert r.load_wait_s >= r.adapter_loads * 0.020  # each sync load slept in the step
     summary = r.summary()
@@ -130,7 +136,7 @@ def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
     # communication section; the headline figures are checked on one rank above. The
     # whole --quick run on 2 ranks took ~130 s here (an engine start per run), this ~18 s.
     out = tmp_path / "engine-tp.json"
-    argv = ["bench", "engine", "--quick", "--tp", "2", "--scenarios", "distinct"]
+    argv = ["engine", "--quick", "--tp", "2", "--scenarios", "distinct"]
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert list(report["scenarios"]) == ["distinct"]  # --scenarios: that row only
@@ -148,7 +154,7 @@ def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
 
 def test_scenarios_option_refuses_unknown_names(capsys):
     with pytest.raises(SystemExit):
-        main(["bench", "engine", "--scenarios", "distinct,nope"])
+        main(["engine", "--scenarios", "distinct,nope"])
     assert "nope" in capsys.readouterr().err
 
 
@@ -163,7 +169,6 @@ def test_mixed_sampling_scenario_reports_both_arms(tiny):
     section = json.loads(json.dumps(_mixed_sampling(cfg, tiny, wl)))  # what --json writes
     assert section["batch"] == 4 and section["mixed_rows"] == 2 and section["max_tokens"] == 3
     assert section["mixed_row_params"]["logprobs"] == 5
-    assert section["target"] == MIXED_SAMPLING_TARGET == 0.9
     for arm in ("plain", "mixed"):
         runs = section[f"{arm}_tok_per_s_runs"]
         assert len(runs) == 3 and all(r > 0 for r in runs), arm

@@ -1,4 +1,4 @@
-"""`lorafleet bench overhead`: what serving over HTTP costs against the engine in-process.
+"""`python -m benchmarks overhead`: what serving over HTTP costs against the engine in-process.
 
 One workload, run twice on the same CPUs: by the engine in this process (torch given all
 `--num-cpus` threads; requests kept `--concurrency` deep, as `bench engine` drives it),
@@ -6,50 +6,36 @@ and through the demo application on a local Ray of `--num-cpus` CPUs with `--rep
 replicas of one CPU each (Ingress, router, Serve handles, SSE), by a client keeping
 `--concurrency` streamed completions in flight. Both get the same token-id prompts, the
 same adapters and greedy outputs of `--output-len` tokens. The figure is the ratio of
-output tok/s, HTTP over engine (issue 18's CPU target: >= 0.9 with 2 replicas).
+output tok/s, HTTP over engine (its target: benchmarks/targets.toml [overhead]).
 
-    lorafleet bench overhead                  # ~2 minutes on 2 CPU cores
-    lorafleet bench overhead --quick          # a smoke run
+    python -m benchmarks overhead             # ~2 minutes on 2 CPU cores
+    python -m benchmarks overhead --quick     # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import socket
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import torch
 
+from benchmarks import harness
+from benchmarks.engine import Workload, run_workload
+from benchmarks.harness import Sizes
 from cluster import serving
-from cluster.bench.engine import Workload, _run
-from cluster.bench.http import RequestRecord, _stream
-from cluster.bench.stats import machine, num_cpus
-from cluster.bench.suite import demo_serve_config, start_ray, stop_ray
+from cluster.bench.http import RequestRecord, stream_completion
 from cluster.demo.assets import DemoSpec, cached_demo_assets
 from replica.config import EngineConfig
 
-TARGET = 0.9  # HTTP output tok/s >= 0.9x the engine's
-
-
-@dataclass(frozen=True)
-class Sizes:
-    adapters: int = 8
-    requests: int = 96
-    warmup: int = 16  # sent first in both arms, not measured
-    concurrency: int = 16
-    prompt_len: int = 128
-    output_len: int = 32
-    replicas: int = 2
-    kv_cache_bytes: int = 256 * 2**20  # per replica, and the engine's
-
-
-QUICK = Sizes(adapters=2, requests=8, warmup=2, concurrency=4, prompt_len=16, output_len=4,
+FULL = Sizes(adapters=8, requests=96, warmup=16, concurrency=16, prompt_tokens=128,
+             max_tokens=32, replicas=2, kv_cache_bytes=256 * 2**20)  # fmt: skip
+QUICK = Sizes(adapters=2, requests=8, warmup=2, concurrency=4, prompt_tokens=16, max_tokens=4,
               kv_cache_bytes=16 * 2**20)  # fmt: skip
 
 
@@ -64,21 +50,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = QUICK if args.quick else Sizes()
+    sizes = QUICK if args.quick else FULL
     if args.replicas is not None:
-        sizes = Sizes(**{**sizes.__dict__, "replicas": args.replicas})
-    cpus = args.num_cpus or num_cpus()
-    report = measure(sizes, cpus, args.port or _free_port(), args.seed)
+        sizes = replace(sizes, replicas=args.replicas)
+    cpus = args.num_cpus or harness.num_cpus()
+    figures = measure(sizes, cpus, args.port or harness.free_port(), args.seed)
+    checked = harness.check("overhead", figures)
     print(
-        f"overhead bench: {sizes.requests} requests x {sizes.prompt_len}+{sizes.output_len} "
+        f"overhead bench: {sizes.requests} requests x {sizes.prompt_tokens}+{sizes.max_tokens} "
         f"tokens, {sizes.concurrency} concurrent, {sizes.adapters} adapters, {cpus} CPUs\n"
-        f"  engine in-process   {report['engine_tok_per_s']:8.1f} output tok/s\n"
-        f"  HTTP, {sizes.replicas} replica(s)  {report['http_tok_per_s']:8.1f} output tok/s\n"
-        f"  http_over_engine    {report['http_over_engine']:8.3f} (target >= {TARGET})"
+        f"  engine in-process   {figures['engine_tok_per_s']:8.1f} output tok/s\n"
+        f"  HTTP, {sizes.replicas} replica(s)  {figures['http_tok_per_s']:8.1f} output tok/s\n"
+        + "\n".join(f"  {line}" for line in harness.verdict_lines(checked))
     )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    report = {**harness.run_meta(args), "sizes": sizes.to_json(), "num_cpus": cpus,
+              **figures, "targets": checked}  # fmt: skip
+    harness.write_json(args.json, report)
     return 0
 
 
@@ -89,19 +76,11 @@ def measure(sizes: Sizes, cpus: int, port: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     vocab = DemoSpec().vocab_size
     total = sizes.warmup + sizes.requests
-    prompts = [[rng.randrange(3, vocab) for _ in range(sizes.prompt_len)] for _ in range(total)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(sizes.prompt_tokens)] for _ in range(total)]
     adapters = [names[i % len(names)] for i in range(total)]
     engine = _engine_tok_per_s(sizes, cpus, assets, prompts, adapters)
     http = _http_tok_per_s(sizes, cpus, port, prompts, adapters)
-    return {
-        "machine": machine(),
-        "sizes": sizes.__dict__,
-        "num_cpus": cpus,
-        "engine_tok_per_s": engine,
-        "http_tok_per_s": http,
-        "http_over_engine": http / engine,
-        "target": TARGET,
-    }
+    return {"engine_tok_per_s": engine, "http_tok_per_s": http, "http_over_engine": http / engine}
 
 
 def _engine_tok_per_s(sizes: Sizes, cpus: int, assets, prompts, adapters) -> float:
@@ -114,34 +93,27 @@ def _engine_tok_per_s(sizes: Sizes, cpus: int, assets, prompts, adapters) -> flo
     threads = torch.get_num_threads()
     torch.set_num_threads(cpus)
     try:
-        warm = Workload("warmup", prompts[:w], adapters[:w], sizes.output_len, sizes.concurrency)
-        _run(config, assets, warm)  # first-run costs (allocator, kernels) out of the figure
+        warm = Workload("warmup", prompts[:w], adapters[:w], sizes.max_tokens, sizes.concurrency)
+        run_workload(config, assets, warm)  # first-run costs (allocator, kernels) out of the figure
         measured = Workload(
-            "measured", prompts[w:], adapters[w:], sizes.output_len, sizes.concurrency
+            "measured", prompts[w:], adapters[w:], sizes.max_tokens, sizes.concurrency
         )
-        return _run(config, assets, measured).tok_per_s
+        return run_workload(config, assets, measured).tok_per_s
     finally:
         torch.set_num_threads(threads)
 
 
 def _http_tok_per_s(sizes: Sizes, cpus: int, port: int, prompts, adapters) -> float:
-    config = demo_serve_config(
-        replicas=sizes.replicas,
-        adapters=sizes.adapters,
-        slots=sizes.adapters + 1,
-        kv_cache_bytes=sizes.kv_cache_bytes,
-        port=port,
-        settings=[f"engine.max_loras_per_batch={sizes.adapters}"],
+    sizes = replace(sizes, slots=sizes.adapters + 1)
+    config = harness.demo_serve_config(
+        sizes, port, settings=[f"engine.max_loras_per_batch={sizes.adapters}"]
     )
-    start_ray(cpus)
-    try:
+    with harness.local_ray(cpus):
         serving.deploy(config)
         url = f"http://127.0.0.1:{port}"
         w = sizes.warmup
         asyncio.run(_drive(url, prompts[:w], adapters[:w], sizes))
         return asyncio.run(_drive(url, prompts[w:], adapters[w:], sizes))
-    finally:
-        stop_ray()
 
 
 async def _drive(url: str, prompts, adapters, sizes: Sizes) -> float:
@@ -150,12 +122,12 @@ async def _drive(url: str, prompts, adapters, sizes: Sizes) -> float:
     records = [RequestRecord(i, a, False) for i, a in enumerate(adapters)]
 
     async def one(client: httpx.AsyncClient, prompt: list[int], record: RequestRecord) -> None:
-        body = {"model": record.model, "prompt": prompt, "max_tokens": sizes.output_len,
+        body = {"model": record.model, "prompt": prompt, "max_tokens": sizes.max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         async with slots:
             try:
-                await _stream(client, f"{url}/v1/completions", body, record)
+                await stream_completion(client, f"{url}/v1/completions", body, record)
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 record.error = f"{type(e).__name__}: {e}"
 
@@ -169,7 +141,5 @@ async def _drive(url: str, prompts, adapters, sizes: Sizes) -> float:
     return sum(r.output_tokens for r in records) / wall
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+if __name__ == "__main__":
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""`lorafleet bench many-adapters`: throughput and TTFT as the number of adapters grows.
+"""`python -m benchmarks many-adapters`: throughput and TTFT as the number of adapters grows.
 
 Issue 21's benchmark. It builds N distinct rank-8 adapters of the random-weight demo model
 (q_proj and v_proj, ~0.4 MB each; written once and cached on disk under a directory named
@@ -7,9 +7,10 @@ settings of configs/serve.yaml, the first adapter registered at start. Then, for
 ascending order:
 
   1. registers adapters until N are live, through POST /v1/load_lora_adapter (timed: the
-     issue's target is 1,023 of them in <= 15 s);
-  2. drives `bench http`'s uniform scenario over all N: 32 concurrent requests of ~64
-     prompt tokens and 32 output tokens, after an unmeasured warm-up.
+     first 1,023 of them against their target);
+  2. drives the load generator's (`lorafleet bench http`) uniform scenario over all N: 32
+     concurrent requests of ~64 prompt tokens and 32 output tokens, after an unmeasured
+     warm-up.
 
 It reports output tok/s, TTFT p50/p99, tok/s(N) / tok/s(smallest N), and the registration
 rate. After the last N it sends a few requests one at a time to adapters no request has
@@ -18,20 +19,20 @@ resident. Where the app has adapter resolvers (`adapter_resolvers`), the deploym
 on the 'local' one over the adapters' directory and the same probes go to adapters never
 registered: the TTFT of first-request resolution (target: <= 1.5x the registered one).
 
-    lorafleet bench many-adapters                          # 16, 256, 1024, 4096
-    lorafleet bench many-adapters --adapters 16,256,1024   # ~8 minutes on 2 CPU cores
-    lorafleet bench many-adapters --quick                  # smoke run, writes nothing
+Targets: benchmarks/targets.toml [many_adapters].
+
+    python -m benchmarks many-adapters                          # 16, 256, 1024, 4096
+    python -m benchmarks many-adapters --adapters 16,256,1024   # ~8 minutes on 2 CPU cores
+    python -m benchmarks many-adapters --quick                  # smoke run, writes nothing
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import hashlib
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -41,15 +42,16 @@ from pathlib import Path
 
 import httpx
 
-from cluster.bench.http import LoadOptions, build_prompt, run_load
-from cluster.bench.stats import ms, num_cpus, output_paths, percentile
-from cluster.bench.suite import DEFAULT_OUT, start_ray, stop_ray
+from benchmarks import harness
+from benchmarks.harness import RunResult, Sizes, num, ratio
+from cluster.bench.http import LoadOptions, build_prompt
+from cluster.bench.stats import ms, percentile
 
 DEFAULT_COUNTS = (16, 256, 1024, 4096)
-DEFAULT_JSON = DEFAULT_OUT / "many_adapters.json"
-DEFAULT_PLOT = DEFAULT_OUT / "many_adapters.png"
+DEFAULT_JSON = harness.RESULTS / "many_adapters.json"
+DEFAULT_PLOT = harness.RESULTS / "many_adapters.png"
 PREFIX = "many-"  # adapter names: many-00000, many-00001, ... (sorted = built order)
-REGISTRATION_TARGET = 1023  # the issue times this many runtime registrations
+REGISTRATIONS_TIMED = 1023  # first_1023_registrations_s: the first this many at runtime
 
 
 @dataclass(frozen=True)
@@ -61,35 +63,13 @@ class AdapterSpec:
     targets: tuple[str, ...] = ("q_proj", "v_proj")  # few modules: 4,096 stay under 2 GB
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """The load at each N."""
-
-    concurrency: int = 32
-    prompt_tokens: int = 64
-    max_tokens: int = 32
-    requests: int = 192
-    warmup: int = 32  # unmeasured, before each N's run
-    register_concurrency: int = 8  # POSTs in flight while registering
-    cold_probes: int = 8  # after the last N: one at a time, to adapters never requested
-    settle_s: float = 1.5  # replicas report their counters every routing stats period
-
-
+# the load at each N (the warm-up before each N's run); after the last N, cold_probes
+# requests one at a time to adapters never requested
+FULL = Sizes(concurrency=32, prompt_tokens=64, max_tokens=32, requests=192, warmup=32,
+             register_concurrency=8, cold_probes=8)  # fmt: skip
 QUICK = Sizes(concurrency=4, prompt_tokens=16, max_tokens=4, requests=8, warmup=2,
               register_concurrency=2, cold_probes=2, settle_s=0.5)  # fmt: skip
 QUICK_COUNTS = (2, 4)
-
-
-@dataclass(frozen=True)
-class Targets:
-    """Issue 21's, on this CPU: tok/s at N over tok/s at 16, and registration time."""
-
-    tok_s_ratio_min: dict[int, float] = field(default_factory=lambda: {1024: 0.9, 4096: 0.85})
-    register_1023_s_max: float = 15.0
-    resolution_over_registered_max: float = 1.5  # first-request TTFT: resolved / registered
-
-
-TARGETS = Targets()
 
 
 @dataclass
@@ -113,13 +93,19 @@ class Registration:
 
 @dataclass
 class Step:
-    """What one N gave: its registration step and its load run's summary."""
+    """What one N gave: its registration step and its load run (`run` is N)."""
 
-    adapters: int
     registration: Registration
-    summary: dict
-    ttfts_s: list[float] = field(default_factory=list)
+    load: RunResult
     load_average: list[float] | None = None  # the machine's, as the load run ended
+
+    @property
+    def adapters(self) -> int:
+        return self.load.run
+
+    @property
+    def summary(self) -> dict:
+        return self.load.summary
 
 
 # -- the adapters -----------------------------------------------------------------------------
@@ -143,7 +129,7 @@ def build_adapters(n: int, spec: AdapterSpec, out: Path) -> dict[str, Path]:
     """The first n adapters of `spec` under `out`, building only those not there yet (each
     written beside its place and renamed into it, so a directory present is complete).
     Their weights are seeded by name: the same files on every build."""
-    from cluster.demo.assets import DemoSpec, _write_adapter
+    from cluster.demo.assets import DemoSpec, write_adapter
 
     model, targets = DemoSpec(), tuple(sorted(spec.targets))
     out.mkdir(parents=True, exist_ok=True)
@@ -153,7 +139,7 @@ def build_adapters(n: int, spec: AdapterSpec, out: Path) -> dict[str, Path]:
         if not path.is_dir():
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out))
             try:
-                _write_adapter(model, tmp / "a", name, spec.rank, spec.alpha, targets, False)
+                write_adapter(model, tmp / "a", name, spec.rank, spec.alpha, targets, False)
                 for f in (tmp / "a").iterdir():  # safetensors writes owner-only files
                     f.chmod(0o644)
                 (tmp / "a").chmod(0o755)
@@ -172,17 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Numbers of adapters to measure, comma-separated (default "
                         f"{','.join(map(str, DEFAULT_COUNTS))}); ratios are to the "
                         "smallest.")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help=f"Tiny loads over {','.join(map(str, QUICK_COUNTS))} adapters (unless "
-                        "--adapters): a smoke run; writes nothing unless --json or --plot "
-                        "say where.")  # fmt: skip
-    p.add_argument("--json", type=Path, default=None,
-                   help=f"Write every figure here (default {DEFAULT_JSON}; with --quick, "
-                        "none).")  # fmt: skip
-    p.add_argument("--plot", type=Path, default=None,
-                   help=f"tok/s and TTFT against the number of adapters (default "
-                        f"{DEFAULT_PLOT}; with --quick, none). Needs matplotlib (the bench "
-                        "extra).")  # fmt: skip
+    plot = "tok/s and TTFT against the number of adapters"
+    harness.add_output_arguments(p, DEFAULT_JSON, DEFAULT_PLOT, plot)  # --quick: 2 and 4
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="Where the generated adapters are kept (default: a directory per "
                         "spec under $LORAFLEET_CACHE or ~/.cache/lorafleet).")  # fmt: skip
@@ -203,11 +180,11 @@ def counts_arg(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    json_path, plot_path = output_paths(args, DEFAULT_JSON, DEFAULT_PLOT, "many-adapters")
+    json_path, plot_path = harness.output_paths(args, DEFAULT_JSON, DEFAULT_PLOT)
     counts = args.adapters
     if args.quick and counts == DEFAULT_COUNTS:
         counts = QUICK_COUNTS
-    sizes, spec = (QUICK if args.quick else Sizes()), AdapterSpec()
+    sizes, spec = (QUICK if args.quick else FULL), AdapterSpec()
     out = args.cache_dir or adapter_cache_dir(spec)
     t0 = time.perf_counter()
     resolve = resolvers_available()
@@ -216,32 +193,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(adapters)} adapters in {out} ({time.perf_counter() - t0:.1f} s)", flush=True)
     meta = _meta(sizes, spec, counts, args)
     url = f"http://127.0.0.1:{args.port}"
-    start_ray(args.num_cpus)
-    try:
+    with harness.local_ray(args.num_cpus):
         from cluster import serving
 
         config = serve_config(adapters, args.port, resolve)
         t0 = time.perf_counter()
         serving.deploy(config)
         print(f"demo app running after {time.perf_counter() - t0:.0f} s", flush=True)
-        meta["load_average_before"] = _loadavg()
+        meta["load_average_before"] = harness.loadavg()
         steps, cold = asyncio.run(sweep(url, adapters, counts, sizes, resolve))
-        meta["load_average_after"] = _loadavg()
-    finally:
-        stop_ray()
+        meta["load_average_after"] = harness.loadavg()
     figures = compare(steps, cold)
     print(report(steps, figures, cold, meta))
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(_json(steps, figures, cold, meta), indent=2))
-        print(f"wrote {json_path}")
+    harness.write_json(json_path, _json(steps, figures, cold, meta))
     if plot_path is not None:
-        plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot(steps, plot_path, meta)
         print(f"wrote {plot_path}")
     failed = [s.adapters for s in steps if not s.summary["all"]["ok"] or s.registration.failed]
     if failed:
-        print(f"lorafleet: error: registrations or every request failed at N = {failed}",
+        print(f"{args.command}: error: registrations or every request failed at N = {failed}",
               file=sys.stderr)  # fmt: skip
         return 1
     return 0
@@ -293,11 +263,11 @@ async def sweep(
               + (f" ({rate:.1f}/s)" if rate else "")
               + (f", {registration.failed} failed" if registration.failed else ""),
               flush=True)  # fmt: skip
-        result = await run_load(load_options(url, n, sizes))
-        ttfts = [r.ttft_s for r in result.records if r.ok and r.ttft_s is not None]
-        used.update(r.model for r in [*result.warmup, *result.records])
-        steps.append(Step(n, registration, result.summary(), ttfts, _loadavg()))
-        a = result.summary()["all"]
+        load = await harness.measure_load(n, load_options(url, n, sizes))
+        used.update(load.summary["requests_per_model"])
+        used.update(load.summary["warmup"]["requests_per_model"])
+        steps.append(Step(registration, load, harness.loadavg()))
+        a = load.summary["all"]
         print(f"  {a['ok']}/{a['requests']} ok, {a['output_tok_per_s']:.1f} out tok/s, TTFT "
               f"p50 {ms(a['ttft_p50_s'], 0)} ms p99 {ms(a['ttft_p99_s'], 0)} ms",
               flush=True)  # fmt: skip
@@ -310,18 +280,7 @@ async def sweep(
 
 
 def load_options(url: str, n: int, sizes: Sizes) -> LoadOptions:
-    return LoadOptions(
-        url=url,
-        adapters=n,
-        scenario="uniform",
-        concurrency=sizes.concurrency,
-        num_requests=sizes.requests,
-        warmup_requests=sizes.warmup,
-        prompt_tokens=sizes.prompt_tokens,
-        max_tokens=sizes.max_tokens,
-        stats_settle_s=sizes.settle_s,
-        label=f"{n} adapters",
-    )
+    return harness.load_options(sizes, url, f"{n} adapters", adapters=n, scenario="uniform")
 
 
 async def register(
@@ -401,42 +360,40 @@ async def first_text_s(
 # -- figures ----------------------------------------------------------------------------------
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def compare(steps: list[Step], cold: dict | None = None, targets: Targets = TARGETS) -> dict:
-    """Per N: tok/s, TTFT p50/p99, tok/s and TTFT p50 over the smallest N's, and whether
-    the tok/s target (where the issue sets one for this N) is met; the registration time
-    of the first 1,023 runtime registrations (where the sweep reached 1,024 adapters) and
-    the rate over all of them; where `cold` has resolution probes, their first TTFT p50
-    over that of registered adapters no replica held."""
+def compare(steps: list[Step], cold: dict | None = None) -> dict:
+    """Per N: tok/s, TTFT p50/p99, tok/s and TTFT p50 over the smallest N's; the
+    registration time of the first 1,023 runtime registrations (where the sweep reached
+    1,024 adapters) and the rate over all of them; where `cold` has resolution probes,
+    their first TTFT p50 over that of registered adapters no replica held; and the targets
+    checked (those of a count the sweep did not reach unknown)."""
     first = steps[0].summary["all"] if steps else None
     per_n = {}
     for s in steps:
         a = s.summary["all"]
-        tok_s = ratio(a["output_tok_per_s"], first["output_tok_per_s"])
-        floor = targets.tok_s_ratio_min.get(s.adapters)
         per_n[s.adapters] = {
             "output_tok_per_s": a["output_tok_per_s"],
             "ttft_p50_s": a["ttft_p50_s"],
             "ttft_p99_s": a["ttft_p99_s"],
             "ok": a["ok"],
             "requests": a["requests"],
-            "tok_s_ratio": tok_s,
+            "tok_s_ratio": ratio(a["output_tok_per_s"], first["output_tok_per_s"]),
             "ttft_p50_ratio": ratio(a["ttft_p50_s"], first["ttft_p50_s"]),
-            "tok_s_target": floor,
-            "tok_s_met": None if floor is None or tok_s is None else tok_s >= floor,
         }
     done = [s.registration for s in steps if s.registration.count]
     seconds = sum(r.seconds for r in done)
     count = sum(r.count for r in done)
-    reached = [s for s in steps if s.registration.after == REGISTRATION_TARGET + 1]
+    reached = [s for s in steps if s.registration.after == REGISTRATIONS_TIMED + 1]
     first_1023 = (
         sum(s.registration.seconds for s in steps[: steps.index(reached[0]) + 1])
         if reached
         else None
     )
+    resolution = _resolution_figures(cold)
+    checked = {
+        **{f"tok_s_ratio_at_{n}": f["tok_s_ratio"] for n, f in per_n.items()},
+        "first_1023_registrations_s": first_1023,
+        "resolution_over_registered": resolution and resolution["over_registered"],
+    }
     return {
         "ratio_to": steps[0].adapters if steps else None,
         "per_n": per_n,
@@ -446,27 +403,20 @@ def compare(steps: list[Step], cold: dict | None = None, targets: Targets = TARG
             "per_s": count / seconds if seconds > 0 and count else None,
             "failed": sum(r.failed for r in done),
             "first_1023_s": first_1023,
-            "first_1023_target_s": targets.register_1023_s_max,
-            "first_1023_met": None
-            if first_1023 is None
-            else first_1023 <= targets.register_1023_s_max,
         },
-        "resolution": _resolution_figures(cold, targets),
+        "resolution": resolution,
+        "targets": harness.check("many_adapters", checked),
     }
 
 
-def _resolution_figures(cold: dict | None, targets: Targets) -> dict | None:
+def _resolution_figures(cold: dict | None) -> dict | None:
     resolved = (cold or {}).get("resolution")
     if resolved is None:
         return None
-    over = ratio(resolved["cold_ttft_p50_s"], cold["cold_ttft_p50_s"])
-    limit = targets.resolution_over_registered_max
     return {
         "first_ttft_p50_s": resolved["cold_ttft_p50_s"],
         "registered_first_ttft_p50_s": cold["cold_ttft_p50_s"],
-        "over_registered": over,
-        "target_max": limit,
-        "met": None if over is None else over <= limit,
+        "over_registered": ratio(resolved["cold_ttft_p50_s"], cold["cold_ttft_p50_s"]),
     }
 
 
@@ -474,7 +424,7 @@ def report(steps: list[Step], figures: dict, cold: dict, meta: dict) -> str:
     """A markdown table, a row per N, then the registration and cold-adapter lines."""
     s = meta["sizes"]
     lines = [
-        f"Measured {meta['date']} on {meta['machine']} (load average "
+        f"Measured {meta['date']} on {harness.machine_line(meta['machine'])} (load average "
         f"{_load(meta.get('load_average_before'))} before, "
         f"{_load(meta.get('load_average_after'))} after) with `{meta['command']}`: the demo "
         f"model, 2 replicas, default engine settings; rank-{meta['adapter_spec']['rank']} "
@@ -486,13 +436,18 @@ def report(steps: list[Step], figures: dict, cold: dict, meta: dict) -> str:
         "| TTFT p50 vs | registered (s, per s) | load avg |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    targets = figures["targets"]
     for step in steps:
         f, r = figures["per_n"][step.adapters], step.registration
         rate = f"{r.per_s:.1f}/s" if r.per_s else "-"
+        target = targets.get(f"tok_s_ratio_at_{step.adapters}")
+        vs = num(f["tok_s_ratio"], suffix="x")
+        if target is not None:
+            vs += f" ({target['target']}: {harness.met_word(target['met'])})"
         lines.append(
             f"| {step.adapters} | {f['ok']}/{f['requests']} | {f['output_tok_per_s']:.1f} "
-            f"| {_x(f['tok_s_ratio'])}{_target(f)} | {ms(f['ttft_p50_s'], 0)} / "
-            f"{ms(f['ttft_p99_s'], 0)} | {_x(f['ttft_p50_ratio'])} "
+            f"| {vs} | {ms(f['ttft_p50_s'], 0)} / "
+            f"{ms(f['ttft_p99_s'], 0)} | {num(f['ttft_p50_ratio'], suffix='x')} "
             f"| {r.count} in {r.seconds:.1f} s, {rate} | {_load(step.load_average)} |"
         )
     reg = figures["registration"]
@@ -504,9 +459,10 @@ def report(steps: list[Step], figures: dict, cold: dict, meta: dict) -> str:
             f"{reg['per_s']:.1f}/s"
         )
         if reg["first_1023_s"] is not None:
+            t = targets["first_1023_registrations_s"]
             line += (
-                f"; the first 1,023 in {reg['first_1023_s']:.1f} s (target <= "
-                f"{reg['first_1023_target_s']:g} s: {_met(reg['first_1023_met'])})"
+                f"; the first 1,023 in {reg['first_1023_s']:.1f} s (target {t['target']} s: "
+                f"{harness.met_word(t['met'])})"
             )
         lines.append(line + (f"; {reg['failed']} FAILED" if reg["failed"] else ""))
     if cold["cold_ttft_p50_s"] is not None:
@@ -520,39 +476,18 @@ def report(steps: list[Step], figures: dict, cold: dict, meta: dict) -> str:
     if resolved is None or resolved["first_ttft_p50_s"] is None:
         lines.append(f"- first-request resolution: {meta['resolution']}")
     else:
+        t = targets["resolution_over_registered"]
         lines.append(
             f"- first-request resolution (the 'local' resolver), the same probes to adapters "
             f"never registered: TTFT p50 {ms(resolved['first_ttft_p50_s'], 0)} ms, "
-            f"{_x(resolved['over_registered'])} that of a registered one (target <= "
-            f"{resolved['target_max']:g}x: {_met(resolved['met'])})"
+            f"{num(resolved['over_registered'], suffix='x')} that of a registered one "
+            f"(target {t['target']}x: {harness.met_word(t['met'])})"
         )
     return "\n".join(lines)
 
 
-def _target(f: dict) -> str:
-    if f["tok_s_target"] is None:
-        return ""
-    return f" (>= {f['tok_s_target']}: {_met(f['tok_s_met'])})"
-
-
-def _x(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
-
-
-def _met(ok: bool | None) -> str:
-    return "unknown" if ok is None else ("met" if ok else "NOT met")
-
-
 def _load(avg: list[float] | None) -> str:
     return "-" if avg is None else " / ".join(f"{x:.2f}" for x in avg)
-
-
-def _loadavg() -> list[float] | None:
-    """The 1, 5 and 15-minute load averages (other work on the machine shows here)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _resolution_note() -> str:
@@ -568,35 +503,14 @@ def _resolution_note() -> str:
 def _meta(
     sizes: Sizes, spec: AdapterSpec, counts: tuple[int, ...], args: argparse.Namespace
 ) -> dict:
-    command = "lorafleet bench many-adapters" + (" --quick" if args.quick else "")
-    if counts != (QUICK_COUNTS if args.quick else DEFAULT_COUNTS):
-        command += f" --adapters {','.join(map(str, counts))}"
     return {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {num_cpus()} CPUs, {platform.system()} "
-        f"{platform.release()}, Python {platform.python_version()}",
-        "command": command,
-        "argv": sys.argv,
+        **harness.run_meta(args),
         "counts": list(counts),
-        "sizes": asdict(sizes),
+        "sizes": sizes.to_json(),
         "adapter_spec": asdict(spec),
-        "targets": asdict(TARGETS),
         "resolution": _resolution_note(),
-        "git_commit": _git_commit(),
-        "load_average_at_start": _loadavg(),
+        "load_average_at_start": harness.loadavg(),
     }
-
-
-def _git_commit() -> str | None:
-    """The checkout's commit (a rerun after an engine change says which code it measured)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=10)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
 
 
 def _json(steps: list[Step], figures: dict, cold: dict, meta: dict) -> dict:
@@ -609,7 +523,7 @@ def _json(steps: list[Step], figures: dict, cold: dict, meta: dict) -> dict:
                 "adapters": s.adapters,
                 "registration": {**asdict(s.registration), "per_s": s.registration.per_s},
                 "summary": s.summary,
-                "ttfts_s": s.ttfts_s,
+                "ttfts_s": s.load.ttfts_s,
                 "load_average": s.load_average,
             }
             for s in steps
@@ -619,14 +533,9 @@ def _json(steps: list[Step], figures: dict, cold: dict, meta: dict) -> dict:
 
 def plot(steps: list[Step], path: Path, meta: dict) -> None:
     """Output tok/s, and TTFT p50 and p99, against the number of adapters (log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     xs = [s.adapters for s in steps]
     alls = [s.summary["all"] for s in steps]
-    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (tput, ttft) = harness.pyplot().subplots(1, 2, figsize=(10, 4))
     tput.plot(xs, [a["output_tok_per_s"] for a in alls], marker="o")
     tput.set(title="throughput", xlabel="distinct adapters (uniform traffic)",
              ylabel="output tok/s", ylim=(0, None))  # fmt: skip
@@ -642,6 +551,8 @@ def plot(steps: list[Step], path: Path, meta: dict) -> None:
     s = meta["sizes"]
     fig.suptitle(f"{meta['command']}: 2 replicas, {s['concurrency']} concurrent, "
                  f"{s['prompt_tokens']} in / {s['max_tokens']} out", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    harness.save_plot(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))

@@ -1,11 +1,11 @@
-"""`lorafleet bench tenants`: its windows and targets on made-up traces, and one short run of
+"""`python -m benchmarks tenants`: its windows and targets on made-up traces, and one short run of
 each kind on the tiny model (B's requests measured, A and B both served)."""
 
 from __future__ import annotations
 
-import argparse
-
-from cluster.bench.tenants import (
+from benchmarks import harness
+from benchmarks import tenants as bench_tenants
+from benchmarks.tenants import (
     Bench,
     Request,
     Trace,
@@ -15,7 +15,6 @@ from cluster.bench.tenants import (
     summarize,
     windows,
 )
-from cluster.cli import build_parser
 
 
 def trace(service, duration_s: float = 20.0, ttfts=()) -> Trace:
@@ -49,20 +48,20 @@ def test_targets_read_the_ratios():
     good = {"alone": fig(0.1, 10), "fcfs": fig(2.0, 100), "vtc": fig(0.15, 98),
             "weights": fig(None, 90, 2.1)}  # fmt: skip
     v = compare(good)
-    assert v["met"] == dict.fromkeys(v["met"], True)
+    met = {k: c["met"] for k, c in v["targets"].items()}
+    assert met == dict.fromkeys(harness.targets("tenants"), True)
     assert v["fcfs_ttft_p50_vs_alone"] == 20.0
     bad = {**good, "vtc": fig(0.3, 90), "weights": fig(None, 90, 1.7)}
-    assert compare(bad)["met"] == dict.fromkeys(v["met"], False)
+    assert {k: c["met"] for k, c in compare(bad)["targets"].items()} == dict.fromkeys(met, False)
 
 
 def test_a_short_run_of_each_kind_on_the_tiny_model(tiny):
     """Wall-clock runs on a shared CPU: what they serve depends on the machine's load, so
     this checks what a run records, not how much."""
-    args = build_parser().parse_args(
-        ["bench", "tenants", "--duration", "1", "--warmup", "0.2", "--flood", "6",
+    args = harness.parser(bench_tenants).parse_args(
+        ["--duration", "1", "--warmup", "0.2", "--flood", "6",
          "--rate", "8", "--max-num-seqs", "4", "--prompt-len", "8", "--output-len", "4"]
     )  # fmt: skip
-    assert isinstance(args, argparse.Namespace) and args.func.__module__.endswith("tenants")
     bench = Bench(args, str(tiny.model_dir), tiny.adapters)
     names = list(tiny.adapters)
     flood = bench.run("vtc", "vtc", 1.0, 6, names[:2], names[2:])

@@ -1,4 +1,4 @@
-"""`lorafleet bench kernels`: the multi-LoRA ops against a naive loop and the base projection.
+"""`python -m benchmarks kernels`: the multi-LoRA ops against a naive loop and the base projection.
 
 Each shape runs three things on one square projection (hidden -> hidden):
 
@@ -30,29 +30,30 @@ engine launches eagerly, so this is what a step sees). The "graph" columns
 time lora and base again as CUDA graph replays (one replay runs the call on
 every weight copy), which removes the launch gaps and leaves device time.
 
-    lorafleet bench kernels                  # full table, ~40 s on 2 CPU cores
-    lorafleet bench kernels --quick          # a few seconds
-    lorafleet bench kernels --json out.json  # every figure, per shape
+    python -m benchmarks kernels                  # full table, ~40 s on 2 CPU cores
+    python -m benchmarks kernels --quick          # a few seconds
+    python -m benchmarks kernels --json out.json  # every figure, per shape
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import kernels
-from cluster.bench.fused_lora import run_fused
-from cluster.bench.stats import cpu_name
+from benchmarks import harness
+from benchmarks.harness import Clock
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MAX_DECODE = 64
 
 
@@ -60,23 +61,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="Decode-32 and a small prefill only.")
     parser.add_argument("--hidden", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--rank", type=int, default=16, help="Rank of every adapter.")
     parser.add_argument("--max-rank", type=int, default=None, help="Buffers' R (default: --rank).")
-    parser.add_argument("--dtype", choices=list(_DTYPES), default=None,
+    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
+    add_device_arguments(parser)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options the kernel benches share (this one and `fused`)."""
+    parser.add_argument("--rank", type=int, default=16, help="Rank of every adapter.")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="Default: fp32 on CPU, bf16 on CUDA.")  # fmt: skip
     parser.add_argument("--device", default=None, help="Default: cuda if available, else cpu.")
-    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--footprint-mib", type=int, default=1024,
                         help="Rotate weight copies over this much memory (0: warm).")  # fmt: skip
     parser.add_argument("--min-time", type=float, default=1.0,
                         help="Seconds of timing per variant and shape.")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--fused",
-        action="store_true",
-        help="Phi-3/Phi-4 fused projections' LoRA: split vs fused (bench/fused_lora.py).",
+    parser.add_argument("--json", type=Path, default=None, help="Write every figure here.")
+
+
+def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+
+
+def print_device(args, device: torch.device, dtype: torch.dtype, quick: bool) -> dict:
+    """The device line every kernel bench prints first; its figures for the JSON."""
+    copy_gbps = harness.copy_bandwidth(device, (128 if quick else 512) << 20) / 1e9
+    threads = torch.get_num_threads()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else harness.cpu_name()
+    print(
+        f"device {device} [{name}] ({threads} threads), {str(dtype).removeprefix('torch.')}, "
+        f"rank {args.rank}, footprint {args.footprint_mib} MiB, "
+        f"copy bandwidth {copy_gbps:.1f} GB/s (read+write)"
     )
-    parser.add_argument("--json", metavar="PATH", default=None, help="Write every figure here.")
+    return {
+        **harness.run_meta(args),
+        "device": str(device),
+        "device_name": name,
+        "threads": threads,
+        "dtype": str(dtype).removeprefix("torch."),
+        "copy_gbps": copy_gbps,
+        "footprint_mib": args.footprint_mib,
+        "rank": args.rank,
+    }
 
 
 @dataclass(frozen=True)
@@ -197,41 +225,13 @@ def _offsets(num_slots: int, rank: int) -> list[int]:
     return [0] + [(s - 1) * rank for s in range(1, num_slots)]
 
 
-class _Clock:
-    """Per-call wall time on CPU; CUDA events on GPU (no host sync inside the call)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def time(self, fn: Callable[[], object]) -> float:
-        if not self.cuda:
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, clock: _Clock) -> float:
-    """GB/s of a device copy larger than the caches, counting read + write bytes."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch
-    times = [clock.time(lambda: dst.copy_(src)) for _ in range(5)]
-    return 2 * nbytes / min(times) / 1e9
-
-
 def run_shape(
     shape: Shape,
     copies: list[_Weights],
     args: argparse.Namespace,
     dtype: torch.dtype,
     device: torch.device,
-    clock: _Clock,
+    clock: Clock,
 ) -> Result:
     h, rank, max_rank = shape.hidden, args.rank, args.max_rank
     num_slots = 1 + copies[0].a.shape[1] // rank
@@ -335,7 +335,7 @@ def _graph_times(
             for ws in copies:
                 fn(ws)
         graphs[k] = g
-    clock, times = _Clock(torch.device("cuda")), {k: [] for k in variants}
+    clock, times = Clock(torch.device("cuda")), {k: [] for k in variants}
     order, rnd = list(variants), random.Random(args.seed)
     deadline = time.perf_counter() + args.min_time * len(variants)
     rounds = 0
@@ -360,8 +360,7 @@ def _check_agree(lora, loop, ws: _Weights, y: torch.Tensor, dtype: torch.dtype) 
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    device, dtype = device_and_dtype(args)
     args.max_rank = args.max_rank or args.rank
     if args.max_rank < args.rank:
         raise SystemExit(f"--max-rank {args.max_rank} < --rank {args.rank}")
@@ -375,19 +374,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:
-    clock = _Clock(device)
-    copy_gbps = copy_bandwidth(device, (128 if args.quick else 512) << 20, clock)
-    threads = torch.get_num_threads()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    print(
-        f"device {device} [{name}] ({threads} threads), {str(dtype).removeprefix('torch.')}, "
-        f"rank {args.rank} (buffers R={args.max_rank}), footprint {args.footprint_mib} MiB, "
-        f"copy bandwidth {copy_gbps:.1f} GB/s (read+write)"
-    )
-    if args.fused:
-        rows = run_fused(args, device, dtype, clock.time)
-        _write_json(args, device, name, threads, dtype, copy_gbps, {"fused": rows})
-        return 0
+    clock = Clock(device)
+    head = print_device(args, device, dtype, args.quick)
+    print(f"buffers R={args.max_rank}")
     results = []
     by_hidden: dict[int, list[Shape]] = {}
     for s in shapes(args):
@@ -407,44 +396,30 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         "t/B = their quotient (1.0: LoRA moves its bytes as fast as the base projection)"
         + ("; graph: device time per call from CUDA graph replays" if clock.cuda else "")
     )
-    shapes_doc = {"shapes": [asdict(r) for r in results]}
-    _write_json(args, device, name, threads, dtype, copy_gbps, shapes_doc)
+    checked = {r.name: harness.check("kernels", asdict(r)) for r in results if _checked(r)}
+    for name, targets in checked.items():
+        print(f"{name}: " + "; ".join(harness.verdict_lines(targets)))
+    rows = [{**asdict(r), "targets": checked.get(r.name)} for r in results]
+    harness.write_json(args.json, {**head, "shapes": rows})
     return 0
 
 
-def _write_json(args, device, name, threads, dtype, copy_gbps, figures: dict) -> None:
-    if not args.json:
-        return
-    doc = {
-        "device": str(device),
-        "device_name": name,
-        "threads": threads,
-        "torch": torch.__version__,
-        "dtype": str(dtype).removeprefix("torch."),
-        "copy_gbps": copy_gbps,
-        "footprint_mib": args.footprint_mib,
-        "rank": args.rank,
-        **figures,
-    }
-    with open(args.json, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.json}")
+# (title, width, Result field, format) of each printed column
+def _checked(r: Result) -> bool:
+    """Whether `r` is a shape the [kernels] targets are set for: 32 decode tokens, each
+    its own adapter in consecutive slots."""
+    return r.kind == "decode" and r.tokens == 32 and r.layout == "dense"
 
 
 _COLUMNS = (
-    ("shape", 28, "name", "s"),
-    ("backend", 7, "backend", "s"),
-    ("lora ms", 9, "lora_ms", ".3f"),
-    ("loop ms", 9, "loop_ms", ".3f"),
-    ("base ms", 9, "base_ms", ".3f"),
-    ("vs loop", 8, "speedup_vs_loop", ".2f"),
-    ("lora/base t", 12, "lora_over_base_time", ".3f"),
-    ("lora/base B", 12, "lora_over_base_bytes", ".3f"),
-    ("t/B", 6, "time_over_bytes", ".2f"),
-    ("lora GB/s", 10, "lora_gbps", ".1f"),
-    ("loop GB/s", 10, "loop_gbps", ".1f"),
-    ("base GB/s", 10, "base_gbps", ".1f"),
-)
+    (("shape", 28, "name", "s"), ("backend", 7, "backend", "s"))
+    + tuple((f"{v} ms", 9, f"{v}_ms", ".3f") for v in ("lora", "loop", "base"))
+    + (("vs loop", 8, "speedup_vs_loop", ".2f"),
+       ("lora/base t", 12, "lora_over_base_time", ".3f"),
+       ("lora/base B", 12, "lora_over_base_bytes", ".3f"),
+       ("t/B", 6, "time_over_bytes", ".2f"))
+    + tuple((f"{v} GB/s", 10, f"{v}_gbps", ".1f") for v in ("lora", "loop", "base"))
+)  # fmt: skip
 _GRAPH_COLUMNS = (
     ("graph lora ms", 13, "lora_graph_ms", ".4f"),
     ("graph base ms", 13, "base_graph_ms", ".4f"),
@@ -467,3 +442,7 @@ def _print_row(r: Result, cuda: bool) -> None:
         text = format(getattr(r, key), fmt)
         cells.append(f"{text:>{w}}" if i else f"{text:<{w}}")
     print("  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(harness.main(sys.modules[__name__], sys.argv[1:]))
