@@ -22,7 +22,7 @@ from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.engine.planner import plan_batch
 from replica.executor.batch import BatchPlan
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 BATCH = 32
 ADAPTERS = 16
@@ -147,7 +147,9 @@ def _decoding_plan(eng: LLMEngine, adapters: list[str | None], prompt_len: int) 
     sampling = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
     vocab = eng.spec.vocab_size
     seqs = [
-        eng.add_request([(7 * i + j) % (vocab - 3) + 3 for j in range(prompt_len)], sampling, a)
+        eng.add_request(
+            GenerateRequest([(7 * i + j) % (vocab - 3) + 3 for j in range(prompt_len)], sampling, a)
+        )
         for i, a in enumerate(adapters)
     ]
     for _ in range(10_000):

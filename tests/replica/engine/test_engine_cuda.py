@@ -11,7 +11,7 @@ import torch
 
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import needs_cuda
 from tests.oracle import hf_logits, hf_model
 
@@ -77,7 +77,7 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
     assert type(gpu.adapters.loader).__name__ == "SideStreamLoader"
     for name, path in tiny.adapters.items():
         gpu.load_adapter(name, path)
-    seqs = [gpu.add_request(p, s, a) for p, s, a in requests]
+    seqs = [gpu.add_request(GenerateRequest(p, s, a)) for p, s, a in requests]
     for _ in range(3000):
         if not gpu.has_work():
             break
@@ -109,7 +109,7 @@ def test_a_step_synchronises_once_for_the_sampled_ids(tiny, sampling):
         "top-k-top-p": SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=7),
     }[sampling]
     for i in range(8):
-        eng.add_request(prompt(i), params, ([None] + names)[i % (len(names) + 1)])
+        eng.add_request(GenerateRequest(prompt(i), params, ([None] + names)[i % (len(names) + 1)]))
     eng.step()  # first prefill: lazy CUDA/Triton initialisation stays out of the count
     counts, where = [], set()
     torch.cuda.set_sync_debug_mode("warn")
