@@ -9,11 +9,16 @@
     a = lora_a_buffer(num_slices, rows, in, device, dtype)  # an A arena, the fastest layout
     b = lora_b_buffer(out, rows, device, dtype)      # a B arena, the fastest layout
     o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                               block_size, scale, sliding_window, soft_cap=cap)  # [D, H, hd]
+                               block_size, scale, sliding_window, soft_cap=cap,
+                               num_splits=decode_splits(max_len, D, KVH))  # [D, H, hd]
+    o = prefill_attention(q, k, v, scale, slots, sliding_window, soft_cap)  # [n, H, hd]
     plan = make_expert_plan(topk_ids, num_experts, seg)  # MoE pairs sorted by expert
     y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
     inter = expert_lora_shrink(x_sorted, a, plan, seg, max_rank)  # expert LoRA, grouped by
     expert_lora_expand(y, inter, b, plan, seg, slice_offsets)   # (adapter, expert)
+    batch = make_state_batch(seq_lens, state_slots, has_initial_state, device)  # Gated
+    y = causal_conv1d(x, weight, bias, conv_state, batch)        # DeltaNet: conv + SiLU,
+    o = gated_delta_rule(q, k, v, g, beta, recurrent_state, batch)  # then the delta rule
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -27,11 +32,19 @@ Backends (kernels/backend.py, decided once): CUDA tensors go to Triton
 (`kernels.sgmv_triton`, imported lazily), CPU tensors to the torch path
 (`kernels.sgmv_torch`). LORAFLEET_KERNELS=triton|torch, read at import, or
 `force_backend` forces either; Triton on CPU needs TRITON_INTERPRET=1 (the tests). The
-attention op has the same two backends (`kernels.paged_attention_{torch,triton}`). Every
+attention ops have the same two backends (`kernels.paged_attention_{torch,triton}`,
+`kernels.prefill_attention_{torch,triton}`; on CUDA the prefill takes SDPA's flash kernel
+where it applies and Triton for the rest). Every
 op checks shapes, dtypes, devices and metadata sizes here, before any backend runs, and
 none reads a device value for that (so offsets past the arena are the caller's bug, not
 checked). `kernels.reference` and `kernels.paged_attention_reference` are the slow
-oracles they are tested against; `lorafleet bench kernels` times the LoRA ops.
+oracles they are tested against (`kernels.prefill_attention_reference` the prefill's);
+`lorafleet bench kernels` times the LoRA ops.
+
+Gated DeltaNet (Qwen3.5/3.6's linear attention): `causal_conv1d` and `gated_delta_rule`
+run over a StateBatch (sequences of a flattened batch and their rows of the per-sequence
+conv and recurrent state pools, read and written in place); backends
+`kernels.gated_delta_{torch,triton}`, oracle `kernels.gated_delta_reference`.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import math
 import torch
 
 from kernels.backend import backend_for, force_backend, forced_backend, implementation
+from kernels.gated_delta_batch import StateBatch, make_state_batch
 from kernels.lora_embedding import lora_embedding_shrink as _embedding_shrink
 from kernels.moe_plan import ExpertPlan, expert_segments, make_expert_plan
 from kernels.segments import SegmentInfo, make_segment_info, make_segment_infos
@@ -59,12 +73,18 @@ __all__ = [
     "lora_a_buffer",
     "lora_b_buffer",
     "paged_decode_attention",
+    "decode_splits",
+    "prefill_attention",
     "ExpertPlan",
     "make_expert_plan",
     "expert_segments",
     "moe_grouped_gemm",
     "expert_lora_shrink",
     "expert_lora_expand",
+    "StateBatch",
+    "make_state_batch",
+    "causal_conv1d",
+    "gated_delta_rule",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -372,6 +392,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,  # attend only to positions >= ctx - sliding_window
     soft_cap: float | None = None,  # host float > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd] q.dtype, written in place and returned
+    num_splits: int | None = None,  # host int >= 1: programs sharing each sequence's context
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """Decode attention straight from the paged KV cache. Per sequence i with
     ctx = context_lens[i] (tokens in cache, the newest included: it is already written),
@@ -391,18 +412,154 @@ def paged_decode_attention(
     ceil(ctx / block_size) blocks may be any valid block id: no slot outside [lo, ctx) is
     read, so whatever those slots hold (NaN included) never reaches an output. D may be 0.
     Grids and code paths depend on host values only (shapes, block_size, scale,
-    sliding_window, soft_cap): nothing here or in a backend reads a device value, so a
-    call never syncs and replays as a CUDA graph.
+    sliding_window, soft_cap, num_splits): nothing here or in a backend reads a device
+    value, so a call never syncs and replays as a CUDA graph.
+
+    num_splits (flash-decoding, Triton only; the torch path is one vectorized pass): each
+    sequence's attended tiles are dealt out to num_splits programs, whose partial softmaxes
+    are merged by their log-sum-exp, so a long context at a small batch is read by many
+    programs at once instead of D * KVH. The same output for every value (to fp32
+    rounding). A captured graph keeps its grid, so pass a value fixed for the engine's
+    lifetime: decode_splits(max_model_len, D, KVH). None: decode_splits over the table's
+    width (W * block_size, a shape: the same for every step of one static batch).
     See kernels.paged_attention_reference.paged_decode_attention_reference.
     """
     _check_paged_attention(
         q, k_cache, v_cache, block_tables, context_lens, block_size, sliding_window, soft_cap,
         out,
     )  # fmt: skip
+    if num_splits is None:
+        num_splits = decode_splits(block_tables.shape[1] * block_size, q.shape[0], k_cache.shape[0])
+    elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"paged_decode_attention: num_splits {num_splits!r} must be an int >= 1")
     return implementation(q, "paged_attention").paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+        sliding_window=sliding_window, soft_cap=soft_cap, out=out, num_splits=num_splits,
     )  # fmt: skip
+
+
+# flash-decoding's split count: programs to aim for per SM, the shortest share of a
+# context worth a program of its own, and the most splits
+_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_LEN = 256
+_MAX_SPLITS = 32
+
+
+def decode_splits(
+    max_context_len: int,  # the longest context a call may see (max_model_len)
+    num_seqs: int,  # D: sequences in the call (a static batch's bucket)
+    num_kv_heads: int,  # KVH on this rank
+    num_sms: int | None = None,  # the device's SMs; None: the current CUDA device's, else 0
+) -> int:  # >= 1
+    """How many programs share each sequence's context in paged_decode_attention: enough
+    for D * KVH * splits to reach _PROGRAMS_PER_SM per SM, but none sharing fewer than
+    _MIN_SPLIT_LEN positions of max_context_len, and at most _MAX_SPLITS. Host ints only,
+    so a graph captured with it replays with the same grid. 1 when the batch alone fills
+    the device, or off CUDA (no SMs to fill)."""
+    if num_sms is None:
+        num_sms = _cuda_sm_count()
+    want = -(-_PROGRAMS_PER_SM * num_sms // max(1, num_seqs * num_kv_heads))
+    longest = -(-max(1, max_context_len) // _MIN_SPLIT_LEN)
+    return max(1, min(want, longest, _MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_sm_count() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [n, H, hd]: the queries of the last n of ctx positions
+    k: torch.Tensor,  # [KVH, S, hd]: keys, position p's at k[:, p] or k[:, slots[p]];
+    # the fresh K/V of a whole prompt ([T, KVH, hd] rows seen transposed) or the paged cache
+    v: torch.Tensor,  # [KVH, S, hd], like k
+    scale: float,  # host float: softmax scale
+    slots: torch.Tensor | None = None,  # [ctx] int64: cache slot of each position; None:
+    # position p is k[:, p] and ctx = S
+    sliding_window: int | None = None,  # a row at t sees positions > t - sliding_window
+    soft_cap: float | None = None,  # host float > 0: Gemma 2's attention-logit soft cap
+    out: torch.Tensor | None = None,  # [n, H, hd] q.dtype (may be rows of a larger
+    # batch's output), written in place and returned
+) -> torch.Tensor:  # [n, H, hd], q.dtype
+    """Causal attention of a prefill (a whole prompt, a chunk after earlier ones, or the
+    uncached rest of a prompt after a prefix-cache hit): query row i sits at position
+    t = ctx - n + i and, for each head h with kv head k = h // (H // KVH), attends to
+    positions p in [lo, t], lo = max(0, t - sliding_window + 1) (0 without a window):
+
+        s[p] = scale * q[i, h] · K[k, p]
+        s[p] = soft_cap * tanh(s[p] / soft_cap)      (only when soft_cap is not None)
+        out[i, h] = softmax(s) @ V[k, p]
+
+    Scores, cap, softmax and accumulation in fp32, rounded into q.dtype (with half
+    inputs a fused kernel may round its partial results too: within the half dtype's
+    tolerance of the reference, which rounds once). Lower-right causal
+    when ctx > n: every row sees the whole earlier context. Every path is fused or
+    chunked: none holds [H, n, ctx] scores at once (SDPA's MATH fallback would, in fp32).
+    Slots outside the positions a row sees are never read. The positions' K/V must
+    already be in k/v (the step's K/V written into the cache first). Host values pick
+    the path; no device value is read.
+    See kernels.prefill_attention_reference.prefill_attention_reference.
+    """
+    _check_prefill_attention(q, k, v, slots, sliding_window, soft_cap, out)
+    return implementation(q, "prefill_attention").prefill_attention(
+        q, k, v, scale, slots, sliding_window=sliding_window, soft_cap=soft_cap, out=out
+    )
+
+
+def _check_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    out: torch.Tensor | None,
+) -> None:
+    name = "prefill_attention"
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} must be [n, H, hd], k {tuple(k.shape)} and "
+            f"v {tuple(v.shape)} one [KVH, S, hd] shape"
+        )
+    n, h, hd = q.shape
+    kvh = k.shape[0]
+    if k.shape[2] != hd or kvh == 0 or h % kvh:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} [n, H, hd] needs k [KVH, S, {hd}] with H % KVH == 0; "
+            f"got k {tuple(k.shape)}"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"{name}: q {q.dtype}, k {k.dtype}, v {v.dtype} must share one of {_DTYPES}"
+        )
+    if slots is not None and (slots.dim() != 1 or slots.dtype != torch.int64):
+        raise ValueError(f"{name}: slots {tuple(slots.shape)} {slots.dtype} must be [ctx] int64")
+    ctx = k.shape[1] if slots is None else slots.shape[0]
+    if ctx < n:
+        raise ValueError(f"{name}: {n} queries but only {ctx} positions (slots or k's S)")
+    _check_window_and_cap(name, sliding_window, soft_cap)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(
+            f"{name}: out {tuple(out.shape)} {out.dtype} must be {tuple(q.shape)} {q.dtype}"
+        )
+    tensors = (q, k, v) + tuple(t for t in (slots, out) if t is not None)
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(
+            f"{name}: q, k, v, slots, out must share one device; got "
+            f"{[str(t.device) for t in tensors]}"
+        )
+
+
+def _check_window_and_cap(name: str, sliding_window: int | None, soft_cap: float | None) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{name}: sliding_window {sliding_window!r} must be None or an int >= 1")
+    if soft_cap is not None and (
+        not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool)
+        or not math.isfinite(soft_cap) or soft_cap <= 0
+    ):  # fmt: skip
+        raise ValueError(f"{name}: soft_cap {soft_cap!r} must be None or a finite float > 0")
 
 
 def _check_paged_attention(
@@ -439,13 +596,7 @@ def _check_paged_attention(
             f"{name}: block_size {block_size!r} must be a positive int dividing the cache's "
             f"{k_cache.shape[1]} slots"
         )
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"{name}: sliding_window {sliding_window!r} must be None or an int >= 1")
-    if soft_cap is not None and (
-        not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool)
-        or not math.isfinite(soft_cap) or soft_cap <= 0
-    ):  # fmt: skip
-        raise ValueError(f"{name}: soft_cap {soft_cap!r} must be None or a finite float > 0")
+    _check_window_and_cap(name, sliding_window, soft_cap)
     if block_tables.dim() != 2 or block_tables.shape[0] != d or context_lens.shape != (d,):
         raise ValueError(
             f"{name}: block_tables {tuple(block_tables.shape)} must be [{d}, W] and "
@@ -468,3 +619,145 @@ def _check_paged_attention(
             f"{name}: q, k_cache, v_cache, block_tables, context_lens, out must share one device; "
             f"got {[str(t.device) for t in tensors]}"
         )
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [T, D]: the batch's tokens (sequences concatenated), unit stride on D
+    weight: torch.Tensor,  # [D, K], K >= 2: one K-tap filter per channel
+    bias: torch.Tensor | None,  # [D]
+    conv_state: torch.Tensor,  # [num_slots, D, K-1], x.dtype, contiguous: updated in place
+    batch: StateBatch,
+    activation: str | None = "silu",  # "silu" or None
+) -> torch.Tensor:  # [T, D], x.dtype
+    """The causal depthwise convolution of Gated DeltaNet (and Mamba) with a conv state
+    per sequence. Per sequence i with tokens X = x[lo:hi] (L of them) and pool row
+    s = state_slots[i], with P = conv_state[s] if has_initial_state[i] else zeros [D, K-1]
+    and W = cat(P, Xᵀ, dim=1) [D, K-1+L]:
+
+        out[lo + t] = act(sum_j weight[:, j] * W[:, t + j] + bias)      t in [0, L)
+        conv_state[s] = W[:, L:]                     (the last K-1 inputs, in order)
+
+    i.e. transformers' causal_conv1d_fn over cat(P, X) (causal_conv1d_update for L = 1),
+    act = SiLU. fp32 arithmetic, out rounded once into x.dtype (fp32, fp16, bf16); the
+    state keeps inputs exactly. A row without an initial state is never read (NaN there
+    cannot reach an output); pool rows no sequence names are left bit-identical. Slots
+    must be distinct within a batch. Nothing reads a device value: a decode batch (one
+    token per sequence) is a fixed launch. See
+    kernels.gated_delta_reference.causal_conv1d_reference.
+    """
+    name = "causal_conv1d"
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 2:
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} must be [T, D] and weight {tuple(weight.shape)} "
+            "[D, K] with K >= 2"
+        )
+    d, kernel = weight.shape
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (d, kernel - 1):
+        raise ValueError(
+            f"{name}: conv_state {tuple(conv_state.shape)} must be [num_slots, {d}, {kernel - 1}]"
+        )
+    if bias is not None and bias.shape != (d,):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} must be [{d}]")
+    if activation not in ("silu", None):
+        raise ValueError(f"{name}: activation {activation!r} must be 'silu' or None")
+    if x.dtype not in _DTYPES or conv_state.dtype != x.dtype or weight.dtype not in _DTYPES:
+        raise ValueError(
+            f"{name}: x {x.dtype} and conv_state {conv_state.dtype} must share one of "
+            f"{_DTYPES}; weight {weight.dtype} one of them"
+        )
+    if x.stride(1) != 1 or not conv_state.is_contiguous():
+        raise ValueError(f"{name}: x needs unit stride along D and conv_state contiguity")
+    tensors = [x, weight, conv_state] + ([] if bias is None else [bias])
+    _check_state_batch(name, batch, x.shape[0], tensors)
+    return implementation(x, "gated_delta").causal_conv1d(
+        x, weight, bias, conv_state, batch, activation
+    )
+
+
+def gated_delta_rule(
+    q: torch.Tensor,  # [T, HK, dk]: queries, unit stride on dk (not yet normalized)
+    k: torch.Tensor,  # [T, HK, dk]: keys, likewise
+    v: torch.Tensor,  # [T, HV, dv], HV a multiple of HK
+    g: torch.Tensor,  # [T, HV]: log decay, <= 0
+    beta: torch.Tensor,  # [T, HV]: write strength, in [0, 1]
+    recurrent_state: torch.Tensor,  # [num_slots, HV, dk, dv] float32, contiguous: in place
+    batch: StateBatch,
+    out: torch.Tensor | None = None,  # [T, HV, dv] v.dtype, contiguous: written, returned
+) -> torch.Tensor:  # [T, HV, dv], v.dtype
+    """The gated delta rule of Gated DeltaNet (Qwen3.5/3.6's linear attention). Per
+    sequence i and value head h (key head h // (HV // HK), as transformers'
+    repeat_interleave), from S = recurrent_state[s, h] (s = state_slots[i]; zeros
+    without an initial state), for each token t in order:
+
+        q̂ = l2norm(q[t]) * dk**-0.5,   k̂ = l2norm(k[t])     (x / sqrt(sum(x²) + 1e-6))
+        S = exp(g[t, h]) * S
+        S = S + outer(k̂, beta[t, h] * (v[t, h] - Sᵀ k̂))
+        out[t, h] = Sᵀ q̂
+
+    then recurrent_state[s, h] = S (fp32). This is transformers'
+    torch_recurrent_gated_delta_rule / torch_chunk_gated_delta_rule with
+    use_qk_l2norm_in_kernel=True, initial_state and output_final_state, over a varlen
+    batch; Qwen3.5 feeds g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b).
+    Prefill chunks run the chunked form (chunks of 64), decodes the recurrent update;
+    fp32 arithmetic, out rounded once into v.dtype. A row without an initial state is
+    never read; rows no sequence names are left bit-identical; slots must be distinct
+    within a batch. Nothing reads a device value: a decode batch is a fixed launch. See
+    kernels.gated_delta_reference.gated_delta_rule_reference.
+    """
+    name = "gated_delta_rule"
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must be one [T, HK, dk] shape "
+            f"and v {tuple(v.shape)} [T, HV, dv]"
+        )
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hk == 0 or hv % hk or g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(
+            f"{name}: HV {hv} must be a multiple of HK {hk}; g {tuple(g.shape)} and beta "
+            f"{tuple(beta.shape)} [{t}, {hv}]"
+        )
+    if recurrent_state.dim() != 4 or recurrent_state.shape[1:] != (hv, dk, dv):
+        raise ValueError(
+            f"{name}: recurrent_state {tuple(recurrent_state.shape)} must be "
+            f"[num_slots, {hv}, {dk}, {dv}]"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{name}: q {q.dtype}, k {k.dtype}, v {v.dtype}: one of {_DTYPES}")
+    if g.dtype not in _DTYPES or beta.dtype not in _DTYPES:
+        raise ValueError(f"{name}: g {g.dtype} and beta {beta.dtype} must be among {_DTYPES}")
+    if recurrent_state.dtype != torch.float32 or not recurrent_state.is_contiguous():
+        raise ValueError(f"{name}: recurrent_state must be contiguous float32")
+    if any(x.stride(-1) != 1 for x in (q, k, v) if x.shape[-1] > 1):
+        raise ValueError(f"{name}: q, k and v need unit stride along the head dim")
+    if out is not None and (
+        out.shape != v.shape or out.dtype != v.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(f"{name}: out must be contiguous {tuple(v.shape)} {v.dtype}")
+    tensors = [q, k, v, g, beta, recurrent_state] + ([] if out is None else [out])
+    _check_state_batch(name, batch, t, tensors)
+    return implementation(v, "gated_delta").gated_delta_rule(
+        q, k, v, g, beta, recurrent_state, batch, out
+    )
+
+
+def _check_state_batch(
+    name: str, batch: StateBatch, tokens: int, tensors: list[torch.Tensor]
+) -> None:
+    meta = (batch.cu_seqlens, batch.state_slots, batch.has_initial_state)
+    n = batch.num_seqs
+    if tuple(m.dtype for m in meta) != (torch.int32, torch.int32, torch.bool):
+        raise ValueError(
+            f"{name}: cu_seqlens and state_slots must be int32, has_initial_state bool; got "
+            f"{[m.dtype for m in meta]}"
+        )
+    if tuple(m.shape for m in meta) != ((n + 1,), (n,), (n,)):
+        raise ValueError(
+            f"{name}: {n} sequences need cu_seqlens [{n + 1}], state_slots and "
+            f"has_initial_state [{n}]; got {[tuple(m.shape) for m in meta]}"
+        )
+    if batch.num_tokens != tokens:
+        raise ValueError(f"{name}: the batch holds {batch.num_tokens} tokens, the inputs {tokens}")
+    devices = {str(x.device) for x in [*tensors, *meta]}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: inputs, pools and batch tensors on several devices {devices}")

@@ -27,6 +27,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd], q.dtype
+    num_splits: int = 1,  # no effect: every position of every row is one vectorized pass
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """See kernels.paged_decode_attention (arguments are checked there) and
     kernels.paged_attention_reference."""

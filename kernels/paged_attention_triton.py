@@ -3,11 +3,20 @@
 Imported lazily by `kernels.paged_decode_attention` when the triton backend is chosen,
 so importing `kernels` never needs triton.
 
-One program per (sequence, kv head): it loads the GROUP = H // KVH query rows of that
-kv head (padded to a 16-row tile for tl.dot) and reads each K/V position once for all
-of them. The grid is (D, KVH), host ints only; the loop bound is the sequence's
-context length, loaded inside the kernel, so nothing is sized by a device value and a
-launch has the same shape at every context length (CUDA-graph replayable).
+One program per (sequence, kv head, split): it loads the GROUP = H // KVH query rows of
+that kv head (padded to a 16-row tile for tl.dot) and reads each K/V position once for
+all of them. The grid is (D, KVH, num_splits), host ints only; the loop bounds come
+from the sequence's context length, loaded inside the kernel, so nothing is sized by a
+device value and a launch has the same shape at every context length (CUDA-graph
+replayable).
+
+Split-KV (flash-decoding): with num_splits = S > 1 a sequence's tiles are dealt out in
+S runs of ceil(tiles / S), one per program (a short context leaves the last runs empty).
+Each program writes its run's softmax-normalised fp32 output and its log2-sum-exp2;
+_merge_splits_kernel, one program per (sequence, query head), weighs the runs by
+2^(lse - max lse) and rounds once into the output's dtype. So at a small batch a long
+context is read by D * KVH * S programs instead of D * KVH. S = 1 is the single-pass
+kernel (SPLIT off: no partial buffers, no merge).
 
 The loop walks positions [start, ctx), start = max(0, ctx - window), in tiles of
 BLOCK_N positions aligned to BLOCK_N; a tile may span several cache blocks (block
@@ -65,11 +74,66 @@ def _tanh(x):
 
 
 @triton.jit
+def _attend(
+    q,  # [BLOCK_G, BLOCK_D] fp32: the group's query rows
+    k_head,  # this kv head's K, at slot 0
+    v_head,
+    table,  # this sequence's row of the block table
+    start,  # first attended position
+    ctx,  # attended positions end here
+    n_lo,  # first tile's position (a multiple of BLOCK_N)
+    n_hi,  # the tiles end before this position
+    qk_scale,
+    cap_scale,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    mask_d,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QK_PRECISION: tl.constexpr,
+    PV_PRECISION: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+):
+    """The online softmax over the tiles in [n_lo, n_hi), each holding an attended
+    position (or none at all: then acc = l = 0, m = -inf): (acc, l, m), base 2."""
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)  # running max (base 2)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        attended = (pos >= start) & (pos < ctx)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=attended, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BLOCK_N]
+        kv_mask = mask_d[:, None] & attended[None, :]  # [BLOCK_D, BLOCK_N]
+        k = tl.load(k_head + slot[None, :] * stride_kt + offs_d[:, None], mask=kv_mask, other=0.0)
+        s = tl.dot(q, k.to(tl.float32), input_precision=QK_PRECISION) * qk_scale  # [BG, BN]
+        if SOFT_CAP:  # before the mask and every max: the softmax sees capped scores only
+            s = _tanh(s) * cap_scale
+        s = tl.where(attended[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile holds an attended pos
+        alpha = tl.exp2(m_i - m_new)  # 0 on the first tile
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_head + slot[:, None] * stride_vt + offs_d[None, :],
+            mask=attended[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [D, H, hd]
     k_ptr,  # [KVH, slots, hd]
     v_ptr,  # [KVH, slots, hd]
-    out_ptr,  # [D, H, hd]
+    out_ptr,  # [D, H, hd]; with SPLIT, [D, H, S, hd] fp32: each split's normalised output
+    lse_ptr,  # with SPLIT, [D, H, S] fp32: each split's log2-sum-exp2 (unused without)
     tables_ptr,  # [D, W] int32
     lens_ptr,  # [D] int32
     qk_scale,  # fp32: softmax scale * log2(e); with SOFT_CAP, scale / cap
@@ -93,11 +157,19 @@ def _paged_decode_kernel(
     QK_PRECISION: tl.constexpr,
     PV_PRECISION: tl.constexpr,
     SOFT_CAP: tl.constexpr,  # apply s = cap * tanh(s / cap) to every score
+    SPLIT: tl.constexpr,  # program_id(2) picks a share of the tiles; partial results
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = tl.load(lens_ptr + seq)
     start = tl.maximum(ctx - window, 0)
+    n_lo = start // BLOCK_N * BLOCK_N
+    n_hi = ctx
+    if SPLIT:  # tiles [n_lo, ctx) dealt out in runs of `share`, run `split` here
+        split = tl.program_id(2)
+        share = tl.cdiv(tl.cdiv(ctx - n_lo, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+        n_lo = n_lo + split * share
+        n_hi = tl.minimum(n_lo + share, ctx)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -107,38 +179,57 @@ def _paged_decode_kernel(
     q_rows = q_ptr + seq.to(tl.int64) * stride_qd + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=mask_q, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
 
-    table = tables_ptr + seq.to(tl.int64) * stride_td
-    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)  # running max (base 2)
-    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)  # running sum of exp2
-    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    for n0 in range(start // BLOCK_N * BLOCK_N, ctx, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        attended = (pos >= start) & (pos < ctx)
-        block = tl.load(table + pos // BLOCK_SIZE, mask=attended, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [BLOCK_N]
-        kv_mask = mask_d[:, None] & attended[None, :]  # [BLOCK_D, BLOCK_N]
-        k = tl.load(k_head + slot[None, :] * stride_kt + offs_d[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, k.to(tl.float32), input_precision=QK_PRECISION) * qk_scale  # [BG, BN]
-        if SOFT_CAP:  # before the mask and every max: the softmax sees capped scores only
-            s = _tanh(s) * cap_scale
-        s = tl.where(attended[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile holds an attended pos
-        alpha = tl.exp2(m_i - m_new)  # 0 on the first tile
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_head + slot[:, None] * stride_vt + offs_d[None, :],
-            mask=attended[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PRECISION)
-        m_i = m_new
-
-    o = acc / l_i[:, None]
+    acc, l_i, m_i = _attend(
+        q, k_ptr + kv_head.to(tl.int64) * stride_kh, v_ptr + kv_head.to(tl.int64) * stride_vh,
+        tables_ptr + seq.to(tl.int64) * stride_td, start, ctx, n_lo, n_hi, qk_scale, cap_scale,
+        stride_kt, stride_vt, offs_d, mask_d, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N,
+        QK_PRECISION, PV_PRECISION, SOFT_CAP,
+    )  # fmt: skip
     o_rows = out_ptr + seq.to(tl.int64) * stride_od + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=mask_q)
+    if SPLIT:  # an empty share (a short context) leaves l = 0: weight 0 in the merge
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
+        some = l_i > 0
+        o = acc / tl.where(some, l_i, 1.0)[:, None]
+        tl.store(o_rows + split * head_dim, o, mask=mask_q)
+        lse = tl.where(some, m_i + tl.log2(tl.where(some, l_i, 1.0)), float("-inf"))
+        rows = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # (seq, head) in [D, H]
+        tl.store(lse_ptr + rows * num_splits + split, lse, mask=offs_g < GROUP)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=mask_q)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr,  # [D, H, S, hd] fp32: each split's normalised output
+    lse_ptr,  # [D, H, S] fp32: each split's log2-sum-exp2, -inf for an empty split
+    out_ptr,  # [D, H, hd]
+    num_splits,
+    head_dim,
+    stride_od,
+    stride_oh,
+    BLOCK_S: tl.constexpr,  # >= num_splits
+    BLOCK_D: tl.constexpr,  # >= head_dim
+):
+    """out = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse): the softmax
+    over every split's positions at once. Split 0 is never empty (its run starts at the
+    tile of the first attended position), so the max is finite."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq.to(tl.int64) * tl.num_programs(1) + head  # (seq, head) in [D, H]
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(
+        lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf")
+    )
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S], 0 for empty and padding splits
+    mask = (offs_s < num_splits)[:, None] & (offs_d < head_dim)[None, :]
+    parts = part_ptr + (row * num_splits + offs_s[:, None]) * head_dim + offs_d[None, :]
+    part = tl.load(parts, mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
+    o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    o_row = out_ptr + seq.to(tl.int64) * stride_od + head * stride_oh + offs_d
+    tl.store(o_row, o.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
@@ -187,9 +278,12 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd], q.dtype
+    num_splits: int = 1,  # programs per (sequence, kv head), each over a share of the tiles
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """See kernels.paged_decode_attention (arguments are checked there) and
-    kernels.paged_attention_reference. Reads no device value."""
+    kernels.paged_attention_reference. Reads no device value: the grid is (D, KVH,
+    num_splits), host ints, and each program finds its share of its sequence's tiles
+    from the context length on the device."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _check_launch(q, k_cache, v_cache, block_tables, context_lens, out)
@@ -203,11 +297,22 @@ def paged_decode_attention(
     else:
         qk_scale, cap_scale = scale / soft_cap, soft_cap * _LOG2E
     cfg = decode_config(hd, h // kvh, q.dtype)
-    _paged_decode_kernel[(d, kvh)](
-        q, k_cache, v_cache, out, block_tables, context_lens, qk_scale, cap_scale,
+    split = num_splits > 1
+    if split:  # each split's fp32 output and log-sum-exp, merged below
+        dest = torch.empty((d, h, num_splits, hd), dtype=torch.float32, device=q.device)
+        lse = torch.empty((d, h, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        dest, lse = out, out
+    _paged_decode_kernel[(d, kvh, num_splits)](
+        q, k_cache, v_cache, dest, lse, block_tables, context_lens, qk_scale, cap_scale,
         window, hd, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), dest.stride(0), dest.stride(1),
         block_tables.stride(0), GROUP=h // kvh, BLOCK_SIZE=block_size,
-        SOFT_CAP=soft_cap is not None, **cfg,
+        SOFT_CAP=soft_cap is not None, SPLIT=split, **cfg,
     )  # fmt: skip
+    if split:
+        _merge_splits_kernel[(d, h)](
+            dest, lse, out, num_splits, hd, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=cfg["BLOCK_D"],
+        )  # fmt: skip
     return out

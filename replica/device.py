@@ -1,14 +1,19 @@
-"""What differs between CUDA and CPU: pinned memory, host->device copies, synchronization.
+"""What differs between CUDA and CPU: which device a thread works on, pinned memory,
+host->device copies, streams and events, synchronization.
 
-Everything above this module is the same code on both.
+Everything above this module is the same code on both. Every CUDA call names its device
+(streams, events, the current stream it records on); a thread that does device work
+starts with use_device(), because Triton launches, graph capture and torch's
+allocator statistics go to the thread's current device, which is GPU 0 unless set.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
@@ -16,15 +21,62 @@ import torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA when present, else CPU."""
+    """The device `name` means, with its index: 'auto' is CUDA when present, else CPU;
+    'cuda' the current CUDA device. A CUDA index this process cannot see is refused
+    (under Ray, an actor sees only the GPUs it was given: each is its cuda:0)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if device.index is None and count:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not count or device.index >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"device {name!r}: this process sees {count} CUDA device(s)"
+            + ("" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})")
+        )
+    return device
+
+
+def rank_device(name: str) -> torch.device:
+    """The device of a tensor-parallel rank actor configured with device `name`: the first
+    of its kind that Ray made visible to the actor (its own GPU, whatever index `name`
+    gives rank 0)."""
+    kind = "auto" if name == "auto" else torch.device(name).type
+    return resolve_device(kind if kind != "cuda" else "cuda:0")
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing on CPU). Each thread
+    has its own, GPU 0 until set: call it first in every thread that does device work."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def device_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID ('GPU-...', as nvidia-smi -L prints it): one per physical device,
+    whatever index a process sees it at. None for a CPU."""
+    if device.type != "cuda":
+        return None
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
+def other_visible_gpus(device: torch.device) -> list[str]:
+    """Every GPU this process sees but `device`, as CUDA_VISIBLE_DEVICES names them: what
+    a Ray started from here may hand to actors while this process computes on `device`
+    outside Ray's accounting."""
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [str(i) for i in range(count)] if listed is None else listed.split(",")[:count]
+    return [i.strip() for k, i in enumerate(ids) if k != device.index]
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """Page-locked host copy when CUDA exists (so non_blocking copies are truly async)."""
-    return t.pin_memory() if torch.cuda.is_available() else t
+    return t.pin_memory() if pinning() else t
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -46,7 +98,7 @@ def to_device_packed(
         end = -(-end // 8) * 8
         offsets[name] = end
         end += t.numel() * t.element_size()
-    packed = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    packed = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=pinning())
     for name, t in host.items():
         size = t.numel() * t.element_size()
         packed[offsets[name] : offsets[name] + size].view(t.dtype).copy_(t.reshape(-1))
@@ -113,6 +165,72 @@ def wait_any(handles: list[LoadHandle], timeout_s: float) -> None:
     futures_wait([h._future for h in handles], timeout_s, return_when=FIRST_COMPLETED)
 
 
+# Pinned host memory. torch's caching host allocator rounds each pinned block up to a
+# power of two and keeps a freed block for the next request of that size. Adapters are
+# staged in chunks of one power-of-two size, so nothing is rounded and every freed chunk
+# is reused; a tensor larger than a chunk gets a block of its own, counted rounded.
+PINNED_CHUNK_BYTES = 4 << 20
+_ALIGN = 64  # bytes: every tensor in a chunk starts on a cache line
+
+
+def pinning() -> bool:
+    """Whether host memory for copies to a device is page-locked (CUDA exists)."""
+    return torch.cuda.is_available()
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 host buffer, page-locked when pinning()."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinning())
+
+
+def host_block_bytes(nbytes: int) -> int:
+    """The memory host_buffer(nbytes) holds: with pinning, the allocator's power of two."""
+    return 1 << (nbytes - 1).bit_length() if pinning() and nbytes > 1 else nbytes
+
+
+class HostPacking:
+    """Where copies of some host tensors go in page-locked memory: packed, largest first,
+    into the first chunk of PINNED_CHUNK_BYTES with room, or a buffer of their own when
+    larger than a chunk. `nbytes` is the host memory the copies hold (decided before any
+    is allocated, so a cache can make room first). Without pinning nothing is copied and
+    `nbytes` is the tensors' own bytes."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._pin = pinning()
+        self._buffers: list[int] = []  # bytes of each buffer: chunks and own buffers
+        self._places: list[tuple[int, int]] = [(0, 0)] * len(tensors)  # (buffer, offset)
+        if not self._pin:
+            self.nbytes = sum(t.nbytes for t in tensors)
+            return
+        used: dict[int, int] = {}  # chunk buffer -> bytes taken
+        for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes):
+            size = -(-tensors[i].nbytes // _ALIGN) * _ALIGN
+            if size > PINNED_CHUNK_BYTES:
+                self._places[i] = (len(self._buffers), 0)
+                self._buffers.append(size)
+                continue
+            chunk = next((c for c, u in used.items() if u + size <= PINNED_CHUNK_BYTES), None)
+            if chunk is None:
+                chunk = len(self._buffers)
+                self._buffers.append(PINNED_CHUNK_BYTES)
+                used[chunk] = 0
+            self._places[i] = (chunk, used[chunk])
+            used[chunk] += size
+        self.nbytes = sum(host_block_bytes(size) for size in self._buffers)
+
+    def copy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Contiguous page-locked copies of `tensors` (the ones this packing was made for),
+        in their order; the tensors themselves without pinning."""
+        if not self._pin:
+            return list(tensors)
+        buffers = [host_buffer(size) for size in self._buffers]
+        copies = []
+        for t, (b, offset) in zip(tensors, self._places):
+            view = buffers[b][offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            copies.append(view.copy_(t))
+        return copies
+
+
 class StepProgress:
     """How far the running step's forward has got, for a load into a slot that step still
     reads (its sequences all end with this step): the load writes layer i only once the
@@ -121,6 +239,7 @@ class StepProgress:
     the layer is enough. finish() releases every waiter, also when the forward failed."""
 
     def __init__(self, device: torch.device, timeout_s: float = 60.0) -> None:
+        self._device = device
         self._cuda = device.type == "cuda"
         self._cond = threading.Condition()
         self._done = -1  # last layer the forward has finished
@@ -133,7 +252,7 @@ class StepProgress:
         event = None
         if self._cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))
         with self._cond:
             if event is not None:
                 self._events[layer] = event
@@ -155,9 +274,10 @@ class StepProgress:
                 raise TimeoutError(f"the step never finished layer {layer}")
             event = self._events.get(layer)
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self._device).wait_event(event)
         elif self._cuda:  # the forward stopped before this layer: wait for all of it
-            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
+            loading = torch.cuda.current_stream(self._device)
+            loading.wait_stream(torch.cuda.default_stream(self._device))
 
 
 _YIELD_S = 1e-4
@@ -170,8 +290,10 @@ class SideStreamLoader:
     LoadHandle.done(), never waited on by the step loop."""
 
     def __init__(self, device: torch.device) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="lora-load", initializer=use_device, initargs=(device,)
+        )
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         # Start the worker now: started by the first submit, it would begin that job while
         # the step loop waits for the GIL inside submit (0.3-3.6 ms measured on a cold start).
         self._pool.submit(lambda: None).result()
@@ -235,6 +357,7 @@ class StagedBuffer:
             end = -(-end // 8) * 8  # 8-byte aligned: any dtype's view is valid
             offsets[name] = end
             end += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._device = device
         self._device_bytes = torch.zeros(max(end, 1), dtype=torch.uint8, device=device)
         cpu = device.type == "cpu"
         self._host_bytes = self._device_bytes if cpu else pinned(self._device_bytes.cpu())
@@ -263,4 +386,4 @@ class StagedBuffer:
             return
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self._device))

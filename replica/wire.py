@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the engine seeds a 64-bit torch.Generator
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # 64 bits: what the sampler mixes into its keys
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs

@@ -19,7 +19,7 @@ from replica.adapters.memory import CPU_BUDGET_BYTES, size_adapter_slots, slot_b
 from replica.adapters.residency import BASE_KEY, AdapterResidency
 from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
-from replica.device import resolve_device, resolve_dtype
+from replica.device import resolve_device, resolve_dtype, use_device
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
 from replica.engine.emit import Emitter, StepReplies
 from replica.engine.fair_share import make_policy
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: AdapterSource | None = None) -> None:
         self.device = resolve_device(config.device)
+        use_device(self.device)  # for this thread's build and offline steps (generate, score)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.spec = load_model_spec(config.model)
         # the slot count and per-batch limit (and a TP replica's KV cache), sized from

@@ -1,11 +1,15 @@
 """Rank 0 of a tensor-parallel replica: starts ranks 1..N-1, then drives their steps and loads.
 
-Placement. In a Serve replica deployed with placement_group_bundles (cluster/app.py
-derives N bundles from tp_size), the replica is rank 0 in bundle 0 and rank i an
-actor in bundle i, taking that bundle's resources. Anywhere else (lorafleet
-generate, the bench, tests) the group reserves a placement group of its own with
-one bundle per rank 1..N-1 (starting a local Ray if none runs); rank 0 uses the
-engine's own device.
+Placement. Every rank computes on a GPU of its own. In a Serve replica deployed with
+placement_group_bundles (cluster/app.py derives N bundles from tp_size), the replica
+is rank 0 in bundle 0 and rank i an actor in bundle i, taking that bundle's
+resources: Ray gives each bundle its own GPU. Anywhere else (lorafleet generate, the
+bench, tests) rank 0 uses the engine's own device, outside Ray's accounting, and the
+group reserves a placement group of its own with one bundle per rank 1..N-1; a local
+Ray it starts is told every GPU but rank 0's (CUDA_VISIBLE_DEVICES), so no rank is
+given rank 0's. At join every rank reports its GPU's UUID, and a group with two ranks
+on one GPU is refused before any collective (a Ray that was already running may count
+rank 0's GPU as free).
 
 Failure. A rank that dies closes its sockets, so rank 0's next collective fails at
 once; one whose step raises is killed for the same effect. A watcher thread names
@@ -17,10 +21,12 @@ owner is gone) instead of hanging.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import ray
@@ -37,6 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from replica.adapters.sharded import ShardedSlotWriter, ShardedSource
 from replica.adapters.sources import AdapterLocator
 from replica.config import EngineConfig
+from replica.device import device_uuid, other_visible_gpus
 from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan
 from replica.executor.runner import ModelRunner
@@ -70,6 +77,7 @@ class TPGroup:
         # a model that N ranks cannot split fails here, before anything starts
         self.rank = TPRank(TPShard(load_model_spec(config.model), 0, n), TPComm(0, n, device))
         self.workers: list = []
+        self._device = device
         self._pg: PlacementGroup | None = None
         self._own_pg = False
         self._runs: list[ray.ObjectRef] = []
@@ -96,7 +104,7 @@ class TPGroup:
     def _launch(self, config: EngineConfig, device: torch.device) -> None:
         """Start the actors of ranks 1..N-1, which build their shards."""
         if not ray.is_initialized():
-            ray.init(include_dashboard=False)
+            _start_ray(device, self.size)
         self._pg, self._own_pg, placements = _reserve(self.size, device)
         name = f"{RANK_ACTOR_PREFIX}{uuid.uuid4().hex[:8]}-rank"  # findable in `ray list actors`
         self.workers = [
@@ -114,7 +122,11 @@ class TPGroup:
     def _connect(self) -> None:
         """Wait for every rank's shard, form the process group, start the ranks' step loops."""
         try:
-            ray.get([w.ready.remote() for w in self.workers], timeout=STARTUP_TIMEOUT_S)
+            ready = ray.get([w.ready.remote() for w in self.workers], timeout=STARTUP_TIMEOUT_S)
+        except Exception as e:
+            raise TPRankError(f"tensor-parallel ranks failed to start: {e}") from e
+        check_distinct_devices([device_uuid(self._device), *(r["device"] for r in ready)])
+        try:
             host = ray.util.get_node_ip_address()
             port = self.rank.comm.listen(host, STARTUP_TIMEOUT_S)
             joins = [w.join.remote(host, port, COLLECTIVE_TIMEOUT_S) for w in self.workers]
@@ -211,6 +223,51 @@ class TPGroup:
         if self._failure is None:
             self._failure = f"tensor-parallel group failed: {_first_line(error)}"
         return TPRankError(self._failure)
+
+
+def _start_ray(device: torch.device, size: int) -> None:
+    """Start a local Ray for ranks 1..N-1 and rank 0 on `device`: shown every GPU but
+    rank 0's, which this process uses outside Ray's accounting (Ray hands an actor the
+    first GPU it counts as free, which would otherwise be rank 0's)."""
+    if device.type != "cuda":
+        ray.init(include_dashboard=False)
+        return
+    others = other_visible_gpus(device)
+    if len(others) < size - 1:
+        raise ValueError(
+            f"tp_size={size} needs {size} GPUs, one per rank; this process sees {len(others) + 1}"
+        )
+    with _environ("CUDA_VISIBLE_DEVICES", ",".join(others)):  # read by the Ray it starts
+        ray.init(include_dashboard=False)
+
+
+@contextmanager
+def _environ(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def check_distinct_devices(uuids: list[str | None]) -> None:
+    """Raise TPRankError naming the ranks that share a GPU (uuids[i]: rank i's; None for
+    a CPU, which ranks share by design)."""
+    first: dict[str, int] = {}
+    for rank, gpu in enumerate(uuids):
+        if gpu is None:
+            continue
+        if gpu in first:
+            raise TPRankError(
+                f"tensor-parallel ranks {first[gpu]} and {rank} are on one GPU ({gpu}): "
+                "each rank needs its own (a Ray started without this process leaves its "
+                "GPU to actors: start that Ray with CUDA_VISIBLE_DEVICES naming the others)"
+            )
+        first[gpu] = rank
 
 
 def _reserve(

@@ -16,13 +16,18 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from replica.adapters.host_cache import HostCache
 from replica.adapters.sharded import ShardedSource
 from replica.adapters.sources import AdapterLocator
 from replica.config import EngineConfig
-from replica.device import SideStreamLoader, resolve_device, resolve_dtype
+from replica.device import (
+    SideStreamLoader,
+    device_uuid,
+    rank_device,
+    resolve_dtype,
+    use_device,
+)
 from replica.executor.batch import BatchPlan
 from replica.executor.runner import ModelRunner
 from replica.model.lora_slots import Rows, SlotTable
@@ -63,8 +68,10 @@ class LocatorRegistry:
 class TPWorker:
     def __init__(self, config: dict[str, Any], rank: int, size: int) -> None:
         c = EngineConfig(**config)
-        # Ray gives the actor its own device (CUDA_VISIBLE_DEVICES): the first of its kind
-        device = torch.device(resolve_device(c.device).type)
+        # Ray shows the actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 in every one
+        # of its threads, the step loop's and the loads' too
+        self.device = device = rank_device(c.device)
+        use_device(device)
         shard = TPShard(load_model_spec(c.model), rank, size)
         self.tp = TPRank(shard, TPComm(rank, size, device))
         self.runner = ModelRunner(c, shard.spec, device, resolve_dtype(c.dtype, device), self.tp)
@@ -73,11 +80,17 @@ class TPWorker:
         self.loader = SideStreamLoader(device)
 
     def ready(self) -> dict[str, Any]:
-        """Where this rank runs (pid, placement group), once its shard is built."""
+        """Where this rank runs (pid, placement group, its GPU's UUID or None), once its
+        shard is built."""
         pg = ray.util.get_current_placement_group()
-        return {"pid": os.getpid(), "placement_group": None if pg is None else pg.id.hex()}
+        return {
+            "pid": os.getpid(),
+            "placement_group": None if pg is None else pg.id.hex(),
+            "device": device_uuid(self.device),
+        }
 
     def join(self, host: str, port: int, timeout_s: float) -> None:
+        use_device(self.device)  # the process group's communicator is made on this thread
         self.tp.comm.join(host, port, timeout_s)
 
     def serve_steps(self) -> int:

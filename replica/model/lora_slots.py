@@ -151,9 +151,11 @@ class LoRASlotBuffers:
         # What write() copies into, per layer and group: numpy views of the arenas on CPU
         # (a write is ~100 small copies, and numpy slicing costs a tenth of torch's: the
         # write took 1.3-2.9 ms, mostly indexing, for adapters of 0.85-18.6 MB); the
-        # tensors themselves elsewhere. B as [P, out] (rank rows first) either way.
+        # tensors themselves elsewhere. B as the arena is, [out, P]: an adapter's B
+        # [out, r] is then copied as it is staged, contiguous (a transposed source
+        # would make torch copy it to pageable memory first and wait for the copy).
         self._targets = [
-            {g: (_copy_target(buf.a), _copy_target(buf.b.t())) for g, buf in groups.items()}
+            {g: (_copy_target(buf.a), _copy_target(buf.b)) for g, buf in groups.items()}
             for groups in [*self.layers, self.vocab]
         ]  # the last entry: the vocabulary modules
 
@@ -216,12 +218,12 @@ class LoRASlotBuffers:
                 a, b = self._targets[layer][group]
                 blocks = self.spec.num_experts if group in EXPERT_GROUPS else 1
                 for j, m in enumerate(buf.slice_names):
-                    cols = slice(buf.slice_offsets[j], buf.slice_offsets[j + 1])
+                    outs = slice(buf.slice_offsets[j], buf.slice_offsets[j + 1])
                     ab = adapter.weights.get((layer, m))
                     for e in range(blocks):  # expert e's rows: block e of the arenas
                         part = ab if ab is None or blocks == 1 else (ab[0][e], ab[1][e])
                         row0 = e * self.num_rows + first[group]
-                        _write_rows(a[j], b[:, cols], row0, group_ranks[group], part)
+                        _write_rows(a[j], b[outs], row0, group_ranks[group], part)
         for group in self.vocab:
             if (VOCAB_LAYER, group) not in adapter.weights:
                 continue  # rank 0 for this group
@@ -315,24 +317,25 @@ def _write_rows(
     ab: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """One module's (A [r, in], B [out, r]) (None: not targeted here) into the A
-    [rows, in] and B [rows, out] views from row0: its own rank's rows, then zeros up to
+    [rows, in] and B [out, rows] views from row0: its own rank's rows, then zeros up to
     the group's rank (a smaller module of the group, a module the adapter does not
     target, or a layer it skips: the group's rank rows are read in every layer, and stale
     rows would be another adapter's weights). group_rank None: its own rows."""
     r = 0 if ab is None else ab[0].shape[0]
     if r:
         _fill(a[row0 : row0 + r], ab[0])
-        _fill(b[row0 : row0 + r, : ab[1].shape[0]], ab[1].t())  # a TP head's B may be short
+        _fill(b[: ab[1].shape[0], row0 : row0 + r], ab[1])  # a TP head's B may be short
     if group_rank is not None and group_rank > r:
         _fill(a[row0 + r : row0 + group_rank], None)
-        _fill(b[row0 + r : row0 + group_rank], None)
+        _fill(b[:, row0 + r : row0 + group_rank], None)
 
 
 def _fill(dst: np.ndarray | torch.Tensor, src: torch.Tensor | None) -> None:
     """dst = src (or zeros). On CPU through numpy: torch ops issued from the loader
     thread would start a second OpenMP team that measurably slows the step loop's
     compute on the same cores (decode step 57 -> 99 ms); numpy copies use no OpenMP.
-    On CUDA a non_blocking copy on the caller's stream."""
+    On CUDA a non_blocking copy on the caller's stream, asynchronous when `src` is
+    contiguous in pinned memory (the host cache stages it so)."""
     if isinstance(dst, np.ndarray):
         if src is None:
             dst.fill(0)

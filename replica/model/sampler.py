@@ -34,9 +34,12 @@ class Sampler:
     Rows whose params are `plain` (nothing but temperature / top-k / top-p) take the fast
     path: greedy rows the argmax, sampled rows together through temperature, one vocabulary
     sort when some row uses top-k or top-p, then an exponential race (argmax of p_i / E_i
-    with E_i ~ Exp(1) drawn in vocabulary order from the choice's own generator), which
-    draws token i with probability p_i as torch.multinomial would, but without its device
-    synchronisation on CUDA: the step keeps its one device read. Other rows are first
+    with E_i ~ Exp(1) drawn in vocabulary order), which draws token i with probability
+    p_i as torch.multinomial would, but without its device synchronisation on CUDA: the
+    step keeps its one device read. The E_i come from one batched draw per kind of row,
+    however many rows: unseeded rows share one exponential_ from the device's generator;
+    seeded rows are computed from a counter (seeded_exponentials), so a seeded choice draws
+    the same whatever its batch neighbours, on every run and device. Other rows are first
     processed on a copy of their logits in vLLM's order: logit_bias, min_tokens, repetition
     penalty, presence and frequency penalties, the structured-output bitmask; then min_p
     with the draw. Per-row parameters travel in host tensors copied without blocking; the
@@ -44,7 +47,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)  # masked with stop tokens under min_tokens
-        self._generators: dict[Hashable, torch.Generator] = {}
+        self._draws: dict[Hashable, int] = {}  # per seeded choice: the draws it has made
         self.counts = TokenCounts()
 
     def sample(
@@ -89,7 +92,7 @@ class Sampler:
 
     def release(self, key: Hashable) -> None:
         """Forget a choice's state (it has finished)."""
-        self._generators.pop(key, None)
+        self._draws.pop(key, None)
         self.counts.release(key)
 
     # -- logit processing (rows that are not plain) ---------------------------------------------
@@ -180,25 +183,30 @@ class Sampler:
             min_ps = to_device(torch.tensor([p.min_p for p in ps], dtype=torch.float32), dev)
             probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
 
-        race = torch.empty_like(probs)
-        for j, row in enumerate(rows):
-            race[j].exponential_(generator=self._generator(row, dev))
+        race = self._exponentials(probs, rows)
         if order is not None:  # each token keeps its own draw, sorted or not: a row's
             race = race.gather(-1, order)  # tokens do not depend on the rest of the batch
         # tiny: a zero draw would make 0/0 = NaN win the argmax
         picked = (probs / race.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(-1, keepdim=True)
         return (picked if order is None else order.gather(-1, picked)).squeeze(-1)
 
-    def _generator(self, row: Row, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(row.key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if row.params.seed is not None:
-                gen.manual_seed(choice_seed(row.params.seed, row.choice))
-            else:
-                gen.seed()
-            self._generators[row.key] = gen
-        return gen
+    def _exponentials(self, probs: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """[M, V] Exp(1) draws, row j for rows[j]: unseeded rows in one exponential_,
+        seeded rows from their (seed, choice, draw count) in one counter-based draw."""
+        seeded = [j for j, r in enumerate(rows) if r.params.seed is not None]
+        if not seeded:
+            return torch.empty_like(probs).exponential_()
+        streams = []
+        for j in seeded:
+            row = rows[j]
+            count = self._draws.get(row.key, 0)
+            self._draws[row.key] = count + 1
+            streams.append((choice_seed(row.params.seed, row.choice), count))
+        drawn = seeded_exponentials(streams, probs.shape[-1], probs.device)
+        if len(seeded) == len(rows):
+            return drawn
+        race = torch.empty_like(probs).exponential_()
+        return race.index_copy_(0, to_device(torch.tensor(seeded), probs.device), drawn)
 
 
 class TokenCounts:
@@ -268,6 +276,48 @@ def _penalised(p: SamplingParams) -> bool:
 def _on(device: torch.device, *columns: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """Host index columns as device tensors (index_put_'s indices)."""
     return tuple(to_device(torch.tensor(c, dtype=torch.int64), device) for c in columns)
+
+
+_MASK32, _MASK64 = (1 << 32) - 1, (1 << 64) - 1
+# Mueller's 32-bit mixing multiplier: below 2**27, so a 32-bit value times it stays
+# exact in int64 (torch has no unsigned 32-bit arithmetic on every device)
+_MIX32 = 0x45D9F3B
+_GOLDEN32 = 0x9E3779B9  # spreads token indices over the 32-bit counter space
+
+
+def seeded_exponentials(
+    streams: Sequence[tuple[int, int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[len(streams), vocab] float32 Exp(1) draws: row i is a pure function of
+    streams[i] = (64-bit seed, draw count) and the token index, so a seeded choice's
+    draws do not depend on which rows share its batch, nor on the device. A counter-based
+    generator: the host mixes each (seed, count) into two 32-bit words (splitmix64); the
+    device combines each token's index with them (a bijection of the index for each
+    key) and hashes that into 23 uniform bits: the same ~20 elementwise launches for any
+    number of rows."""
+    keys = [_splitmix64(seed ^ _splitmix64(count)) for seed, count in streams]
+    words = torch.tensor([[k & _MASK32, k >> 32] for k in keys], dtype=torch.int64)
+    words = to_device(words, device)
+    spread = torch.arange(vocab, device=device, dtype=torch.int64) * _GOLDEN32 & _MASK32
+    x = _mix32(((spread ^ words[:, :1]) + words[:, 1:]) & _MASK32)  # [rows, vocab]
+    # 23 bits, so h + 0.5 is exact in float32: u in (0, 1), never 1 (which would give a
+    # draw of 0, winning the race for any token) nor 0
+    uniform = ((x >> 9).to(torch.float32) + 0.5) * 2.0**-23
+    return uniform.log_().neg_()
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit values (held in int64) that mixes every bit into every bit."""
+    x = ((x >> 16) ^ x) * _MIX32 & _MASK32
+    x = ((x >> 16) ^ x) * _MIX32 & _MASK32
+    return (x >> 16) ^ x
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def choice_seed(seed: int, choice: int) -> int:

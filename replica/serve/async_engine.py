@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from replica.device import use_device
 from replica.engine.engine import LLMEngine, StepReplies
 from replica.engine.sequence import SequenceGroup
 from replica.errors import RequestError, RequestRefused, Unavailable
@@ -118,6 +119,7 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def _loop(self) -> None:
+        use_device(self.engine.device)  # this thread's launches, events and graphs
         while not self._stopping:
             self._drain_commands()
             if not self.engine.has_work():

@@ -303,6 +303,104 @@ def test_paged_triton_soft_cap_over_many_tiles(monkeypatch, window):
     check("triton", case)
 
 
+# Split-KV (flash-decoding): contexts 1..8192 over cache blocks of 16, with lengths at the
+# block edges (15, 16, 17), the tile edges (255, 256, 257 for 256-position tiles) and
+# shares that leave splits empty (1: one tile for every split; 769: 4 tiles; 1025: 5).
+LONG_LENS = [1, 15, 16, 17, 255, 256, 257, 769, 1025, 8192]
+
+
+def wide_tiles(monkeypatch, block_n: int) -> None:
+    """Run the Triton kernel on tiles of block_n positions (the interpreter's time goes
+    by tile, so 8k contexts take 32 tiles each instead of 128)."""
+    real = paged_attention_triton.decode_config
+    monkeypatch.setattr(
+        paged_attention_triton, "decode_config", lambda *a: real(*a) | {"BLOCK_N": block_n}
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "window, cap", [(None, None), (1000, None), (None, 2.0), (300, 1.5)],
+    ids=["plain", "window", "cap", "window-cap"],
+)  # fmt: skip
+@pytest.mark.parametrize("splits", [3, 8])
+def test_paged_triton_split_kv_long_contexts(monkeypatch, splits, window, cap):
+    wide_tiles(monkeypatch, 256)
+    case = make_case(LONG_LENS, 16, (4, 2), window=window, seed=splits, soft_cap=cap)
+    out = paged_attention_triton.paged_decode_attention(*case.args(), num_splits=splits)
+    ref = paged_decode_attention_reference(*case.args())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_triton_split_kv_shares_at_tile_edges(dtype):
+    """Default 64-position tiles, 4 splits: contexts of 1 to 5 tiles (shares of one tile,
+    empty splits, a last share shorter than the others), padding rows, MQA, a window
+    whose start sits inside a share."""
+    lens = [1, 63, 64, None, 65, 129, 193, 257, 300]
+    for window in (None, 70):
+        case = make_case(lens, 4, (8, 1), dtype, window=window, seed=21)
+        out = paged_attention_triton.paged_decode_attention(*case.args(), num_splits=4)
+        ref = paged_decode_attention_reference(*case.args())
+        rtol, atol = TOL[dtype]
+        torch.testing.assert_close(out[case.real], ref[case.real], rtol=rtol, atol=atol)
+
+
+def test_decode_splits_fills_the_device_within_bounds():
+    """Enough programs for two per SM, no share under 256 positions, at most 32; host ints."""
+    assert kernels.decode_splits(32768, 1, 8, num_sms=132) == 32  # 33 wanted, capped at 32
+    assert kernels.decode_splits(32768, 4, 8, num_sms=132) == 9  # ceil(264 / 32)
+    assert kernels.decode_splits(4096, 4, 2, num_sms=132) == 16  # 4096 / 256
+    assert kernels.decode_splits(32768, 64, 8, num_sms=132) == 1  # the batch fills it
+    assert kernels.decode_splits(100, 1, 1, num_sms=132) == 1  # too short to share
+    assert kernels.decode_splits(1, 1, 1, num_sms=132) == 1
+    if not CUDA:  # no SMs to fill: one program per (sequence, kv head)
+        assert kernels.decode_splits(32768, 1, 1) == 1
+
+
+@needs_triton
+def test_paged_public_op_passes_num_splits(monkeypatch):
+    """Given, num_splits reaches the Triton backend as is; omitted, decode_splits of the
+    table's width, the batch and the kv heads (here on a 132-SM device)."""
+    seen = []
+    real = paged_attention_triton.paged_decode_attention
+
+    def spy(*args, **kw):
+        seen.append(kw["num_splits"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(paged_attention_triton, "paged_decode_attention", spy)
+    case = make_case([600, 1000], 16, (8, 2), seed=22)
+    ref = paged_decode_attention_reference(*case.args())
+    with kernels.forced_backend("triton"):
+        out = kernels.paged_decode_attention(*case.args(), num_splits=3)
+        monkeypatch.setattr(kernels, "_cuda_sm_count", lambda: 132)
+        kernels.paged_decode_attention(*case.args())
+    width = case.block_tables.shape[1] * 16
+    assert seen == [3, kernels.decode_splits(width, 2, 2, num_sms=132)] and seen[1] > 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
+def test_paged_public_op_validates_num_splits(bad):
+    case = make_case([5, 9], 4, (8, 2))
+    with pytest.raises(ValueError, match="num_splits"):
+        kernels.paged_decode_attention(*case.args(), num_splits=bad)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_paged_public_op_num_splits_same_output(backend):
+    """The split count changes the work's layout, not the result (the torch path has no
+    programs to split: it ignores it)."""
+    case = make_case(mixed_lens(4), 4, (8, 2), window=9, seed=23, soft_cap=2.0)
+    with kernels.forced_backend(backend):
+        one = kernels.paged_decode_attention(*case.args(), num_splits=1)
+        five = kernels.paged_decode_attention(*case.args(), num_splits=5)
+    torch.testing.assert_close(five[case.real], one[case.real], rtol=1e-6, atol=1e-6)
+
+
 IMPLS = ["reference"] + list(BACKENDS)
 
 
@@ -539,9 +637,9 @@ def test_paged_triton_on_cpu_without_interpreter_is_refused():
 
 @needs_triton
 def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
-    """No GPU here: lower the kernel to sm_90 cubins (ptxas ships with triton) for each
-    dtype at the demo model's shapes, and soft-capped in bf16 (Gemma 2's dtype), to
-    catch what the interpreter can't."""
+    """No GPU here: lower the kernels to sm_90 cubins (ptxas ships with triton) for each
+    dtype at the demo model's shapes, single-pass and split (with the merge), and
+    soft-capped in bf16 (Gemma 2's dtype), to catch what the interpreter can't."""
     code = textwrap.dedent(
         """
         import torch
@@ -551,21 +649,28 @@ def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
 
         target = GPUTarget("cuda", 90, 32)
         ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
-        fn = pa._paged_decode_kernel
+
+        def lower(fn, cfg, ptrs):
+            opts = {"num_warps": cfg.pop("num_warps", 4)}
+            sig = {n: "constexpr" if n in cfg else ptrs.get(n, "i32") for n in fn.arg_names}
+            kernel = compile(ASTSource(fn, sig, constexprs=cfg), target=target, options=opts)
+            assert "mma" in kernel.asm["ptx"] or "fma" in kernel.asm["ptx"]
+
         for dtype, p in ptr.items():
-            shapes = [(64, 4, 16, False), (128, 8, 1, False)]
+            shapes = [(64, 4, 16, False, False), (128, 8, 1, False, True)]
             if dtype == torch.bfloat16:  # soft-capped (fp32 scores: one dtype is enough)
-                shapes.append((64, 4, 16, True))
-            for hd, group, block_size, cap in shapes:
+                shapes += [(64, 4, 16, True, False), (256, 2, 16, True, True)]
+            for hd, group, block_size, cap, split in shapes:
                 cfg = pa.decode_config(hd, group, dtype)
-                opts = {"num_warps": cfg.pop("num_warps")}
-                cfg |= {"GROUP": group, "BLOCK_SIZE": block_size, "SOFT_CAP": cap}
-                ptrs = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "out_ptr": p,
-                        "tables_ptr": "*i32", "lens_ptr": "*i32", "qk_scale": "fp32",
-                        "cap_scale": "fp32"}
-                sig = {n: "constexpr" if n in cfg else ptrs.get(n, "i32") for n in fn.arg_names}
-                kernel = compile(ASTSource(fn, sig, constexprs=cfg), target=target, options=opts)
-                assert "mma" in kernel.asm["ptx"] or "fma" in kernel.asm["ptx"]
+                cfg |= {"GROUP": group, "BLOCK_SIZE": block_size, "SOFT_CAP": cap,
+                        "SPLIT": split}
+                dest = "*fp32" if split else p
+                lower(pa._paged_decode_kernel, cfg, {
+                    "q_ptr": p, "k_ptr": p, "v_ptr": p, "out_ptr": dest, "lse_ptr": dest,
+                    "tables_ptr": "*i32", "lens_ptr": "*i32", "qk_scale": "fp32",
+                    "cap_scale": "fp32"})
+            lower(pa._merge_splits_kernel, {"BLOCK_S": 32, "BLOCK_D": 128},
+                  {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": p})
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

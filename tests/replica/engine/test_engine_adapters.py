@@ -277,9 +277,7 @@ def test_telemetry_counts_lookups_useful_loads_and_load_latencies(tiny):
     for i, name in enumerate([a, a, b, a]):  # miss, device, miss (evicts a), host
         eng.add_request(GenerateRequest(prompt(i), GREEDY, name))
         run(eng)
-    wasted = eng.add_request(
-        GenerateRequest(prompt(9), GREEDY, c)
-    )  # loaded, but aborted before it runs
+    wasted = eng.add_request(GenerateRequest(prompt(9), GREEDY, c))  # loaded, aborted unrun
     eng.step()
     assert eng.adapters.prefetcher.is_loading(c)
     eng.abort(wasted)
@@ -313,9 +311,8 @@ def test_unload_lets_queued_and_running_requests_finish_and_refuses_new_ones(tin
         eng.step()
         if running.status is SeqStatus.RUNNING:
             break
-    eng.add_request(
-        GenerateRequest(prompt(3), GREEDY, a)
-    )  # a's slot is wanted again: b's must hold
+    # a's slot is wanted again: b's must hold
+    eng.add_request(GenerateRequest(prompt(3), GREEDY, a))
     eng.unload_adapter(b)
     with pytest.raises(Exception, match="unknown adapter"):
         eng.add_request(GenerateRequest(prompt(4), GREEDY, b))

@@ -4,6 +4,8 @@ elsewhere (every CPU path is tested in the other modules)."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import warnings
 
 import pytest
@@ -168,3 +170,43 @@ def test_a_failed_capture_leaves_decode_eager_and_the_engine_serving(tiny, monke
     want = engine(tiny, "cuda", cuda_graphs=False).generate([(prompt(1), GREEDY, None)])
     got = eng.generate([(prompt(1), GREEDY, None)])
     assert got[0].output_ids == want[0].output_ids
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_engine_on_cuda_1_works_there_alone(tiny):
+    """device cuda:1: graphs, Triton kernels, side-stream loads and the async loop all run
+    on GPU 1 (nothing is allocated on GPU 0), with cuda:0's tokens."""
+    from replica.serve.async_engine import AsyncLLMEngine
+
+    names = list(tiny.adapters)
+    requests = [(prompt(i), GREEDY, ([None] + names)[i % (len(names) + 1)]) for i in range(6)]
+    first = engine(tiny, "cuda:0", num_slots=len(names) + 1)
+    for name, path in tiny.adapters.items():
+        first.load_adapter(name, path)
+    want = [s.output_ids for s in first.generate(requests)]
+    first.shutdown()
+    del first
+    gc.collect()
+    torch.cuda.synchronize(0)
+    before = torch.cuda.memory_allocated(0)
+    second = engine(tiny, "cuda:1", num_slots=len(names) + 1)
+    for name, path in tiny.adapters.items():
+        second.load_adapter(name, path)
+    assert [s.output_ids for s in second.generate(requests)] == want
+    loop = AsyncLLMEngine(second)  # its thread starts on GPU 0 unless it sets GPU 1
+
+    async def served() -> list[list[int]]:
+        streams = [loop.add_request(GenerateRequest(*request)) for request in requests]
+        outputs = []
+        for stream in streams:
+            tokens = []
+            while (replies := await stream.next()) is not None:
+                tokens += [t for reply in replies for t in reply.token_ids]
+            outputs.append(tokens)
+        return outputs
+
+    try:
+        assert asyncio.run(asyncio.wait_for(served(), 120)) == want
+    finally:
+        loop.shutdown()
+    assert torch.cuda.memory_allocated(0) <= before  # GPU 0 got nothing new

@@ -358,7 +358,7 @@ def test_n_choices_finish_when_forks_must_wait(tiny, scarce):
     assert choice_outputs(seq) == alone(tiny, [(prompt, sp, None)])[0]
     assert all(c.finish_reason == "length" for c in seq.choices)
     assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.num_blocks
-    assert not eng.sampler._generators
+    assert not eng.sampler._draws
 
 
 # -- 5. structured output ----------------------------------------------------------------------
@@ -399,7 +399,7 @@ def test_structured_output_follows_the_json_schema(tiny):
     quote = tokenizer.convert_tokens_to_ids('"')
     reqs += [
         ([1, 50 + seed], structured("json_object", seed=seed, logit_bias=((quote, 10.0),)), a)
-        for seed, a in ((0, None), (2, "adapter-01"), (5, None), (5, "adapter-01"))
+        for seed, a in ((0, None), (8, "adapter-01"), (9, None), (9, "adapter-01"))
     ]
     seqs = make_engine(tiny).generate(reqs)
     special = set(tokenizer.all_special_ids)
@@ -482,13 +482,13 @@ def test_abort_of_n_choices_frees_every_block_and_sampler_state(tiny, when):
             eng.step()
         eng.step()
         assert all(c.status is SeqStatus.RUNNING for c in seq.choices)
-        assert len(sampler._generators) == 3 and len(sampler.counts._rows) == 3
+        assert len(sampler._draws) == 3 and len(sampler.counts._rows) == 3
     else:
         assert not seq.group.forked and seq.status is SeqStatus.RUNNING
     eng.abort(seq.choices[1])  # any choice ends the whole request
     assert all(c.finish_reason == "abort" and not c.blocks for c in seq.choices)
     assert all(c not in sched.waiting and c not in sched.running for c in seq.choices)
-    assert not sampler._generators and not sampler.counts._rows
+    assert not sampler._draws and not sampler.counts._rows
     drain(eng)
     assert neighbour.finish_reason == "length"
     assert sched.allocator.num_free == sched.allocator.num_blocks

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from replica import device as dev
+from replica.adapters.host_cache import HostCache
 from replica.device import StepProgress
 from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import LoRASlotBuffers, SlotTensors
@@ -226,3 +230,56 @@ def test_slot_tensors_send_each_table_version_once_and_a_hand_over_view_too(tiny
     assert tensors.uploads == 3 and tensors.ranks["qkv_proj"][2] == 0
     tensors.update(view)
     assert tensors.uploads == 4 and tensors.ranks["qkv_proj"][2] == 8
+
+
+class _Copies(TorchDispatchMode):
+    """Records every copy into a non-CPU tensor: (source, non_blocking)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[torch.Tensor, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].device.type != "cpu":
+            self.copies.append((args[1], bool(args[2]) if len(args) > 2 else False))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_write_to_a_device_copies_from_pinned_memory_without_blocking(tiny, monkeypatch):
+    """On a device (meta here: a stand-in that keeps no values), each of A's and B's rows
+    is one non_blocking copy from the host cache's pinned staging, contiguous as staged:
+    a transposed source would make torch copy it to pageable memory and wait."""
+    buffers: list[torch.Tensor] = []
+
+    def pinned_buffer(nbytes: int) -> torch.Tensor:
+        buffers.append(torch.empty(nbytes, dtype=torch.uint8))
+        return buffers[-1]
+
+    monkeypatch.setattr(dev, "pinning", lambda: True)
+    monkeypatch.setattr(dev, "host_buffer", pinned_buffer)
+    spec = load_model_spec(tiny.model_dir)
+    modules = ("q_proj", "v_proj", "down_proj")
+    source = {"a": adapter(spec, "a", 8, modules, 3)}
+    staged = HostCache(SimpleNamespace(fetch=source.get), 1 << 30).get("a")
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("meta"), torch.float32)
+    with _Copies() as mode:
+        bufs.write(16, staged)
+    spans = [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in buffers]
+    assert len(mode.copies) == 2 * len(staged.weights)
+    for src, non_blocking in mode.copies:
+        assert non_blocking and src.is_contiguous()
+        assert any(lo <= src.data_ptr() and src.data_ptr() + src.nbytes <= hi for lo, hi in spans)
+
+
+def test_a_write_on_cpu_is_unchanged_by_staging(tiny):
+    """The host cache on CPU hands the source's tensors through: the arenas get them."""
+    spec = load_model_spec(tiny.model_dir)
+    ad = adapter(spec, "a", 8, ("k_proj",), 4)
+    staged = HostCache(SimpleNamespace(fetch=lambda _: ad), 1 << 30).get("a")
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    bufs.write(8, staged)
+    for layer, groups in enumerate(bufs.layers):
+        qkv = groups["qkv_proj"]
+        c0, c1 = qkv.slice_offsets[1], qkv.slice_offsets[2]
+        a, b = ad.weights[(layer, "k_proj")]
+        assert torch.equal(qkv.a[1, 8:16], a) and torch.equal(qkv.b[c0:c1, 8:16], b)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from replica.engine.structured import _allowed_words
 from replica.model.sampler import (
@@ -12,6 +16,7 @@ from replica.model.sampler import (
     apply_bitmask,
     logprob_table,
     read_logprobs,
+    seeded_exponentials,
 )
 from replica.wire import SamplingParams
 
@@ -77,7 +82,7 @@ def test_presence_and_frequency_penalties_count_the_drawn_tokens():
     # 3 (2.0), 3 (2.0 - 0.4 = 1.6), 4 (3: 1.4 < 1.5), 3 (1.4 > 4: 1.5 - 0.4 = 1.1)
     assert drawn == [3, 3, 4, 3]
     sampler.release("r")
-    assert not sampler.counts._rows and not sampler._generators
+    assert not sampler.counts._rows and not sampler._draws
 
 
 def test_a_bitmask_allows_exactly_its_bits_the_sign_bit_too():
@@ -100,3 +105,66 @@ def test_logprob_table_reads_back_as_token_logprobs():
         top = lp[i].topk(2)
         assert [t for t, _ in got.top] == top.indices.tolist()
         assert all(abs(a - b) < 1e-6 for (_, a), b in zip(got.top, top.values.tolist()))
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the ops a draw runs (each a kernel launch on a GPU), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _draw_ops(num_rows: int, seeded: bool, unseeded: bool) -> Counter[str]:
+    kinds = [SamplingParams(temperature=0.8, top_k=5, seed=s) for s in (1, None)]
+    kinds = [p for p, used in zip(kinds, (seeded, unseeded)) if used]
+    rows = [Row(i, kinds[i % len(kinds)]) for i in range(num_rows)]
+    logits = torch.randn(num_rows, V, generator=torch.Generator().manual_seed(num_rows))
+    with _Launches() as launches:
+        Sampler().draw(logits, rows)
+    return launches.ops
+
+
+def test_a_draw_launches_as_many_kernels_for_2_rows_as_for_64():
+    """The exponentials for all rows come from one batched draw per kind (unseeded: one
+    exponential_; seeded: one counter-based draw), not from one launch per row."""
+    for kinds in ((True, False), (False, True), (True, True)):
+        assert _draw_ops(2, *kinds) == _draw_ops(64, *kinds), kinds
+    assert _draw_ops(64, False, True)["exponential_"] == 1
+    assert _draw_ops(64, True, False)["exponential_"] == 0
+
+
+def test_a_seeded_choice_draws_the_same_in_any_batch():
+    """Uniform logits: the token is the row's smallest exponential, so any dependence of a
+    seeded row's draws on its neighbours, its position or the batch size would show."""
+    mine = Row("me", SamplingParams(temperature=1.0, seed=42), choice=1)
+    alone = Sampler()
+    want = [int(alone.draw(torch.zeros(1, 5000), [mine])[0]) for _ in range(12)]
+    batched, got = Sampler(), []
+    for step in range(12):
+        others = [
+            Row(f"o{j}", SamplingParams(temperature=1.0, seed=None if j % 2 else j))
+            for j in range(step % 5)
+        ]
+        rows = others[: step % 3] + [mine] + others[step % 3 :]
+        tokens = batched.draw(torch.zeros(len(rows), 5000), rows)
+        got.append(int(tokens[rows.index(mine)]))
+    assert got == want and len(set(want)) == 12
+
+
+def test_seeded_exponentials_are_exp_1_and_differ_by_seed_and_draw():
+    draws = seeded_exponentials(
+        [(7, 0), (7, 1), (8, 0), (-(2**63), 0)], 200_000, torch.device("cpu")
+    )
+    assert draws.shape == (4, 200_000) and draws.dtype == torch.float32
+    assert draws.min() > 0 and draws.isfinite().all()  # a 0 would win the race outright
+    # Exp(1): mean 1, variance 1, P(E > 1) = 1/e (each within 5 standard errors)
+    assert (draws.mean(-1) - 1).abs().max() < 5 / 200_000**0.5
+    assert (draws.var(-1) - 1).abs().max() < 5 * 8**0.5 / 200_000**0.5
+    assert ((draws > 1).float().mean(-1) - 1 / math.e).abs().max() < 5 * 0.49 / 200_000**0.5
+    assert len({tuple(row[:8].tolist()) for row in draws}) == 4
+    assert torch.equal(draws[:1], seeded_exponentials([(7, 0)], 200_000, torch.device("cpu")))

@@ -1,11 +1,13 @@
-"""The threaded engine: each request's replies as one list per step, abort, and refusals
-and failures raised in the caller."""
+"""The threaded engine: each request's replies as one list per step, abort, refusals and
+failures raised in the caller, and the loop thread on the engine's device."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
+import torch
 
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
@@ -123,3 +125,33 @@ def test_a_failed_step_ends_every_request_with_unavailable(aengine, monkeypatch)
     with pytest.raises(Unavailable, match="generation failed: engine step failed: device on fire"):
         asyncio.run(main())
     assert not aengine._streams  # nothing left to deliver to
+
+
+class _StepRecorder:
+    """An engine on cuda:1 whose step is a (fake) kernel launch; one step of work."""
+
+    def __init__(self, cuda) -> None:
+        self.device, self._cuda, self.stepped = torch.device("cuda", 1), cuda, threading.Event()
+
+    def has_work(self) -> bool:
+        return not self.stepped.is_set()
+
+    def step(self) -> dict:
+        self._cuda.launch()
+        self.stepped.set()
+        return {}  # no request had news
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_loop_thread_steps_on_the_engine_device(fake_cuda):
+    """Triton launches, graph capture and events go to the thread's current device: the
+    loop thread starts on GPU 0, so it must make the engine's current first."""
+    engine = _StepRecorder(fake_cuda)
+    a = AsyncLLMEngine(engine)
+    try:
+        assert engine.stepped.wait(10)
+    finally:
+        a.shutdown()
+    assert fake_cuda.launches == [1]

@@ -1,0 +1,132 @@
+"""Torch path of prefill attention: the CPU backend (and CUDA when forced).
+
+Every call reaches a fused SDPA kernel with 4-D [1, heads, rows, hd] inputs and GQA
+(enable_gqa), never SDPA's MATH fallback, which would hold fp32 [H, n, ctx] scores:
+
+- the plain causal case (no window, no cap, ctx == n) is one SDPA call with is_causal;
+- a plain chunk after earlier ones or prefix-cache hit (ctx > n: lower-right causal) is
+  two calls of the CPU flash kernel SDPA itself runs, one over the ctx - n earlier
+  positions (every row sees them all: no mask) and one causal over the chunk's own n,
+  merged by their log-sum-exps. SDPA's public call returns no log-sum-exp, so this calls
+  its CPU kernel's op; a mask instead would cost ~25 % more here (the CPU kernel skips
+  no masked block and adds the mask to every score) and the masked path below is what
+  runs where torch has no such op;
+- the rest (a sliding window; ctx > n without the op) runs the queries in chunks, each
+  one SDPA call over only the keys some row of the chunk sees, with a [rows, keys] bool
+  mask: the mask, not a score matrix, is what a chunk adds, and a window also bounds each
+  chunk's keys, so its work;
+- soft-capped scores (Gemma 2), which SDPA cannot cap, are computed by hand chunk by
+  chunk in fp32, each chunk's [H, rows, keys] bounded by CHUNK_BYTES.
+
+On the CPU (torch 2.13) SDPA's flash kernel takes every one of these inputs, masks and
+GQA included; kernels.prefill_attention_triton is the CUDA backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The most one query chunk may hold of masks or fp32 scores (sized for the CPU's caches
+# and a bounded peak: an 8k-token prompt would otherwise need a 0.3 GB mask).
+CHUNK_BYTES = 16 * 2**20
+# SDPA's CPU flash kernel as an op that also returns its rows' log-sum-exp (natural log,
+# [1, H, rows] fp32); None where this torch has no such op.
+FLASH_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [n, H, hd]
+    k: torch.Tensor,  # [KVH, S, hd]
+    v: torch.Tensor,  # [KVH, S, hd]
+    scale: float,
+    slots: torch.Tensor | None = None,  # [ctx] int64
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,  # [n, H, hd], q.dtype
+) -> torch.Tensor:  # [n, H, hd], q.dtype
+    """See kernels.prefill_attention (arguments are checked there) and
+    kernels.prefill_attention_reference."""
+    if slots is not None:  # the positions' K/V out of the paged cache, in order
+        k, v = k.index_select(1, slots), v.index_select(1, slots)  # [KVH, ctx, hd]
+    n, ctx = q.shape[0], k.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    if n == 0:
+        return out
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+    kh, vh = k.unsqueeze(0), v.unsqueeze(0)  # [1, KVH, ctx, hd]
+    window = None if sliding_window is None or sliding_window >= ctx else sliding_window
+    if window is None and soft_cap is None and ctx == n:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        return out.copy_(o[0].transpose(0, 1))
+    if window is None and soft_cap is None and q.device.type == "cpu" and FLASH_CPU_WITH_LSE:
+        return out.copy_(_earlier_then_causal(qh, kh, vh, scale)[0].transpose(0, 1))
+    per_row = ctx * 4 * (q.shape[1] if soft_cap is not None else 1)  # bytes a row holds
+    rows = max(16, CHUNK_BYTES // per_row)
+    for i0 in range(0, n, rows):
+        i1 = min(n, i0 + rows)
+        first, last = ctx - n + i0, ctx - n + i1 - 1  # the chunk's query positions
+        lo = 0 if window is None else max(0, first - window + 1)  # keys [lo, last] seen
+        mask = _visible(first, i1 - i0, lo, last + 1, window, q.device)  # [rows, keys]
+        keys, values = kh[:, :, lo : last + 1], vh[:, :, lo : last + 1]
+        if soft_cap is None:
+            o = F.scaled_dot_product_attention(
+                qh[:, :, i0:i1], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )[0]
+        else:
+            o = _capped(qh[0, :, i0:i1], keys[0], values[0], mask, scale, soft_cap)
+        out[i0:i1] = o.transpose(0, 1)
+    return out
+
+
+def _earlier_then_causal(
+    qh: torch.Tensor,  # [1, H, n, hd]
+    kh: torch.Tensor,  # [1, KVH, ctx, hd], ctx > n
+    vh: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [1, H, n, hd], q.dtype
+    """Lower-right causal attention as two flash calls: the earlier ctx - n positions
+    (seen by every row) and the last n (causal), each weighted by its share of the
+    softmax's denominator: the earlier part's is e^lse1 / (e^lse1 + e^lse2), i.e.
+    sigmoid(lse1 - lse2), and the causal part's the rest."""
+    earlier = kh.shape[2] - qh.shape[2]
+    o1, lse1 = FLASH_CPU_WITH_LSE(qh, kh[:, :, :earlier], vh[:, :, :earlier], scale=scale)[:2]
+    o2, lse2 = FLASH_CPU_WITH_LSE(
+        qh, kh[:, :, earlier:], vh[:, :, earlier:], is_causal=True, scale=scale
+    )[:2]
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]  # [1, H, n, 1]
+    return torch.lerp(o2.float(), o1.float(), w1).to(qh.dtype)  # o2 + w1 * (o1 - o2)
+
+
+def _visible(
+    first: int, rows: int, lo: int, hi: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[rows, hi - lo] bool: query r (position first + r) sees key position p in
+    [lo, hi) when p <= first + r, and with a window when p > first + r - window."""
+    t = torch.arange(first, first + rows, device=device)[:, None]
+    p = torch.arange(lo, hi, device=device)[None, :]
+    seen = p <= t
+    if window is not None:
+        seen &= p > t - window
+    return seen
+
+
+def _capped(
+    qh: torch.Tensor,  # [H, rows, hd]
+    k: torch.Tensor,  # [KVH, m, hd]
+    v: torch.Tensor,  # [KVH, m, hd]
+    mask: torch.Tensor,  # [rows, m] bool
+    scale: float,
+    soft_cap: float,
+) -> torch.Tensor:  # [H, rows, hd], q.dtype
+    """Gemma 2's attention over one chunk: cap * tanh(scale * q·k / cap), masked, softmax
+    and values in fp32. The query heads of one kv head share its K/V (no copy of them)."""
+    h, rows, hd = qh.shape
+    kvh = k.shape[0]
+    qg = qh.float().reshape(kvh, h // kvh * rows, hd)  # [KVH, G*rows, hd]: heads h = kv*G + g
+    scores = qg @ k.float().transpose(1, 2)  # [KVH, G*rows, m]
+    scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+    scores = scores.view(kvh, h // kvh, rows, -1).masked_fill_(~mask, float("-inf"))
+    o = scores.softmax(-1).view(kvh, h // kvh * rows, -1) @ v.float()  # [KVH, G*rows, hd]
+    return o.view(h, rows, hd).to(qh.dtype)
