@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -41,7 +42,9 @@ class RequestStream:
         self._ahead: collections.deque[list[Reply] | Exception | None] = collections.deque()
 
     def _push(self, item: list[Reply] | Exception | None) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        # a reader whose event loop has closed reads no more: that must not stop the thread
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     async def next(self) -> list[Reply] | None:
         """The replies of every step since the last call, in step order (waiting for

@@ -88,6 +88,23 @@ def test_abort_frees_the_requests_kv_and_slot(aengine):
     assert residency["kv_blocks_free"] == residency["kv_blocks_total"]
 
 
+def test_a_reader_whose_event_loop_closed_does_not_stop_the_engine_thread(aengine):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def leave() -> RequestStream:
+        stream = aengine.add_request(GenerateRequest([5, 6, 7], long))
+        await aengine.call(lambda: None)  # added; its replies now go to a closing loop
+        return stream
+
+    stream = asyncio.run(leave())
+
+    async def later() -> dict:
+        aengine.abort(stream)
+        return await asyncio.wait_for(aengine.call(aengine.engine.residency), 30)
+
+    assert asyncio.run(later())["num_running"] == 0 and aengine.is_alive()
+
+
 def test_a_refused_request_raises_in_the_caller(aengine):
     async def main():
         stream = aengine.add_request(GenerateRequest([5], SamplingParams(), "no-such-adapter"))

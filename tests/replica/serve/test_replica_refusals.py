@@ -27,10 +27,15 @@ def run(r: Any, request: GenerateRequest) -> list:
 
 def test_a_request_past_its_deadline_raises_and_is_aborted_at_once(engine):
     r = replica(engine)
-    try:
+
+    async def main() -> dict:
         with pytest.raises(DeadlineExceeded, match="time limit"):
-            run(r, GenerateRequest([5, 6, 7], LONG, timeout_s=0.2))
-        after = asyncio.run(r.aengine.call(engine.residency))
+            async for _ in r.generate(GenerateRequest([5, 6, 7], LONG, timeout_s=0.2)):
+                pass
+        return await r.aengine.call(engine.residency)  # after the abort
+
+    try:
+        after = asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         r.aengine.shutdown()
     assert after["aborted"] == 1 and after["num_running"] == after["num_waiting"] == 0
