@@ -55,7 +55,7 @@ from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import block_rows
 from replica.model.peft_config import peft_config_rank
 from replica.model.spec import MLP_MODULES, ModelSpec, load_model_spec
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 
 @dataclass
@@ -473,21 +473,21 @@ def _drive(eng: LLMEngine, wl: Workload) -> EngineRun:
     for _ in range(1_000_000):  # bounded: every step makes progress or loads land
         while pending and len(live) < wl.concurrency:
             prompt, adapter = pending.pop()
-            seq = eng.add_request(prompt, sampling, adapter)
+            seq = eng.add_request(GenerateRequest(prompt, sampling, adapter))
             arrival[seq.request_id] = time.perf_counter()
             live.append(seq)
         if not live:
             break
-        for out in eng.step():
+        for group in eng.step():
             now = time.perf_counter()
-            first.setdefault(out.seq.request_id, now)
-            if out.finished:
-                live.remove(out.seq)
-                done.append((out.seq, now))
+            first.setdefault(group.request.request_id, now)
+            if group.finished:
+                live.remove(group.first)
+                done.append((group.first, now))
     wall = time.perf_counter() - start
     result = EngineRun(wl.name, sum(len(s.output_ids) for s, _ in done) / wall, wall)
     for seq, end in done:
-        kind = "base" if seq.adapter is None else "adapter"
+        kind = "base" if seq.request.adapter is None else "adapter"
         result.ttft.setdefault(kind, []).append(first[seq.request_id] - arrival[seq.request_id])
         result.e2e.setdefault(kind, []).append(end - arrival[seq.request_id])
     result.adapter_loads = eng.adapters.prefetcher.loads_started
@@ -647,7 +647,7 @@ def _step_bytes(adapter: LoRAAdapterWeights, spec: ModelSpec) -> int:
 def _steady_decode_step(eng: LLMEngine, prompts, adapters, steps: int = 12) -> float:
     """Median time of a decode-only step with every sequence in the batch."""
     sampling = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    seqs = [eng.add_request(p, sampling, a) for p, a in zip(prompts, adapters)]
+    seqs = [eng.add_request(GenerateRequest(p, sampling, a)) for p, a in zip(prompts, adapters)]
     for _ in range(10_000):  # prefill everything, wait for loads
         eng.step()
         if all(s.output_ids for s in seqs):
@@ -740,7 +740,7 @@ def _moe_throughput(
 def _prefill_s(eng: LLMEngine, prompts, adapters) -> float:
     """Seconds to prefill every prompt (one step when the token budget holds them all)."""
     sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    seqs = [eng.add_request(p, sampling, a) for p, a in zip(prompts, adapters)]
+    seqs = [eng.add_request(GenerateRequest(p, sampling, a)) for p, a in zip(prompts, adapters)]
     t0 = time.perf_counter()
     for _ in range(10_000):
         eng.step()
@@ -819,15 +819,15 @@ def _mixed_sampling(config: EngineConfig, assets, wl: Workload, steps: int = 16)
 def _decode_tok_per_s(eng: LLMEngine, batch, params: list[SamplingParams]) -> float:
     """Prefill the batch untimed, then decode it to the end: the median over its decode
     steps of tokens made / step time (a row a prefill chunk ahead ends a step early)."""
-    seqs = [eng.add_request(p, s, a) for (p, a), s in zip(batch, params)]
+    seqs = [eng.add_request(GenerateRequest(p, s, a)) for (p, a), s in zip(batch, params)]
     live = {s.request_id for s in seqs}
 
     def step() -> int:
         made = 0
-        for out in eng.step():
-            made += out.new_token is not None
-            if out.finished:
-                live.discard(out.seq.request_id)
+        for group, replies in eng.step().items():
+            made += sum(len(r.token_ids) for r in replies)
+            if group.finished:
+                live.discard(group.request.request_id)
         return made
 
     for _ in range(10_000):  # prefill everything, wait for loads
@@ -890,8 +890,8 @@ def _tp_comm(assets, n_adapters: int, args: argparse.Namespace) -> dict:
 def _decode_step_bytes(eng: LLMEngine, prompts, adapters) -> dict[str, int]:
     """Bytes rank 0 sends, by collective, in one decode-only step of every sequence."""
     comm = eng.executor.group.rank.comm
-    seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), a)
-            for p, a in zip(prompts, adapters)]  # fmt: skip
+    sampling = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    seqs = [eng.add_request(GenerateRequest(p, sampling, a)) for p, a in zip(prompts, adapters)]
     for _ in range(10_000):  # prefill everything, wait for loads
         if all(s.output_ids for s in seqs):
             break

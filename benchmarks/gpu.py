@@ -51,7 +51,7 @@ from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.executor.memory_plan import MemoryPlanError, gib, plan_memory
 from replica.model.spec import load_model_spec
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 GRAPH_KEYS = ("graphs_captured", "graph_replays", "eager_decode_steps")
 DECODE_SLACK = 32  # tokens a decoding sequence may make beyond its timed steps
@@ -336,7 +336,7 @@ def _decode_step_s(eng: LLMEngine, prompts: list[list[int]], adapters: list, ste
     ends with the engine's one device read: the time is the device's too)."""
     # the first rows to finish their prefill decode while the last ones prefill: room for it
     sampling = SamplingParams(temperature=0, max_tokens=steps + DECODE_SLACK, ignore_eos=True)
-    seqs = [eng.add_request(p, sampling, a) for p, a in zip(prompts, adapters)]
+    seqs = [eng.add_request(GenerateRequest(p, sampling, a)) for p, a in zip(prompts, adapters)]
     for _ in range(100_000):  # prefill everything (chunked), adapters loaded
         if all(s.output_ids for s in seqs):
             break
@@ -378,7 +378,9 @@ def _ttft(eng: LLMEngine, plan: Plan, adapter: str, rng: random.Random) -> dict:
 
 
 def _ttft_s(eng: LLMEngine, prompt: list[int], adapter: str | None) -> float:
-    seq = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), adapter)
+    seq = eng.add_request(
+        GenerateRequest(prompt, SamplingParams(temperature=0, max_tokens=1), adapter)
+    )
     t0 = time.perf_counter()
     for _ in range(100_000):
         eng.step()

@@ -55,7 +55,7 @@ from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.engine.fair_share import W_IN, W_OUT
 from replica.engine.sequence import Sequence
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 DEFAULT_JSON = harness.RESULTS / "tenants.json"
 DEFAULT_PLOT = harness.RESULTS / "tenants_ttft.png"
@@ -203,7 +203,9 @@ class Bench:
         """Two requests per adapter run to completion, unmeasured and without a tenant
         (under VTC they count as a tenant of their own that then goes idle)."""
         for adapter in adapters * 2:
-            eng.add_request(self.prompt(eng.spec.vocab_size), self.sampling(), adapter)
+            eng.add_request(
+                GenerateRequest(self.prompt(eng.spec.vocab_size), self.sampling(), adapter)
+            )
         while eng.has_work():
             eng.step()
 
@@ -240,8 +242,9 @@ class Bench:
             adapter = adapters[picks[tenant] % len(adapters)]
             picks[tenant] += 1
             prompt = self.prompt(eng.spec.vocab_size)
-            seq = eng.add_request(prompt, self.sampling(), adapter, tenant=tenant,
-                                  tenant_weight=weights[tenant])  # fmt: skip
+            request = GenerateRequest(prompt, self.sampling(), adapter, tenant=tenant,
+                                      tenant_weight=weights[tenant])  # fmt: skip
+            seq = eng.add_request(request)
             measured = arrival >= t0
             req = Request(tenant, arrival - t0) if measured else None
             if req is not None and tenant == "B" and not b_flood:  # B's TTFTs at its rate
@@ -266,9 +269,9 @@ class Bench:
             measuring = t0 <= started and now < end
             if measuring and outputs:
                 trace.step_s.append(now - started)
-            for out in outputs:
-                req, tenant, seq = live[out.seq.request_id]
-                drew = out.new_token is not None
+            for group, replies in outputs.items():
+                req, tenant, seq = live[group.request.request_id]
+                drew = any(r.token_ids for r in replies)  # n = 1: one reply, one token
                 if measuring and drew:
                     amount = W_OUT
                     if len(seq.output_ids) == 1:  # its first token: the prompt was served
@@ -277,8 +280,8 @@ class Bench:
                     trace.output_tokens += 1
                 if req is not None and req.first is None:
                     req.first = now - t0
-                if out.finished:
-                    del live[out.seq.request_id]
+                if group.finished:
+                    del live[group.request.request_id]
                     in_flight[tenant] -= 1
         trace.counters = {str(k): v for k, v in eng.residency()["tenant_counters"].items()}
         eng.shutdown()

@@ -11,11 +11,13 @@ checks it):
 
 Beside them, modules every layer may use and that import none of them:
 
-    wire.py    what crosses to the router (torch-free): SamplingParams, GenerateRequest,
-               Reply, RoutingStats, AdapterKey
+    wire.py    what crosses to the router (torch-free): SamplingParams, GenerateRequest
+               (the one request type, ingress to engine), Reply (a choice's step),
+               RoutingStats, AdapterKey
     config.py  EngineConfig, every engine knob
     device.py  what differs between CUDA and CPU (streams, events, pinned memory)
-    errors.py  RequestError
+    errors.py  the refusals a replica raises (torch-free, HTTP-free): RequestRefused and
+               its kinds RequestError, NotFound, Unavailable, DeadlineExceeded
 
 Importing this package loads nothing: the router imports replica.wire without torch.
 """

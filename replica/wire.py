@@ -9,14 +9,16 @@ is validated or built once, on the side that makes it, and never re-checked:
 - `AdapterInfo`, `AdapterWeightsRef`, `Listing`, `ReportReply`: the AdapterStore's answers
   (cluster/store/): to the ingress, what the registry holds; to a replica, where a
   version's weights are and what it must drop.
-- `GenerateRequest`: the argument of `LoRAReplica.generate`; the request router reads its
-  adapter to place it.
-- `Reply`: one message of a replica's answer stream (new tokens, or the end, or a refusal).
+- `GenerateRequest`: one generation, the one request type from the ingress to the engine;
+  the request router reads its adapter to place it.
+- `Reply`: one choice's news from one engine step; a replica streams lists of them. A
+  refusal or failure is an exception (replica/errors.py), never a reply.
 - `RoutingStats`: what a replica publishes for the request router every stats period.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]  # Open
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length"]  # the ends a reply tells; failures are exceptions
 
 
 class StructuredOutput(BaseModel):
@@ -228,15 +230,23 @@ class ReportReply:
     live: Mapping[str, int] | None = field(default=None, hash=False)
 
 
+_request_ids = itertools.count()
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation, as the ingress hands it to a replica (tokenized and validated)."""
+    """One generation, tokenized and validated: what the ingress builds and hands, as it is,
+    through LoRAReplica.generate and AsyncLLMEngine down to LLMEngine.add_request, whose
+    sequences keep it. The request router reads its adapter and prompt to place it."""
 
-    adapter: AdapterKey | None  # None: the base model
     prompt_ids: list[int]
-    sampling: SamplingParams
-    request_id: str
-    timeout_s: float | None = None  # the replica aborts it after this long (status 504)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # the ingress names an adapter version (AdapterKey); offline, an engine's adapters are
+    # named as LLMEngine.load_adapter registered them. None: the base model. The engine's
+    # name for it is str(adapter) either way.
+    adapter: AdapterKey | str | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+    timeout_s: float | None = None  # the replica aborts it after this long (DeadlineExceeded)
     # who sent it (None: no tenants configured, or the admin key): the scheduler's fair
     # share is per tenant, and the prefix cache never shares blocks across tenants
     tenant: str | None = None
@@ -265,54 +275,27 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class Reply:
-    """One message of a replica's answer for one choice: the tokens made since the last
-    message, and whether the choice ended (finish_reason) or the request was refused or
-    failed (error, status). A request of n choices streams replies of every index; it
-    has ended when each index has had a finished reply."""
+    """One choice's news from one engine step: the token it drew (with its logprobs, when
+    asked), and how the choice ended, if it did. A replica's answer to a GenerateRequest is
+    a stream of messages, each a list of these in step order: one per choice with news per
+    step, several steps' worth when the caller reads slower than the engine steps. Each
+    choice of the request ends with a reply that has a finish_reason; a request that
+    cannot go on ends the stream with an exception (replica/errors.py) instead."""
 
     token_ids: tuple[int, ...] = ()
-    finished: bool = False
     finish_reason: FinishReason | None = None
-    error: str | None = None
-    status: int | None = None  # an HTTP status for refusals and failures
+    index: int = 0  # which of the request's n choices
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
-    index: int = 0  # which of the request's n choices
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token of token_ids, when requested
-    # the first reply of a request asking for them: one per prompt token (None for the
-    # first, which has no context)
+    # choice 0's first reply of a request asking for them: one per prompt token (None for
+    # the first, which has no context)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     stop_token: int | None = None  # the stop token id that ended the choice, if one did
 
-    @classmethod
-    def refusal(cls, status: int, message: str) -> Reply:
-        """A request that never ran: its only message."""
-        return cls(finished=True, finish_reason="error", error=message, status=status)
-
-    @classmethod
-    def merge(cls, replies: list[Reply]) -> Reply:
-        """Consecutive messages of one choice as one (one message per engine batch crosses
-        to the ingress)."""
-        last = replies[-1]
-        prompt = next((r.prompt_logprobs for r in replies if r.prompt_logprobs is not None), None)
-        return cls(
-            token_ids=tuple(t for r in replies for t in r.token_ids),
-            finished=last.finished,
-            finish_reason=last.finish_reason,
-            error=last.error,
-            status=last.status,
-            num_prompt_tokens=last.num_prompt_tokens,
-            num_cached_tokens=last.num_cached_tokens,
-            index=last.index,
-            logprobs=tuple(lp for r in replies for lp in r.logprobs),
-            prompt_logprobs=prompt,
-            stop_token=last.stop_token,
-        )
-
     @property
-    def refused(self) -> bool:
-        """Ended before any token with a status: the request was refused or failed."""
-        return self.finished and self.status is not None and not self.token_ids
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)

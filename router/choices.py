@@ -1,7 +1,8 @@
 """What one HTTP request's choices say, from the replicas' Replies.
 
 A completions request may carry several prompts, and each prompt asks for n choices: the
-ingress sends one GenerateRequest per prompt, whose Replies name their choice (Reply.index).
+ingress sends one GenerateRequest per prompt, whose replica answers with lists of Replies,
+each naming its choice (Reply.index) and adding to it.
 Choice `prompt * n + index` of the response is ChoiceOutput's work: its text detokenized
 incrementally with the prompt as context, cut at a stop string, echoed prompt first when
 asked; its logprobs, in the shapes of the completions and chat APIs. RequestOutput holds
@@ -19,7 +20,6 @@ from typing import Any
 from replica.wire import Reply, TokenLogprobs
 from router import protocol as p
 from router.detokenize import IncrementalDetokenizer, StopStringMatcher
-from router.errors import GatewayTimeoutError, ServiceUnavailableError
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
 
@@ -58,7 +58,9 @@ class Delta:
 
 class ChoiceOutput:
     """One choice's text so far: detokenized incrementally (with the prompt as context),
-    cut at a stop string, after the echoed prompt when asked."""
+    cut at a stop string, after the echoed prompt when asked. Where the ingress tells
+    which choices have finished: `finished` (its text is whole) and `ended` (the replica
+    ended it; a stop string may finish a choice before)."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class ChoiceOutput:
         self.token_ids: list[int] = []  # generated, up to a stop string's end
         self.first_token: int | None = None
         self.finish_reason: str | None = None
+        self.ended = False  # the replica has sent its last reply
         self.stop_token: int | None = None  # the replica's stop token that ended the choice
         # the echo not sent yet (text, and whether it waits for the prompt's logprobs)
         self._echo = prompt.echo
@@ -104,6 +107,7 @@ class ChoiceOutput:
     ) -> Delta | None:
         """What `message` adds to the choice (None while an echo waits for the prompt's
         logprobs, which come with choice 0's first reply)."""
+        self.ended = self.ended or message.finished
         delta = self._delta(message, prompt_logprobs)
         if delta is not None:
             self.text += delta.text
@@ -133,11 +137,6 @@ class ChoiceOutput:
     def _generated(self, message: Reply) -> tuple[str, list[TokenLogprobs], list[int]]:
         """The text, logprobs and token ids `message` adds (tokens after a stop string's
         end are dropped)."""
-        if message.error and message.finish_reason == "error":
-            status = message.status or 503
-            if status == 504:  # the replica enforced the request's deadline
-                raise GatewayTimeoutError(message.error)
-            raise ServiceUnavailableError(f"generation failed: {message.error}")
         if self.finished:  # cut at a stop string already: the replica's late tokens
             return "", [], []
         text, logprobs, ids = "", list(message.logprobs), list(message.token_ids)
@@ -148,8 +147,6 @@ class ChoiceOutput:
             if stopped:
                 return text + self._stopped(), logprobs[: i + 1], ids[: i + 1]
         if message.finished:
-            if message.finish_reason not in ("stop", "length"):
-                raise ServiceUnavailableError(f"request ended: {message.finish_reason}")
             delta, stopped = self.stop.feed(self.detok.flush())
             if stopped:
                 return text + delta + self._stopped(), logprobs, ids
@@ -205,24 +202,35 @@ class RequestOutput:
         self.start = start  # time.perf_counter() at the request's arrival
         self.ttft_s: float | None = None
         self.itl_s: list[float] = []  # one per token after the first (of the first choice)
-        self._last_reply = start
+        self._last_message = start
 
-    def add(self, prompt: int, message: Reply) -> Delta | None:
-        """What a reply for `prompt`'s GenerateRequest adds to its choice."""
-        if message.prompt_logprobs is not None:
-            self._prompt_logprobs[prompt] = message.prompt_logprobs
-        if message.num_prompt_tokens:
-            self.num_prompt_tokens[prompt] = message.num_prompt_tokens
-            self.num_cached_tokens[prompt] = message.num_cached_tokens
-        choice = self.choices[prompt * self.n + message.index]
-        if choice.index == 0:
-            self._time(len(message.token_ids))
-        return choice.add(message, self._prompt_logprobs[prompt])
+    def add(self, prompt: int, message: list[Reply]) -> list[Delta]:
+        """What a message of `prompt`'s replica adds to its choices, reply by reply."""
+        deltas = []
+        for reply in message:
+            if reply.prompt_logprobs is not None:
+                self._prompt_logprobs[prompt] = reply.prompt_logprobs
+            if reply.num_prompt_tokens:
+                self.num_prompt_tokens[prompt] = reply.num_prompt_tokens
+                self.num_cached_tokens[prompt] = reply.num_cached_tokens
+            choice = self.choices[prompt * self.n + reply.index]
+            if (delta := choice.add(reply, self._prompt_logprobs[prompt])) is not None:
+                deltas.append(delta)
+        if prompt == 0:
+            self._time(sum(len(r.token_ids) for r in message if r.index == 0))
+        return deltas
 
     def prompt_done(self, prompt: int) -> bool:
         """Whether every choice of `prompt` has finished (its replica work is no longer
         wanted)."""
-        return all(c.finished for c in self.choices[prompt * self.n : (prompt + 1) * self.n])
+        return all(c.finished for c in self._of(prompt))
+
+    def prompt_ended(self, prompt: int) -> bool:
+        """Whether the replica has ended every choice of `prompt` (its call is over)."""
+        return all(c.ended for c in self._of(prompt))
+
+    def _of(self, prompt: int) -> list[ChoiceOutput]:
+        return self.choices[prompt * self.n : (prompt + 1) * self.n]
 
     @property
     def finished(self) -> bool:
@@ -247,15 +255,15 @@ class RequestOutput:
     def _time(self, n: int) -> None:
         if not n:
             return
-        # A reply carries the tokens made since the last one: they share its gap (the
-        # first reply's extra tokens came with the first token: gap 0).
+        # A message carries the tokens made since the last one: they share its gap (the
+        # first message's extra tokens came with the first token: gap 0).
         now = time.perf_counter()
         if self.ttft_s is None:
             self.ttft_s = now - self.start
             self.itl_s += [0.0] * (n - 1)
         else:
-            self.itl_s += [(now - self._last_reply) / n] * n
-        self._last_reply = now
+            self.itl_s += [(now - self._last_message) / n] * n
+        self._last_message = now
 
 
 class LogprobFormatter:

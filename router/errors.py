@@ -1,11 +1,16 @@
-"""Errors that carry their HTTP status: raised anywhere below the ingress (the AdapterStore,
-the replica's admission), they reach the client as OpenAI-style error bodies.
+"""Errors that carry their HTTP status, and the one mapping of a replica's refusals to them.
 
-Plain Python, no Ray: an exception raised in another actor arrives wrapped by Ray as a
-subclass of both RayTaskError and the original class, so `except APIError` still works.
+Raised anywhere below the ingress (the AdapterStore, the ingress itself), they reach the
+client as OpenAI-style error bodies. A replica raises the exceptions of replica/errors.py
+instead, which know no HTTP: `refusal_error` turns one into its status here. Plain
+Python, no Ray: an exception raised in another actor arrives wrapped by Ray as a subclass
+of both RayTaskError and the original class, so `except APIError` (or `except
+RequestRefused`) still works.
 """
 
 from __future__ import annotations
+
+from replica.errors import DeadlineExceeded, NotFound, RequestError, RequestRefused
 
 
 class APIError(Exception):
@@ -28,7 +33,10 @@ class ForbiddenError(APIError):
     status = 403
 
 
-class NotFoundError(APIError):
+class NotFoundError(APIError, NotFound):
+    """Also a replica's NotFound: the AdapterStore raises it for a version it no longer
+    has, and a replica that asked for that version refuses its request with it."""
+
     status = 404
 
 
@@ -48,3 +56,17 @@ class TooManyRequestsError(APIError):
 
 class GatewayTimeoutError(APIError):
     status = 504
+
+
+# A replica's refusals by kind (replica/errors.py); any other, Unavailable included: 503.
+_REFUSALS: tuple[tuple[type[RequestRefused], type[APIError]], ...] = (
+    (RequestError, BadRequestError),
+    (NotFound, NotFoundError),
+    (DeadlineExceeded, GatewayTimeoutError),
+)
+
+
+def refusal_error(refusal: RequestRefused) -> APIError:
+    """The HTTP error a replica's refusal (as raised, or wrapped by Ray) is answered with."""
+    error = next((e for kind, e in _REFUSALS if isinstance(refusal, kind)), None)
+    return (error or ServiceUnavailableError)(refusal.message)

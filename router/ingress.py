@@ -47,7 +47,9 @@ from router.tenancy import Caller, Lease, Tenancy
 
 __all__ = ["Ingress", "app"]
 
-DEADLINE_GRACE_S = 2.0  # the ingress's own deadline trails the replica's by this much
+# The replica owns a request's deadline; the ingress's waits (for the store to find an
+# adapter, for a replica to take the call) trail it by this much.
+DEADLINE_GRACE_S = 2.0
 # /health: a replica counts as serving while its last report to the AdapterStore is younger
 # than this. Replicas report every routing stats period (1 s by default), from their
 # engine's loop thread, so a dead engine stops reporting; Serve's own routing-stats timeout
@@ -339,11 +341,11 @@ class Ingress(AdapterRoutes):
                 functools.partial(
                     self.replicas.generate.remote,
                     GenerateRequest(
-                        adapter,
                         prompt.ids,
                         sampling,
+                        adapter,
                         rid,
-                        budget,
+                        timeout_s=budget,
                         tenant=None if tenant is None else tenant.name,
                         tenant_weight=1.0 if tenant is None else tenant.weight,
                         cache_salt=body.cache_salt,
@@ -351,14 +353,14 @@ class Ingress(AdapterRoutes):
                 )
                 for prompt, rid in zip(prompts, ids)
             ]
-            streams = Streams([calls[0](), *(own_request_id(call) for call in calls[1:])], n)
+            streams = Streams([calls[0](), *(own_request_id(call) for call in calls[1:])])
             firsts = await streams.first(backstop)
             if body.stream:
                 chunks = responses.sse(
                     streams,
                     firsts,
                     output,
-                    (model, request_id, backstop),
+                    (model, request_id),
                     chat,
                     (body.include_usage(), body.continuous_usage()),
                     logprobs,
@@ -370,7 +372,7 @@ class Ingress(AdapterRoutes):
                 )
             for i, message in enumerate(firsts):
                 output.add(i, message)
-            async for i, message in streams.rest(output, backstop):
+            async for i, message in streams.rest(output):
                 output.add(i, message)
             outcome = output.finish_reason
             answer = responses.response(chat, request_id, model, output, logprobs)

@@ -58,9 +58,9 @@ def response(
 
 async def sse(
     streams: Streams,
-    firsts: list[Reply],
+    firsts: list[list[Reply]],
     output: RequestOutput,
-    request: tuple[str, str, float],  # model, request id, deadline
+    request: tuple[str, str],  # model, request id
     chat: bool,
     usage: tuple[bool, bool],
     logprobs: LogprobFormatter | None,
@@ -68,7 +68,7 @@ async def sse(
 ) -> AsyncIterator[str]:
     """The answer as server-sent events: a chunk per new text of each choice, an error
     event if it fails after the 200, then [DONE]; `on_end(outcome)` once it has ended."""
-    model, request_id, deadline = request
+    model, request_id = request
     include_usage, continuous_usage = usage
     created = int(time.time())
     chunk = p.ChatCompletionStreamResponse if chat else p.CompletionStreamResponse
@@ -116,10 +116,10 @@ async def sse(
 
     async def deltas() -> AsyncIterator[Delta]:
         for i, message in enumerate(firsts):
-            if (delta := output.add(i, message)) is not None:
+            for delta in output.add(i, message):
                 yield delta
-        async for i, message in streams.rest(output, deadline):
-            if (delta := output.add(i, message)) is not None:
+        async for i, message in streams.rest(output):
+            for delta in output.add(i, message):
                 yield delta
 
     outcome = "abort"  # unless the stream ends below: the client went away

@@ -2,9 +2,9 @@
 
 Every import counts, also those inside functions and under TYPE_CHECKING. The layers
 (top to bottom): cluster -> router -> replica -> kernels, with router reaching replica
-only through replica.wire; inside replica: serve -> engine -> executor -> adapters ->
-model, and beside them the shared modules (wire, config, device, errors) that import
-none of the layers.
+only through replica.wire and replica.errors (the refusals a replica raises); inside
+replica: serve -> engine -> executor -> adapters -> model, and beside them the shared
+modules (wire, config, device, errors) that import none of the layers.
 """
 
 from __future__ import annotations
@@ -110,13 +110,13 @@ def test_arrows_point_down(graph):
     assert not upward, "imports against the layering:\n" + "\n".join(sorted(upward))
 
 
-def test_router_reaches_replica_only_through_the_wire(graph):
+def test_router_reaches_replica_only_through_the_wire_and_its_errors(graph):
     bad = [
         f"{a} -> {b}"
         for a, targets in graph.items()
         if a.startswith("router")
         for b in targets
-        if b.startswith("replica") and b not in ("replica", "replica.wire")
+        if b.startswith("replica") and b not in ("replica", "replica.wire", "replica.errors")
     ]
     assert not bad, bad
 
@@ -132,8 +132,9 @@ def test_kernels_import_nothing_of_ours(graph):
     assert not bad, bad
 
 
-def test_the_wire_and_the_protocol_load_without_torch():
-    code = "import sys, replica.wire, router.protocol; print('torch' in sys.modules)"
+def test_the_wire_the_errors_and_the_protocol_load_without_torch():
+    modules = "replica.wire, replica.errors, router.protocol"
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

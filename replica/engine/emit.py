@@ -1,5 +1,6 @@
-"""A step's draws turned into outputs: each token appended to its choice, choices 1..n-1
-forked from their prefill, the choices that ended finished, prompt logprobs handed over.
+"""A step's draws turned into replies: each token appended to its choice, choices 1..n-1
+forked from their prefill, the choices that ended finished, and one wire.Reply per choice
+with news, grouped by request (what LLMEngine.step returns).
 
 Host-only, after the step's one device read; the only device work it asks for is the
 KV block copies of forked choices (through the executor).
@@ -8,22 +9,15 @@ KV block copies of forked choices (through the executor).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from replica.engine.scheduler import Scheduler
-from replica.engine.sequence import Sequence
+from replica.engine.sequence import Sequence, SequenceGroup
 from replica.engine.step_draw import Draw, StepDraw
-from replica.wire import TokenLogprobs
+from replica.wire import Reply, TokenLogprobs
 
-
-@dataclass
-class StepOutput:
-    seq: Sequence  # one choice of a request
-    new_token: int | None  # None when it ended without a token (abort, error, max_tokens 0)
-    finished: bool
-    logprobs: TokenLogprobs | None = None  # the new token's, when the request asked
-    # choice 0's first output of a request asking for prompt logprobs: all of them
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+# A step's news: per request that has some, one reply per choice that has some. A request
+# whose group has an `error` failed: its failing choice has no reply.
+StepReplies = dict[SequenceGroup, list[Reply]]
 
 
 class Emitter:
@@ -44,32 +38,52 @@ class Emitter:
         tokens: list[int],
         logprobs: list[TokenLogprobs | None],
         prompt: list[list[TokenLogprobs]],
-    ) -> list[StepOutput]:
+        out: StepReplies,
+    ) -> None:
         """Scored prompt positions collected; each drawn token appended to its choice;
-        new choices forked from their prefill; the choices that ended finished."""
+        new choices forked from their prefill; the choices that ended finished; a reply
+        for each drawn token added to `out`."""
         for (seq, _), scored in zip(draw.scored, prompt):
             seq.group.prompt_logprobs += scored
         reasons = [self._append(d.seq, t, lp) for d, t, lp in zip(draw.draws, tokens, logprobs)]
         self._fork(draw.draws, reasons)
-        outputs = []
         for d, token, lp, reason in zip(draw.draws, tokens, logprobs, reasons):
             if reason is not None:
                 self.finish(d.seq, reason)
-            outputs.append(
-                StepOutput(d.seq, token, reason is not None, lp, self._prompt_logprobs(d.seq))
-            )
-        return outputs
+            self._reply(out, d.seq, token, lp, reason)
 
-    def end_scoring(self, sampled: list[Sequence]) -> list[StepOutput]:
+    def end_scoring(self, sampled: list[Sequence], out: StepReplies) -> None:
         """Requests with max_tokens 0 whose prefill is done: every choice ends ("length")
-        without a token; choice 0's output carries the prompt logprobs."""
-        outputs = []
+        without a token; choice 0's reply carries the prompt logprobs."""
         for seq in sampled:
             if seq.sampling.max_tokens == 0:
                 for s in seq.choices:
                     self.finish(s, "length")
-                    outputs.append(StepOutput(s, None, True, None, self._prompt_logprobs(s)))
-        return outputs
+                    self._reply(out, s, None, None, "length")
+
+    def _reply(
+        self,
+        out: StepReplies,
+        seq: Sequence,
+        token: int | None,
+        logprobs: TokenLogprobs | None,
+        reason: str | None,
+    ) -> None:
+        replies = out.setdefault(seq.group, [])
+        if reason == "error":  # the request fails (group.error): no reply tells of it
+            return
+        replies.append(
+            Reply(
+                token_ids=() if token is None else (token,),
+                finish_reason=reason,  # "stop", "length" or None
+                index=seq.index,
+                num_prompt_tokens=len(seq.prompt_ids),
+                num_cached_tokens=seq.num_cached_tokens or 0,
+                logprobs=() if logprobs is None else (logprobs,),
+                prompt_logprobs=self._prompt_logprobs(seq),
+                stop_token=seq.stop_token,
+            )
+        )
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
         """Add a drawn token to its choice; returns why the choice ends with it, if it does."""
@@ -79,7 +93,7 @@ class Emitter:
             seq.logprobs.append(logprobs)
         p = seq.sampling
         if seq.matcher is not None and not seq.matcher.accept_token(token):
-            seq.error = f"structured output: the grammar refused token {token}"
+            seq.group.error = f"structured output: the grammar refused token {token}"
             return "error"
         if token in p.stop_token_ids:
             seq.stop_token = token
@@ -108,8 +122,8 @@ class Emitter:
                 group.forked = True
 
     def _prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprobs | None, ...] | None:
-        """All of a request's prompt logprobs, with choice 0's first output after its
-        prefill (None for every other output)."""
+        """All of a request's prompt logprobs, with choice 0's first reply after its
+        prefill (None for every other reply)."""
         group = seq.group
         if group is None or seq is not group.first or group.prompt_logprobs is None:
             return None

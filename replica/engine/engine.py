@@ -22,7 +22,7 @@ from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype, use_device
 from replica.engine.block_allocator import BlockAllocator, blocks_needed
-from replica.engine.emit import Emitter, StepOutput
+from replica.engine.emit import Emitter, StepReplies
 from replica.engine.fair_share import make_policy
 from replica.engine.limits import RequestLimits
 from replica.engine.planner import plan_batch, plan_step
@@ -39,9 +39,9 @@ from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.sampler import Sampler
 from replica.model.spec import load_model_spec
-from replica.wire import SamplingParams, cache_scope
+from replica.wire import GenerateRequest, SamplingParams, cache_scope
 
-__all__ = ["LLMEngine", "StepOutput"]
+__all__ = ["LLMEngine", "StepReplies"]
 
 log = logging.getLogger(__name__)
 
@@ -174,64 +174,55 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams | None = None,
-        adapter: str | None = None,
-        request_id: str | None = None,
-        *,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
-        cache_salt: str | None = None,
-    ) -> Sequence:
-        """Queue a request; returns its choice 0 (all n: `.choices`). RequestError if the
-        engine cannot serve it. `tenant` (weighted by `tenant_weight`) is whose fair share
-        it counts against; its prefix-cache hits come only from the same tenant and
-        `cache_salt`."""
-        sampling = self.limits.bounded(prompt_ids, sampling or SamplingParams())
+    def add_request(self, request: GenerateRequest) -> Sequence:
+        """Queue a request; returns its choice 0 (all n: `.choices`, the request: `.group`).
+        RequestError if the engine cannot serve it. Its tenant (weighted by tenant_weight)
+        is whose fair share it counts against; its prefix-cache hits come only from the
+        same tenant and cache_salt."""
+        request = self.limits.bounded(request)
+        adapter = None if request.adapter is None else str(request.adapter)
+        self.limits.check(request, adapter)
         arrival = next(self._arrivals)
-        self.limits.check(prompt_ids, sampling, adapter)
         key = adapter if adapter is not None else (None if self.config.pin_base_slot else BASE_KEY)
-        rid, prompt = request_id or f"req-{arrival}", list(prompt_ids)
-        cache_id, scope = self.cache_ids.of(adapter), cache_scope(tenant, cache_salt)
+        cache_id = self.cache_ids.of(adapter)
+        scope = cache_scope(request.tenant, request.cache_salt)
         seqs = [
-            Sequence(rid, prompt, sampling, adapter, arrival, key, index=i, cache_id=cache_id,
-                     cache_scope=scope, tenant=tenant)
-            for i in range(sampling.n)
-        ]  # fmt: skip
+            Sequence(request, arrival, key, index=i, cache_id=cache_id, cache_scope=scope)
+            for i in range(request.sampling.n)
+        ]
         SequenceGroup(seqs)
-        if sampling.structured_output is not None:
+        if request.sampling.structured_output is not None:
             for seq in seqs:
-                seq.matcher = self.structured.matcher(sampling.structured_output)
-        self.scheduler.add(seqs[0], tenant_weight)  # choices 1..n-1 fork from its prefill
+                seq.matcher = self.structured.matcher(request.sampling.structured_output)
+        self.scheduler.add(seqs[0], request.tenant_weight)  # 1..n-1 fork from its prefill
         if adapter is not None:
             self.telemetry.count_lookup(adapter)
         return seqs[0]
 
-    def abort(self, seq: Sequence, reason: str = "abort") -> list[StepOutput]:
-        """End a request now, every choice of it; frees their KV blocks and slot
-        references. Returns an output for each choice it ended (those still going)."""
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """End a request now, every choice of it (`seq` is any one); frees their KV blocks
+        and slot references."""
         ended = [s for s in seq.choices if s.status is not SeqStatus.FINISHED]
         for s in ended:
-            s.error = s.error or seq.error
             self._finish(s, reason)
         if ended:
             self.telemetry.stats.aborted += reason == "abort"
             self._release_unloaded()
-        return [StepOutput(s, None, True) for s in ended]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepReplies:
+        """One step; returns, per request with news, a wire.Reply per choice with news. A
+        request that failed is there with its group's `error` set, every choice ended."""
         stats, started = self.telemetry.stats, time.perf_counter()
-        outputs = self._fail_broken_loads()
+        outputs: StepReplies = {}
+        self._fail_broken_loads(outputs)
         self.adapters.prefetch(self._waiting_keys())
         if self.config.adapter_loading == "sync":
-            outputs += self._fail_broken_loads()  # inline loads finished inside prefetch()
+            self._fail_broken_loads(outputs)  # inline loads finished inside prefetch()
         loaded = time.perf_counter()
         stats.prefetch_seconds += loaded - started
         scheduled = self.scheduler.schedule()
@@ -250,8 +241,11 @@ class LLMEngine:
             stats.prompt_tokens += seq.prompt_part(n)
             seq.num_computed += n
             self.scheduler.prefix.commit(seq)
-        outputs += self.emitter.emit(draw, *draw.read(values))
-        outputs += self.emitter.end_scoring(sampled)
+        self.emitter.emit(draw, *draw.read(values), outputs)
+        self.emitter.end_scoring(sampled, outputs)
+        for group in outputs:
+            if group.error is not None:  # a choice failed: the request ends with it
+                self.abort(group.first, "error")
         self._release_unloaded()
         return outputs
 
@@ -292,16 +286,16 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.sampler.release(seq.key)
 
-    def _fail_broken_loads(self) -> list[StepOutput]:
-        """Requests whose adapter failed to load end with an error instead of waiting forever."""
-        outputs = []
+    def _fail_broken_loads(self, out: StepReplies) -> None:
+        """Requests whose adapter failed to load end with an error instead of waiting
+        forever: in `out`, their groups with the error."""
         for failure in self.adapters.poll():
             msg = f"adapter {failure.name!r} failed to load: {failure.error}"
             for seq in [s for s in self.scheduler.waiting if s.lora_key == failure.name]:
                 if seq.status is not SeqStatus.FINISHED:  # not ended with another choice
-                    seq.error = msg
-                    outputs += self.abort(seq, "error")
-        return outputs
+                    seq.group.error = msg
+                    self.abort(seq, "error")
+                    out.setdefault(seq.group, [])
 
     def _release_unloaded(self) -> None:
         if self.adapters.unloading:
@@ -313,7 +307,7 @@ class LLMEngine:
 
     def score(self, prompt_ids: list[int], adapter: str | None = None) -> torch.Tensor:
         """Logits [len(prompt), vocab] of every prompt position (one standalone prefill)."""
-        seq = self.add_request(prompt_ids, SamplingParams(max_tokens=1), adapter, "score")
+        seq = self.add_request(GenerateRequest(prompt_ids, SamplingParams(max_tokens=1), adapter))
         self.scheduler.waiting.remove(seq)
         seq.slot = self.adapters.wait_ready(seq.lora_key)
         allocator = self.scheduler.allocator
@@ -327,8 +321,9 @@ class LLMEngine:
     def generate(
         self, requests: list[tuple[list[int], SamplingParams, str | None]], max_steps: int = 100_000
     ) -> list[Sequence]:
-        """Offline: run the requests as one continuous batch to completion."""
-        seqs = [self.add_request(ids, sp, adapter) for ids, sp, adapter in requests]
+        """Offline: run (prompt_ids, sampling, adapter) requests as one continuous batch to
+        completion; their choices 0, in order."""
+        seqs = [self.add_request(GenerateRequest(*request)) for request in requests]
         for _ in range(max_steps):
             if not self.has_work():
                 return seqs

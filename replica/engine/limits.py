@@ -7,11 +7,12 @@ vocabulary, more tokens than the context holds, a grammar that does not compile.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from replica.engine.structured import StructuredOutputs
 from replica.errors import RequestError
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest
 
 
 class RequestLimits:
@@ -25,16 +26,20 @@ class RequestLimits:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.is_known, self.structured = is_known, structured
 
-    def bounded(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
-        """`sampling` with max_tokens None made the rest of the context (at least 1: a
+    def bounded(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` with max_tokens None made the rest of the context (at least 1: a
         prompt that fills it is refused by check)."""
+        sampling = request.sampling
         if sampling.max_tokens is not None:
-            return sampling
-        rest = max(1, self.max_model_len - len(prompt_ids))
-        return sampling.model_copy(update={"max_tokens": max(rest, sampling.min_tokens)})
+            return request
+        rest = max(1, self.max_model_len - len(request.prompt_ids))
+        bounded = sampling.model_copy(update={"max_tokens": max(rest, sampling.min_tokens)})
+        return dataclasses.replace(request, sampling=bounded)
 
-    def check(self, prompt_ids: list[int], sampling: SamplingParams, adapter: str | None) -> None:
-        """Raise RequestError if the engine cannot serve this (bounded) request."""
+    def check(self, request: GenerateRequest, adapter: str | None) -> None:
+        """Raise RequestError if the engine cannot serve this (bounded) request, whose
+        adapter the engine names `adapter`."""
+        prompt_ids, sampling = request.prompt_ids, request.sampling
         if not prompt_ids:
             raise RequestError("empty prompt")
         if adapter is not None and not self.is_known(adapter):

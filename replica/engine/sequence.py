@@ -1,4 +1,5 @@
-"""A request as the engine tracks it: one Sequence per choice, grouped."""
+"""A request as the engine tracks it: one Sequence per choice, grouped; each keeps the
+wire.GenerateRequest it came in (prompt, sampling, tenant), not copies of its fields."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from replica.wire import SamplingParams, TokenLogprobs
+from replica.wire import GenerateRequest, SamplingParams, TokenLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -17,10 +18,7 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)  # identity: the scheduler's queues hold and remove these objects
 class Sequence:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    adapter: str | None  # the adapter the user asked for; None = base model
+    request: GenerateRequest  # with its max_tokens bounded by the engine
     arrival: int  # arrival order, for FCFS and picking the youngest to preempt
     lora_key: str | None = None  # slot-pool name it needs; None = the pinned base slot
     slot: int = 0  # adapter slot while running (0 = base)
@@ -39,14 +37,29 @@ class Sequence:
     num_cached_tokens: int | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None  # why, when finish_reason == "error"
     skips: int = 0  # times passed over because its adapter was not ready (aging)
     index: int = 0  # which of the request's n choices
     group: SequenceGroup | None = field(default=None, repr=False)  # set by SequenceGroup
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, if asked
     stop_token: int | None = None  # the stop_token_ids entry that ended it
     matcher: Any = None  # structured output: its grammar matcher (xgrammar, host-side)
-    tenant: str | None = None  # who sent it, for fair share (None: no tenant)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def tenant(self) -> str | None:
+        """Who sent it, for fair share (None: no tenant)."""
+        return self.request.tenant
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """(prompt_ids + output_ids)[start:end] without building the whole list."""
@@ -98,6 +111,9 @@ class SequenceGroup:
     # token), sent with its first output
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    # why the request failed (a choice's grammar refused its token, its adapter did not
+    # load): the engine ends every choice of it
+    error: str | None = None
 
     def __post_init__(self) -> None:
         for seq in self.seqs:
@@ -110,7 +126,12 @@ class SequenceGroup:
         return self.seqs[0]
 
     @property
+    def request(self) -> GenerateRequest:
+        return self.seqs[0].request
+
+    @property
     def finished(self) -> bool:
+        """Every choice has ended: the request is over (the one place that tells)."""
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
     def prompt_logprob_positions(self, seq: Sequence, start: int, end: int) -> range:

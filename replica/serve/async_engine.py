@@ -2,84 +2,67 @@
 
 Callers never touch the engine directly: every call becomes a command that
 the loop thread runs between steps, so the engine stays single-threaded and
-no caller ever blocks a step. Tokens come back as an async stream per request.
+no caller ever blocks a step. Each request's replies come back on a RequestStream: the
+list the engine made for it each step, then the end (when its SequenceGroup has
+finished: the one place that tells), or the exception that ended it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import collections
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from replica.device import use_device
-from replica.engine.engine import LLMEngine, StepOutput
-from replica.engine.sequence import Sequence
-from replica.wire import Reply, SamplingParams
+from replica.engine.engine import LLMEngine, StepReplies
+from replica.engine.sequence import SequenceGroup
+from replica.errors import RequestError, RequestRefused, Unavailable
+from replica.wire import GenerateRequest, Reply
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class RequestStream:
-    """Async iterator over one request's Replies: a token each, of any of its n choices
-    (Reply.index), each choice's last one finished. It ends when every choice has."""
+    """One request's replies, from the engine thread to an event loop: per engine step, a
+    list (a reply per choice with news), then the end, or the error that ended it."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int = 1) -> None:
-        self.request_id = request_id
+    def __init__(self, request: GenerateRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.group: SequenceGroup | None = None  # set on the engine thread once added
+        self.finished = False  # its end (or error) has been read
         self._loop = loop
-        self._queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self._open = set(range(n))  # choices not finished yet
+        # list[Reply]: a step's; None: the end; an exception: the error that ended it
+        self._queue: asyncio.Queue[list[Reply] | Exception | None] = asyncio.Queue()
+        self._ahead: collections.deque[list[Reply] | Exception | None] = collections.deque()
 
-    def _push(self, event: Reply) -> None:  # called from the engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+    def _push(self, item: list[Reply] | Exception | None) -> None:  # engine thread
+        # a reader whose event loop has closed reads no more: that must not stop the thread
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Reply:
-        if self.finished:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        self._seen(event)
-        return event
-
-    async def next_batch(self) -> list[Reply] | None:
-        """Every reply available now (waiting for at least one), merged per choice: one
-        Reply per choice with news, by index. None once every choice has finished. Lets a
-        consumer that crosses a process boundary send one message per batch."""
-        if self.finished:
-            return None
-        events = [await self._queue.get()]
+    async def next(self) -> list[Reply] | None:
+        """The replies of every step since the last call, in step order (waiting for
+        one); None once the request has ended. Raises the error that ended it."""
+        if not self._ahead:
+            self._ahead.append(await self._queue.get())
         while not self._queue.empty():
-            events.append(self._queue.get_nowait())
-        by_choice: dict[int, list[Reply]] = {}
-        for event in events:
-            self._seen(event)
-            by_choice.setdefault(event.index, []).append(event)
-        return [Reply.merge(by_choice[i]) for i in sorted(by_choice)]
-
-    @property
-    def finished(self) -> bool:
-        return not self._open
-
-    def _seen(self, event: Reply) -> None:
-        if event.finished:
-            self._open.discard(event.index)
-
-
-@dataclass
-class _Entry:
-    """A request in flight on the loop thread: its choice 0, its stream, the choices whose
-    last reply is still to be sent."""
-
-    seq: Sequence
-    stream: RequestStream
-    open: set[int]
+            self._ahead.append(self._queue.get_nowait())
+        replies: list[Reply] = []
+        while self._ahead and isinstance(self._ahead[0], list):
+            replies += self._ahead.popleft()
+        if replies:
+            return replies
+        self.finished = True
+        end = self._ahead[0]  # stays: a later call ends the same way
+        if end is not None:
+            raise end
+        return None
 
 
 class AsyncLLMEngine:
@@ -87,8 +70,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Entry] = {}
-        self._ids = itertools.count()
+        self._streams: dict[str, RequestStream] = {}  # the requests in the engine, by id
         self._idle_wait_s = idle_wait_s
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -96,37 +78,17 @@ class AsyncLLMEngine:
 
     # -- API (any thread / event loop) ---------------------------------------------------------
 
-    async def add_request(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        adapter: str | None = None,
-        request_id: str | None = None,
-        *,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
-        cache_salt: str | None = None,
-    ) -> RequestStream:
-        """Queue a request; raises RequestError at once if the engine refuses it. Tenant,
-        weight and salt as LLMEngine.add_request takes them."""
-        rid = request_id or f"req-{next(self._ids)}"
-        stream = RequestStream(rid, asyncio.get_running_loop(), sampling.n)
-
-        def add() -> None:
-            if rid in self._streams:
-                raise ValueError(f"duplicate request id {rid!r}")
-            seq = self.engine.add_request(
-                prompt_ids, sampling, adapter, rid,
-                tenant=tenant, tenant_weight=tenant_weight, cache_salt=cache_salt,
-            )  # fmt: skip
-            self._streams[rid] = _Entry(seq, stream, set(range(sampling.n)))
-
-        await self.call(add)
+    def add_request(self, request: GenerateRequest) -> RequestStream:
+        """Queue `request` for the engine thread; its stream gives its replies, or raises
+        the engine's refusal (RequestError) at the first read."""
+        stream = RequestStream(request, asyncio.get_running_loop())
+        self._submit(lambda: self._add(stream))
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """End a request now (client gone): frees its KV blocks and slot reference."""
-        self._submit(lambda: self._abort(request_id))
+    def abort(self, stream: RequestStream) -> None:
+        """End a request now (its caller gone): frees its KV blocks and slot reference. A
+        request that has ended, or was never added, is left alone."""
+        self._submit(lambda: self._abort(stream))
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread between steps and return its result."""
@@ -184,49 +146,45 @@ class AsyncLLMEngine:
                 return
             command()
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            entry = self._streams.get(out.seq.request_id)
-            if entry is not None:
-                self._send(entry, out)
+    def _add(self, stream: RequestStream) -> None:
+        rid = stream.request.request_id
+        if rid in self._streams:
+            stream._push(RequestError(f"duplicate request id {rid!r}"))
+            return
+        try:
+            stream.group = self.engine.add_request(stream.request).group
+        except Exception as e:  # a refusal, or a bug: the caller's, not the loop's
+            if not isinstance(e, RequestRefused):
+                log.exception("adding request %s failed", rid)
+            stream._push(e)
+            return
+        self._streams[rid] = stream
 
-    def _send(self, entry: _Entry, out: StepOutput) -> None:
-        entry.stream._push(_event(out))
-        if out.finished:
-            entry.open.discard(out.seq.index)
-            if not entry.open:
-                del self._streams[entry.seq.request_id]
+    def _deliver(self, outputs: StepReplies) -> None:
+        for group, replies in outputs.items():
+            stream = self._streams.get(group.request.request_id)
+            if stream is None or stream.group is not group:
+                continue  # aborted: no one reads it
+            if replies:
+                stream._push(replies)
+            if group.error is not None:
+                self._end(stream, Unavailable(f"generation failed: {group.error}"))
+            elif group.finished:
+                self._end(stream, None)
 
-    def _abort(self, request_id: str) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            for out in self.engine.abort(entry.seq):
-                self._send(entry, out)
+    def _end(self, stream: RequestStream, error: RequestRefused | None) -> None:
+        del self._streams[stream.request.request_id]
+        stream._push(error)
+
+    def _abort(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request.request_id) is stream:
+            del self._streams[stream.request.request_id]
+            self.engine.abort(stream.group.first)
 
     def _fail_all(self, message: str) -> None:
-        for entry in list(self._streams.values()):
-            entry.seq.error = message
-            for out in self.engine.abort(entry.seq, "error"):
-                self._send(entry, out)
-        self._streams.clear()
-
-
-def _event(out: StepOutput) -> Reply:
-    seq, finished = out.seq, out.finished
-    error = seq.error if finished else None
-    return Reply(
-        token_ids=() if out.new_token is None else (out.new_token,),
-        finished=finished,
-        finish_reason=seq.finish_reason if finished else None,
-        error=error,
-        status=500 if error else None,
-        num_prompt_tokens=len(seq.prompt_ids),
-        num_cached_tokens=seq.num_cached_tokens or 0,
-        index=seq.index,
-        logprobs=() if out.logprobs is None else (out.logprobs,),
-        prompt_logprobs=out.prompt_logprobs,
-        stop_token=seq.stop_token if finished else None,
-    )
+        for stream in list(self._streams.values()):
+            self.engine.abort(stream.group.first, "error")
+            self._end(stream, Unavailable(f"generation failed: {message}"))
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

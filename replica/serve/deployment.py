@@ -1,14 +1,15 @@
 """LoRAReplica: the Ray Serve deployment around one replica's engine.
 
 The ingress calls `generate(request)` (a wire.GenerateRequest, whose adapter the
-request router reads) through a DeploymentHandle and streams the wire.Replies: per
-batch of new tokens, one message per choice (Reply.index) that has some. A caller that
-gives up cancels its call (DeploymentResponseGenerator.cancel): Serve raises
-CancelledError in `generate`, which aborts the request here, freeing its KV blocks and
-adapter slot reference. Adapter weights come from the object store; this class only asks
-the AdapterStore where an AdapterKey's weights are, once per version, and publishes what
-is resident for routing (wire.RoutingStats). Nothing here speaks HTTP: refusals are
-replies with a status, not responses.
+request router reads) through a DeploymentHandle; the request goes on, as it is, to the
+engine, and its wire.Replies come back as the engine makes them (a list per message). The
+replica owns the request's deadline (`timeout_s`). A caller that gives up cancels its call
+(DeploymentResponseGenerator.cancel): Serve raises CancelledError in `generate`, which
+aborts the request here, freeing its KV blocks and adapter slot reference. Adapter
+weights come from the object store; this class only asks the AdapterStore where an
+AdapterKey's weights are, once per version, and publishes what is resident for routing
+(wire.RoutingStats). Nothing here speaks HTTP: a refusal is an exception of
+replica/errors.py, which the ingress maps to its status.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -28,6 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from replica.adapters.object_store import ObjectStoreSource
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
+from replica.errors import DeadlineExceeded, NotFound, Unavailable
 from replica.serve.async_engine import AsyncLLMEngine
 from replica.serve.metrics import ReplicaMetrics
 from replica.wire import (
@@ -41,6 +44,7 @@ from replica.wire import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STORE_TIMEOUT_S = 10.0
 # How long a version the store removed is remembered: a fetch of it that crosses the
@@ -65,49 +69,26 @@ class LoRAReplica:
         self._store_epoch: RegistryEpoch | None = None  # of the store's last answer
         self._removed: dict[str, float] = {}  # adapter key -> when the store removed it
 
-    async def generate(self, request: GenerateRequest):
-        """Yields wire.Replies; a refused request yields one finished reply with a status.
-        A request still running after its `timeout_s` is aborted and ends with status 504;
-        one whose caller cancels it (CancelledError, wherever it lands) is aborted too."""
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[Reply]]:
+        """Yields the request's replies as the engine makes them: each message holds every
+        step's since the last (one reply per choice with news per step), in order.
+
+        Raises NotFound for an adapter version the store no longer has, RequestError for
+        a request the engine cannot serve, Unavailable when the store cannot be reached or
+        the generation failed, and DeadlineExceeded once `timeout_s` has passed (the
+        request aborted then: KV and slot freed at once). A caller that cancels
+        (CancelledError, wherever it lands) aborts the request too."""
+        now = asyncio.get_running_loop().time()
+        deadline = None if request.timeout_s is None else now + request.timeout_s
+        if request.adapter is not None:
+            await _by(deadline, self._ensure_adapter(request.adapter))
+        stream = self.aengine.add_request(request)
         try:
-            key = None if request.adapter is None else await self._ensure_adapter(request.adapter)
-            try:
-                stream = await self.aengine.add_request(
-                    request.prompt_ids,
-                    request.sampling,
-                    key,
-                    request.request_id,
-                    tenant=request.tenant,
-                    tenant_weight=request.tenant_weight,
-                    cache_salt=request.cache_salt,
-                )
-            except asyncio.CancelledError:
-                # the add may still run on the engine thread: the abort queued behind it
-                # ends the request it adds, which no one would read
-                self.aengine.abort(request.request_id)
-                raise
-        except ValueError as e:  # a RequestError, or a duplicate request id
-            yield Reply.refusal(400, str(e))
-            return
-        except Exception as e:  # from the store: carries its HTTP status (404 once unloaded)
-            yield Reply.refusal(getattr(e, "status", 503), getattr(e, "message", str(e)))
-            return
-        timeout_s = request.timeout_s
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    batch = await asyncio.wait_for(stream.next_batch(), _left(deadline))
-                except asyncio.TimeoutError:
-                    yield Reply.refusal(504, "the request did not finish within its time limit")
-                    return  # the finally aborts it: KV and slot freed now, not at the end
-                if batch is None:
-                    return
-                for reply in batch:  # one per choice with news
-                    yield reply
+            while (replies := await _by(deadline, stream.next())) is not None:
+                yield replies
         finally:
-            if not stream.finished:  # the caller went away: free KV and the slot reference
-                self.aengine.abort(stream.request_id)
+            if not stream.finished:  # the caller went away, or the deadline passed
+                self.aengine.abort(stream)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Published to the request router every `request_routing_stats_period_s`; the
@@ -163,7 +144,13 @@ class LoRAReplica:
         return key
 
     async def _fetch_ref(self, adapter: AdapterKey) -> None:
-        stored: AdapterWeightsRef = await self.store.get_weights.remote(adapter)
+        try:
+            stored: AdapterWeightsRef = await self.store.get_weights.remote(adapter)
+        except NotFound as e:  # the store's NotFoundError is one (router/errors.py)
+            raise NotFound(e.message) from None
+        except Exception as e:
+            reason = getattr(e, "cause", e)  # a RayTaskError: what the store raised
+            raise Unavailable(f"the adapter store failed for {adapter}: {reason!r}") from None
         self.source.add(stored)
 
     async def _report(self, stats: dict[str, Any]) -> None:
@@ -219,8 +206,15 @@ def _use_assigned_cpus() -> int:
     return threads
 
 
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+async def _by(deadline: float | None, awaitable: Awaitable[T]) -> T:
+    """What `awaitable` gives, or DeadlineExceeded once the request's deadline (the event
+    loop's time; None: no deadline) has passed. Unlike wait_for's, a cancellation (the
+    caller gone) is never lost when the awaitable finishes at the same moment."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await awaitable
+    except TimeoutError:
+        raise DeadlineExceeded("the request did not finish within its time limit") from None
 
 
 def _rss_bytes() -> int:

@@ -1,4 +1,5 @@
-"""The router <-> replica contract: keys, replies and routing stats survive their round trips."""
+"""The router <-> replica contract: keys, requests, replies, refusals and routing stats
+survive their round trips."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
+from replica.errors import DeadlineExceeded, NotFound, RequestError, RequestRefused, Unavailable
 from replica.wire import (
     MAX_TEMPERATURE,
     SEED_MAX,
@@ -31,22 +33,16 @@ def test_what_is_not_an_adapter_key_is_refused(text):
         AdapterKey.parse(text)
 
 
-def test_replies_merge_into_one_message_per_batch():
-    replies = [
-        Reply((5,), num_prompt_tokens=3),
-        Reply((6,), num_prompt_tokens=3),
-        Reply((7,), True, "length", num_prompt_tokens=3),
-    ]
-    merged = Reply.merge(replies)
-    assert merged == Reply((5, 6, 7), True, "length", num_prompt_tokens=3)
-    assert not merged.refused
+def test_a_reply_is_finished_when_it_says_how_the_choice_ended():
+    assert not Reply((5,), index=1).finished
+    assert Reply((7,), "length", index=1).finished and Reply((), "stop").finished
 
 
-def test_a_refusal_is_a_finished_reply_with_a_status_and_no_tokens():
-    refusal = Reply.refusal(404, "gone")
-    assert refusal.refused and refusal.finished and refusal.finish_reason == "error"
-    assert (refusal.status, refusal.error, refusal.token_ids) == (404, "gone", ())
-    assert not Reply((1,), True, "error", "boom", 500).refused  # it had produced tokens
+@pytest.mark.parametrize("error", [RequestError, NotFound, Unavailable, DeadlineExceeded])
+def test_refusals_cross_a_process_boundary_with_their_kind_and_message(error):
+    crossed = pickle.loads(pickle.dumps(error("why")))
+    assert type(crossed) is error and isinstance(crossed, RequestRefused)
+    assert crossed.message == "why"
 
 
 def test_routing_stats_round_trip_through_the_dict_serve_publishes():
@@ -77,6 +73,11 @@ def test_sampling_params_defaults_are_the_apis_and_bounds_hold():
 
 def test_a_generate_request_crosses_a_process_boundary_intact():
     request = GenerateRequest(
-        AdapterKey("sql", 3), [1, 2, 3], SamplingParams(seed=7), "cmpl-1", timeout_s=5.0
+        [1, 2, 3], SamplingParams(seed=7), AdapterKey("sql", 3), "cmpl-1", timeout_s=5.0
     )
     assert pickle.loads(pickle.dumps(request)) == request
+
+
+def test_requests_get_ids_of_their_own_unless_given_one():
+    a, b = GenerateRequest([1]), GenerateRequest([1])
+    assert a.request_id != b.request_id and a.sampling == SamplingParams()

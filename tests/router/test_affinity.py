@@ -147,7 +147,7 @@ def request(
     prompt: list[int], adapter: str | None = None, version: int = 1, **tenancy
 ) -> GenerateRequest:
     key = None if adapter is None else AdapterKey(adapter, version)
-    return GenerateRequest(key, prompt, SamplingParams(), "r", **tenancy)
+    return GenerateRequest(prompt, SamplingParams(), key, "r", **tenancy)
 
 
 def test_prefix_keys_name_the_model_and_the_first_tokens() -> None:

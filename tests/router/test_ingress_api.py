@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from ray import cloudpickle, serve
+from ray.exceptions import RayTaskError
 
 from replica.wire import AdapterInfo, GenerateRequest, Listing, Reply
 from router import ingress
@@ -107,21 +108,31 @@ class FakeStore:
         return {}
 
 
-class _Stream:
-    """A replica's reply stream (DeploymentResponseGenerator's async iteration)."""
+def as_ray_delivers(error: Exception) -> Exception:
+    """An exception raised in a replica's generator as the caller receives it: a
+    RayTaskError that is also an instance of the class raised (its `cause`)."""
+    return RayTaskError("generate", f"Traceback: {error!r}", error, "replica", 1, "127.0.0.1")
 
-    def __init__(self, replies: list[Reply]) -> None:
+
+class _Stream:
+    """A replica's reply stream (DeploymentResponseGenerator's async iteration): each
+    Reply of the script a message of its own, an exception raised as Ray delivers it."""
+
+    def __init__(self, replies: list[Reply | Exception]) -> None:
         self.replies = iter(replies)
         self.cancelled = False
 
     def __aiter__(self) -> _Stream:
         return self
 
-    async def __anext__(self) -> Reply:
+    async def __anext__(self) -> list[Reply]:
         try:
-            return next(self.replies)
+            item = next(self.replies)
         except StopIteration:
             raise StopAsyncIteration from None
+        if isinstance(item, Exception):
+            raise as_ray_delivers(item).as_instanceof_cause()
+        return [item]
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -131,8 +142,8 @@ class _Stream:
 class FakeReplicas:
     """Answers every generation with `script(request)`'s replies; keeps the requests."""
 
-    script: Callable[[GenerateRequest], list[Reply]] = lambda r: [
-        Reply((5, 6), finished=True, finish_reason="length", num_prompt_tokens=len(r.prompt_ids))
+    script: Callable[[GenerateRequest], list[Reply | Exception]] = lambda r: [
+        Reply((5, 6), "length", num_prompt_tokens=len(r.prompt_ids))
     ]
     requests: list[GenerateRequest] = field(default_factory=list)
     streams: list[_Stream] = field(default_factory=list)
@@ -297,7 +308,7 @@ def test_an_unexpected_exception_is_a_500_with_an_openai_body_and_a_logged_trace
 
 def test_an_unexpected_exception_mid_stream_is_an_error_event(client, replicas, caplog):
     # a token id the tokenizer cannot decode: a bug below the ingress, not the client's
-    replicas.script = lambda r: [Reply((5,)), Reply((-1,), finished=True, finish_reason="length")]
+    replicas.script = lambda r: [Reply((5,)), Reply((-1,), "length")]
     with caplog.at_level(logging.ERROR, logger=ingress.__name__):
         r = client.post("/v1/completions", json={**COMPLETION, "stream": True})
     assert r.status_code == 200

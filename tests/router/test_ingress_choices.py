@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from replica.errors import RequestError
 from replica.wire import GenerateRequest, Reply, TokenLogprobs
 from tests.router.test_ingress_api import (
     BASE,
@@ -48,7 +49,6 @@ def per_choice(tokens: dict[int, list[int]], logprobs: bool = False, cached: int
                     replies.append(
                         Reply(
                             (t,),
-                            finished=last,
                             finish_reason="length" if last else None,
                             num_prompt_tokens=n,
                             num_cached_tokens=min(cached, n),
@@ -188,7 +188,7 @@ def test_chat_token_ids_and_the_rendered_prompt_ids(client, replicas):
 def test_a_refused_prompt_of_a_batch_refuses_the_request_and_cancels_the_others(client, replicas):
     def script(request: GenerateRequest) -> list[Reply]:
         if request.prompt_ids == [11, 12]:
-            return [Reply.refusal(400, "prompt too long")]
+            return [RequestError("prompt too long")]
         return per_choice({0: [5, 6]})(request)
 
     replicas.script = script
@@ -257,7 +257,6 @@ def echo_script(request: GenerateRequest) -> list[Reply]:
     return [
         Reply(
             tuple(made),
-            finished=True,
             finish_reason="length",
             num_prompt_tokens=len(ids),
             logprobs=entries,
@@ -315,7 +314,7 @@ def test_echo_without_logprobs_and_max_tokens_0_is_only_the_prompt(client, repli
 def test_logprob_floor_keeps_the_body_json(client, replicas):
     def script(request: GenerateRequest) -> list[Reply]:
         entry = lp(5, -math.inf, (6, -math.inf))
-        return [Reply((5,), True, "length", num_prompt_tokens=2, logprobs=(entry,))]
+        return [Reply((5,), "length", num_prompt_tokens=2, logprobs=(entry,))]
 
     replicas.script = script
     r = client.post("/v1/completions", json={**COMPLETION, "logprobs": 1})
@@ -390,7 +389,7 @@ def test_response_format_becomes_a_structured_output(client, replicas):
 
 
 def test_a_replicas_refusal_of_a_schema_is_a_400(client, replicas):
-    replicas.script = lambda r: [Reply.refusal(400, "invalid JSON schema: bad")]
+    replicas.script = lambda r: [RequestError("invalid JSON schema: bad")]
     body = {**CHAT, "response_format": {"type": "json_object"}}
     error = assert_openai_error(client.post("/v1/chat/completions", json=body), 400)
     assert "schema" in error["message"]

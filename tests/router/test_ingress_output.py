@@ -49,7 +49,7 @@ def answer(token_ids: list[int], finish: str = "length", stop_token: int | None 
         n = len(request.prompt_ids)
         chunks = [tuple(token_ids[i : i + 2]) for i in range(0, len(token_ids), 2)] or [()]
         replies = [Reply(chunk, num_prompt_tokens=n) for chunk in chunks[:-1]]
-        last = Reply(chunks[-1], True, finish, num_prompt_tokens=n, stop_token=stop_token)
+        last = Reply(chunks[-1], finish, num_prompt_tokens=n, stop_token=stop_token)
         return [*replies, last]
 
     return script

@@ -302,7 +302,7 @@ def test_usage_totals_equal_the_usage_the_clients_received(tenants):
 
     def script(r):  # per choice: a token, then two more and the end
         ends = [
-            Reply((6, 7), True, "length", num_prompt_tokens=len(r.prompt_ids), index=i)
+            Reply((6, 7), "length", num_prompt_tokens=len(r.prompt_ids), index=i)
             for i in range(r.sampling.n)
         ]
         ends[-1] = dataclasses.replace(ends[-1], num_cached_tokens=1)

@@ -20,7 +20,7 @@ from replica.engine.engine import LLMEngine
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.spec import load_model_spec
 from replica.model.tp_shard import TPShard
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 from tests.oracle import hf_greedy, hf_model
 
 CPU = torch.device("cpu")
@@ -131,7 +131,7 @@ def one_batch_equals_peft(eng: LLMEngine, tiny, names: dict, first_step=None) ->
     vocab = eng.spec.vocab_size
     prompts = [torch.randint(3, vocab, (4 + i,), generator=g).tolist() for i in range(len(names))]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    seqs = [eng.add_request(p, greedy, n) for p, n in zip(prompts, names)]
+    seqs = [eng.add_request(GenerateRequest(p, greedy, n)) for p, n in zip(prompts, names)]
     eng.step()
     running = {s.lora_key for s in eng.scheduler.running}
     assert running == set(names), "every adapter should be admitted into the first batch"

@@ -16,7 +16,7 @@ from replica.engine.planner import prepare_batch
 from replica.engine.sequence import SeqStatus, Sequence
 from replica.model.lora_slots import SlotTable
 from replica.model.spec import load_model_spec
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import tiny_assets
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -67,7 +67,9 @@ def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
     names = list(tiny.adapters)
     reference = {n: eng.adapters.source.fetch(n) for n in names}
     seqs = [
-        eng.add_request(prompt(i), GREEDY, None if i % 5 == 4 else names[i % len(names)])
+        eng.add_request(
+            GenerateRequest(prompt(i), GREEDY, None if i % 5 == 4 else names[i % len(names)])
+        )
         for i in range(20)
     ]
 
@@ -80,12 +82,12 @@ def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
                 for group, row0 in slot.offsets.items():
                     assert table.offsets[group][slot.index] == row0
         for seq in eng.scheduler.running:
-            if seq.adapter is None:
+            if seq.request.adapter is None:
                 assert seq.slot == 0
                 continue
             slot = eng.adapters.pool.slots[seq.slot]
-            assert slot.adapter == seq.adapter
-            a, b = reference[seq.adapter].weights[(0, "q_proj")]
+            assert slot.adapter == seq.request.adapter
+            a, b = reference[seq.request.adapter].weights[(0, "q_proj")]
             row0 = slot.offsets["qkv_proj"]
             rows = slice(row0, row0 + a.shape[0])
             buf = eng.executor.lora.layers[0]["qkv_proj"]
@@ -97,14 +99,19 @@ def test_churn_never_evicts_base_or_overwrites_a_referenced_slot(tiny):
     assert all(s.finish_reason == "length" for s in seqs)
     alone = engine(tiny, num_slots=6)
     for s in seqs:
-        assert s.output_ids == alone.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+        assert (
+            s.output_ids
+            == alone.generate([(s.prompt_ids, GREEDY, s.request.adapter)])[0].output_ids
+        )
 
 
 def test_base_request_behind_loading_adapters_is_served_first(tiny):
     gate = threading.Event()
     eng = engine(tiny, SlowSource(tiny, gate=gate), num_slots=5, host_cache_bytes=0)
-    adapter_seqs = [eng.add_request(prompt(i), GREEDY, n) for i, n in enumerate(tiny.adapters)]
-    base = eng.add_request(prompt(9), GREEDY, None)
+    adapter_seqs = [
+        eng.add_request(GenerateRequest(prompt(i), GREEDY, n)) for i, n in enumerate(tiny.adapters)
+    ]
+    base = eng.add_request(GenerateRequest(prompt(9), GREEDY, None))
     for _ in range(GREEDY.max_tokens):
         eng.step()
     assert base.status is SeqStatus.FINISHED, "base request must not wait on adapter I/O"
@@ -118,8 +125,8 @@ def test_base_request_behind_loading_adapters_is_served_first(tiny):
 
 def test_prefetch_starts_before_the_request_reaches_the_head(tiny):
     eng = engine(tiny, max_num_seqs=1)
-    heads = [eng.add_request(prompt(i), GREEDY, None) for i in range(3)]
-    tail = eng.add_request(prompt(5), GREEDY, "adapter-01")
+    heads = [eng.add_request(GenerateRequest(prompt(i), GREEDY, None)) for i in range(3)]
+    tail = eng.add_request(GenerateRequest(prompt(5), GREEDY, "adapter-01"))
     eng.step()
     assert eng.scheduler.waiting[0] is heads[1]  # the adapter request is third in line
     assert eng.adapters.pool.state("adapter-01") in (SlotState.LOADING, SlotState.READY)
@@ -130,7 +137,9 @@ def test_prefetch_starts_before_the_request_reaches_the_head(tiny):
 def test_abort_frees_kv_blocks_and_slot_references(tiny):
     eng = engine(tiny)
     free_blocks = eng.scheduler.allocator.num_free
-    seq = eng.add_request(prompt(1, 40), SamplingParams(temperature=0, max_tokens=50), "adapter-02")
+    seq = eng.add_request(
+        GenerateRequest(prompt(1, 40), SamplingParams(temperature=0, max_tokens=50), "adapter-02")
+    )
     for _ in range(200):
         eng.step()
         if seq.status is SeqStatus.RUNNING and seq.output_ids:
@@ -147,12 +156,12 @@ def test_abort_frees_kv_blocks_and_slot_references(tiny):
 
 def test_aging_lets_a_skipped_adapter_run_despite_a_stream_of_others(tiny):
     eng = engine(tiny, max_loras_per_batch=1, aging_steps=4, num_slots=3)
-    eng.add_request(prompt(0), GREEDY, "adapter-00")
+    eng.add_request(GenerateRequest(prompt(0), GREEDY, "adapter-00"))
     for _ in range(3):
         eng.step()
-    starved = eng.add_request(prompt(1), GREEDY, "adapter-01")
+    starved = eng.add_request(GenerateRequest(prompt(1), GREEDY, "adapter-01"))
     for i in range(200):  # adapter-00 traffic never stops arriving
-        eng.add_request(prompt(i + 2), GREEDY, "adapter-00")
+        eng.add_request(GenerateRequest(prompt(i + 2), GREEDY, "adapter-00"))
         eng.step()
         if starved.status is SeqStatus.FINISHED:
             break
@@ -168,22 +177,24 @@ def test_failed_adapter_load_ends_its_requests_with_an_error(tiny):
             return super().fetch(name)
 
     eng = engine(tiny, Broken(tiny))
-    bad = eng.add_request(prompt(1), GREEDY, "adapter-03")
-    good = eng.add_request(prompt(2), GREEDY, "adapter-00")
+    bad = eng.add_request(GenerateRequest(prompt(1), GREEDY, "adapter-03"))
+    good = eng.add_request(GenerateRequest(prompt(2), GREEDY, "adapter-00"))
     run(eng)
-    assert bad.finish_reason == "error" and "disk on fire" in bad.error
+    assert bad.finish_reason == "error" and "disk on fire" in bad.group.error
     assert good.finish_reason == "length"
     eng.adapters.pool.check_integrity()
 
 
 def test_base_slot_unpinned_ablation_still_correct(tiny):
     eng = engine(tiny, pin_base_slot=False, num_slots=3)
-    seqs = [eng.add_request(prompt(i), GREEDY, [None, "adapter-00", "adapter-01"][i % 3])
-            for i in range(6)]  # fmt: skip
+    names = [None, "adapter-00", "adapter-01"]
+    seqs = [eng.add_request(GenerateRequest(prompt(i), GREEDY, names[i % 3])) for i in range(6)]
     run(eng)
     ref = engine(tiny, num_slots=4)
     for s in seqs:
-        assert s.output_ids == ref.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+        assert (
+            s.output_ids == ref.generate([(s.prompt_ids, GREEDY, s.request.adapter)])[0].output_ids
+        )
     assert eng.adapters.prefetcher.loads_started >= 3  # the base had to be "loaded" like an adapter
 
 
@@ -197,22 +208,32 @@ def test_a_batch_ending_at_once_hands_its_slots_to_the_next_adapters(tiny):
     source = SlowSource(many)
     names = [n for n in many.adapters if max(source.ranks(n).values()) == 64]
     eng = engine(many, source, num_slots=3, max_loras_per_batch=2)
-    seqs = [eng.add_request(prompt(i), GREEDY, names[i % len(names)]) for i in range(8)]
+    seqs = [
+        eng.add_request(GenerateRequest(prompt(i), GREEDY, names[i % len(names)])) for i in range(8)
+    ]
     run(eng, check=eng.adapters.pool.check_integrity)
     assert eng.adapters.prefetcher.handovers >= 2
     alone = engine(many, num_slots=6)
     for s in seqs:
-        assert s.output_ids == alone.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+        assert (
+            s.output_ids
+            == alone.generate([(s.prompt_ids, GREEDY, s.request.adapter)])[0].output_ids
+        )
 
 
 @pytest.mark.parametrize("loading", ["overlap", "sync"])
 def test_loading_modes_agree(tiny, loading):
     eng = engine(tiny, adapter_loading=loading, num_slots=3)
-    seqs = [eng.add_request(prompt(i), GREEDY, list(tiny.adapters)[i % 4]) for i in range(8)]
+    seqs = [
+        eng.add_request(GenerateRequest(prompt(i), GREEDY, list(tiny.adapters)[i % 4]))
+        for i in range(8)
+    ]
     run(eng)
     ref = engine(tiny, num_slots=5)
     for s in seqs:
-        assert s.output_ids == ref.generate([(s.prompt_ids, GREEDY, s.adapter)])[0].output_ids
+        assert (
+            s.output_ids == ref.generate([(s.prompt_ids, GREEDY, s.request.adapter)])[0].output_ids
+        )
 
 
 def test_batch_preparation_reads_no_device_value(tiny):
@@ -221,7 +242,7 @@ def test_batch_preparation_reads_no_device_value(tiny):
         torch.zeros(2, device="meta").tolist()
     seqs = []
     for i, (n_computed, n_tokens) in enumerate([(9, 10), (0, 7), (4, 12)]):
-        s = Sequence(f"r{i}", list(range(3, 3 + n_tokens)), GREEDY, None, i, slot=i % 2)
+        s = Sequence(GenerateRequest(list(range(3, 3 + n_tokens)), GREEDY), i, slot=i % 2)
         s.num_computed, s.blocks = n_computed, [i * 4 + b for b in range(4)]
         seqs.append(s)
     work = [(seqs[0], 1), (seqs[1], 7), (seqs[2], 5)]
@@ -245,7 +266,7 @@ def test_more_waiting_requests_than_the_window_do_not_livelock(tiny):
     every slot was protected and aging held the resident adapters back)."""
     eng = engine(tiny, num_slots=3, max_loras_per_batch=2, prefetch_window=16, aging_steps=2)
     names = list(tiny.adapters)
-    seqs = [eng.add_request(prompt(i), GREEDY, names[i % 4]) for i in range(24)]
+    seqs = [eng.add_request(GenerateRequest(prompt(i), GREEDY, names[i % 4])) for i in range(24)]
     run(eng, max_steps=3000)
     assert all(s.finish_reason == "length" for s in seqs)
 
@@ -254,9 +275,9 @@ def test_telemetry_counts_lookups_useful_loads_and_load_latencies(tiny):
     eng = engine(tiny, num_slots=2)  # one rank-64 block: adapter-03 fills it alone
     c, b, a = list(tiny.adapters)[1:]
     for i, name in enumerate([a, a, b, a]):  # miss, device, miss (evicts a), host
-        eng.add_request(prompt(i), GREEDY, name)
+        eng.add_request(GenerateRequest(prompt(i), GREEDY, name))
         run(eng)
-    wasted = eng.add_request(prompt(9), GREEDY, c)  # loaded, but aborted before it runs
+    wasted = eng.add_request(GenerateRequest(prompt(9), GREEDY, c))  # loaded, aborted unrun
     eng.step()
     assert eng.adapters.prefetcher.is_loading(c)
     eng.abort(wasted)
@@ -283,17 +304,18 @@ def test_unload_lets_queued_and_running_requests_finish_and_refuses_new_ones(tin
     a, b = list(tiny.adapters)[:2]
     solo = engine(tiny, num_slots=3).generate([(prompt(1), GREEDY, b), (prompt(2), GREEDY, b)])
     eng = engine(tiny, num_slots=2, max_loras_per_batch=1, host_cache_bytes=0)
-    first = eng.add_request(prompt(0), GREEDY, a)
-    running = eng.add_request(prompt(1), GREEDY, b)
-    queued = eng.add_request(prompt(2), GREEDY, b)
+    first = eng.add_request(GenerateRequest(prompt(0), GREEDY, a))
+    running = eng.add_request(GenerateRequest(prompt(1), GREEDY, b))
+    queued = eng.add_request(GenerateRequest(prompt(2), GREEDY, b))
     for _ in range(200):  # until b runs
         eng.step()
         if running.status is SeqStatus.RUNNING:
             break
-    eng.add_request(prompt(3), GREEDY, a)  # a's slot is wanted again: b's must hold
+    # a's slot is wanted again: b's must hold
+    eng.add_request(GenerateRequest(prompt(3), GREEDY, a))
     eng.unload_adapter(b)
     with pytest.raises(Exception, match="unknown adapter"):
-        eng.add_request(prompt(4), GREEDY, b)
+        eng.add_request(GenerateRequest(prompt(4), GREEDY, b))
     assert b in eng.adapters.source.names()  # still needed
     run(eng)
     assert [running.output_ids, queued.output_ids] == [s.output_ids for s in solo]

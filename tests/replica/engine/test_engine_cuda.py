@@ -13,7 +13,7 @@ import torch
 
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import needs_cuda
 from tests.oracle import hf_logits, hf_model
 
@@ -79,7 +79,7 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
     assert type(gpu.adapters.loader).__name__ == "SideStreamLoader"
     for name, path in tiny.adapters.items():
         gpu.load_adapter(name, path)
-    seqs = [gpu.add_request(p, s, a) for p, s, a in requests]
+    seqs = [gpu.add_request(GenerateRequest(p, s, a)) for p, s, a in requests]
     for _ in range(3000):
         if not gpu.has_work():
             break
@@ -111,7 +111,7 @@ def test_a_step_synchronises_once_for_the_sampled_ids(tiny, sampling):
         "top-k-top-p": SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=7),
     }[sampling]
     for i in range(8):
-        eng.add_request(prompt(i), params, ([None] + names)[i % (len(names) + 1)])
+        eng.add_request(GenerateRequest(prompt(i), params, ([None] + names)[i % (len(names) + 1)]))
     eng.step()  # first prefill: lazy CUDA/Triton initialisation stays out of the count
     counts, where = [], set()
     torch.cuda.set_sync_debug_mode("warn")
@@ -202,7 +202,7 @@ def test_nothing_compiles_while_serving(tiny):
     at_start = compiled()
     sp = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     for i, n in enumerate([1, 2, 3, 9, 17, 40, 70, *range(4, 22)]):
-        eng.add_request(prompt(i, n), sp, names[i % len(names)])
+        eng.add_request(GenerateRequest(prompt(i, n), sp, names[i % len(names)]))
         if i % 3 == 0:
             eng.step()
     drain(eng)
@@ -234,10 +234,13 @@ def test_an_engine_on_cuda_1_works_there_alone(tiny):
     loop = AsyncLLMEngine(second)  # its thread starts on GPU 0 unless it sets GPU 1
 
     async def served() -> list[list[int]]:
-        streams = [await loop.add_request(p, s, a) for p, s, a in requests]
+        streams = [loop.add_request(GenerateRequest(*request)) for request in requests]
         outputs = []
         for stream in streams:
-            outputs.append([t async for reply in stream for t in reply.token_ids])
+            tokens = []
+            while (replies := await stream.next()) is not None:
+                tokens += [t for reply in replies for t in reply.token_ids]
+            outputs.append(tokens)
         return outputs
 
     try:

@@ -17,7 +17,7 @@ from replica.engine.block_allocator import BlockAllocator
 from replica.engine.fair_share import FCFS, VTC, W_IN, W_OUT, AdmissionPolicy, make_policy
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import SeqStatus, Sequence
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 _ids = itertools.count()
 
@@ -25,7 +25,8 @@ _ids = itertools.count()
 def seq(tenant: str | None, prompt: int = 4, max_tokens: int = 2, adapter: str | None = None):
     arrival = next(_ids)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Sequence(f"r{arrival}", [5] * prompt, sampling, adapter, arrival, adapter, tenant=tenant)
+    request = GenerateRequest([5] * prompt, sampling, adapter, f"r{arrival}", tenant=tenant)
+    return Sequence(request, arrival, adapter)
 
 
 def add(policy: AdmissionPolicy, waiting: list[Sequence], s: Sequence, weight: float = 1.0):

@@ -10,7 +10,7 @@ import pytest
 
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
@@ -26,7 +26,7 @@ def _engine(tiny, loading: str) -> LLMEngine:
 
 def _serve(eng: LLMEngine, adapters: list[str]) -> None:
     for i, adapter in enumerate(adapters):
-        eng.add_request([5 + i, 9, 13], GREEDY, adapter)
+        eng.add_request(GenerateRequest([5 + i, 9, 13], GREEDY, adapter))
     for _ in range(10_000):
         if not eng.has_work():
             return

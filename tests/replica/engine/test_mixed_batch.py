@@ -7,7 +7,7 @@ import torch
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.model.kv_cache import KVCache
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -47,10 +47,10 @@ def test_chunked_prefill_and_staggered_arrivals_equal_alone(tiny):
     # A small token budget splits prompts into chunks that share steps with decodes.
     eng = make_engine(tiny, max_num_batched_tokens=8)
     reqs = mixed_requests(tiny, eng.spec.vocab_size)
-    seqs = [eng.add_request(*reqs[0])]
+    seqs = [eng.add_request(GenerateRequest(*reqs[0]))]
     for r in reqs[1:]:
         eng.step()  # each request arrives while others are mid-flight
-        seqs.append(eng.add_request(*r))
+        seqs.append(eng.add_request(GenerateRequest(*r)))
     for _ in range(500):
         if not eng.has_work():
             break

@@ -10,7 +10,7 @@ import torch
 from replica.engine.engine import LLMEngine
 from replica.engine.sequence import Sequence
 from replica.model.kv_cache import KVCache
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 from tests.oracle import hf_greedy, hf_model
 from tests.replica.engine.test_mixed_batch import make_engine
 
@@ -31,7 +31,7 @@ def engine(tiny, cache: bool = True, **kw) -> LLMEngine:
 
 def run(eng: LLMEngine, requests, max_steps: int = 2000) -> list[Sequence]:
     """The requests as one batch, to completion, checking the block bookkeeping each step."""
-    seqs = [eng.add_request(ids, sp, adapter) for ids, sp, adapter in requests]
+    seqs = [eng.add_request(GenerateRequest(ids, sp, adapter)) for ids, sp, adapter in requests]
     for _ in range(max_steps):
         if not eng.has_work():
             break
@@ -167,8 +167,8 @@ def test_preemption_recomputes_from_what_stayed_cached(tiny):
 def test_abort_and_n_choices_release_shared_blocks_exactly(tiny):
     eng = engine(tiny)
     sp = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, ignore_eos=True)
-    keep = eng.add_request(PREFIX + tokens(80, 2), sp, "adapter-01")
-    gone = eng.add_request(PREFIX + tokens(81, 2), GREEDY, "adapter-01")
+    keep = eng.add_request(GenerateRequest(PREFIX + tokens(80, 2), sp, "adapter-01"))
+    gone = eng.add_request(GenerateRequest(PREFIX + tokens(81, 2), GREEDY, "adapter-01"))
     for _ in range(3):
         eng.step()
         check_blocks(eng)

@@ -14,7 +14,7 @@ from replica.adapters.slot_pool import AdapterSlotPool
 from replica.engine.block_allocator import BlockAllocator
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 BS, NUM_BLOCKS = 4, 24
 PREFIXES = [[(7 * p + i) % 50 + 3 for i in range(13)] for p in range(3)]  # 3 full blocks each
@@ -43,7 +43,7 @@ class BlockBookkeeping(RuleBasedStateMachine):
     def add(self, prefix: int, cut: int, suffix: list[int], identity: str, max_tokens: int):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens)
         prompt = PREFIXES[prefix][:cut] + suffix
-        seq = Sequence(f"r{self.arrivals}", prompt, sp, None, self.arrivals, cache_id=identity)
+        seq = Sequence(GenerateRequest(prompt, sp), self.arrivals, cache_id=identity)
         SequenceGroup([seq])
         self.arrivals += 1
         self.sched.add(seq)

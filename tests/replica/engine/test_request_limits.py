@@ -7,7 +7,7 @@ import pytest
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.errors import RequestError
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 
 def test_max_tokens_none_is_the_rest_of_the_context(tiny):
@@ -23,4 +23,4 @@ def test_max_tokens_none_is_the_rest_of_the_context(tiny):
     assert seq.finish_reason == "length"
     assert len(prompt) + len(seq.output_ids) == 40
     with pytest.raises(RequestError, match="maximum model length"):
-        eng.add_request(list(range(3, 43)), SamplingParams(max_tokens=None))
+        eng.add_request(GenerateRequest(list(range(3, 43)), SamplingParams(max_tokens=None)))

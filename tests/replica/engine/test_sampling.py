@@ -11,12 +11,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from replica.engine.engine import LLMEngine, StepOutput
-from replica.engine.sequence import SeqStatus, Sequence
+from replica.engine.engine import LLMEngine
+from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from replica.errors import RequestError
 from replica.model.kv_cache import KVCache
 from replica.model.sampler import choice_seed
-from replica.wire import SamplingParams, StructuredOutput, TokenLogprobs
+from replica.wire import GenerateRequest, Reply, SamplingParams, StructuredOutput, TokenLogprobs
 from tests.oracle import hf_logits, hf_model
 from tests.replica.engine.test_mixed_batch import make_engine
 
@@ -59,22 +59,26 @@ def hf(tiny):
     return get
 
 
-def drain(eng: LLMEngine, max_steps: int = 2000) -> list[StepOutput]:
+Emitted = list[tuple[SequenceGroup, Reply]]  # every reply of every step, with its request
+
+
+def drain(eng: LLMEngine, max_steps: int = 2000) -> Emitted:
     outputs = []
     for _ in range(max_steps):
         if not eng.has_work():
             return outputs
-        outputs += eng.step()
+        outputs += [(group, r) for group, replies in eng.step().items() for r in replies]
     raise AssertionError(f"not finished within {max_steps} steps")
 
 
-def run(eng: LLMEngine, requests: list[Request]) -> tuple[list[Sequence], list[StepOutput]]:
-    seqs = [eng.add_request(*r) for r in requests]
+def run(eng: LLMEngine, requests: list[Request]) -> tuple[list[Sequence], Emitted]:
+    seqs = [eng.add_request(GenerateRequest(*r)) for r in requests]
     return seqs, drain(eng)
 
 
-def of(outputs: list[StepOutput], seq: Sequence) -> list[StepOutput]:
-    return [o for o in outputs if o.seq is seq]
+def of(outputs: Emitted, seq: Sequence) -> list[Reply]:
+    """The replies of `seq`'s choice, in step order."""
+    return [r for group, r in outputs if group is seq.group and r.index == seq.index]
 
 
 def alone(tiny, requests: list[Request]) -> list[list[list[int]]]:
@@ -132,11 +136,12 @@ def test_logprobs_equal_hf_log_softmax_in_a_mixed_batch(tiny, hf):
     seqs, outputs = run(make_engine(tiny), reqs)
     for seq, (prompt, sp, adapter) in zip(seqs, reqs):
         emitted = of(outputs, seq)
-        assert [o.new_token for o in emitted] == seq.output_ids and len(seq.output_ids) == 8
+        assert [o.token_ids for o in emitted] == [(t,) for t in seq.output_ids]  # one a step
+        assert len(seq.output_ids) == 8
         if sp.logprobs is None:
-            assert not seq.logprobs and all(o.logprobs is None for o in emitted)
+            assert not seq.logprobs and all(o.logprobs == () for o in emitted)
         else:
-            assert [o.logprobs for o in emitted] == seq.logprobs
+            assert [lp for o in emitted for lp in o.logprobs] == seq.logprobs
             assert_logprobs(hf(adapter), prompt, seq, sp.logprobs)
     # asking for logprobs changes no row's tokens, its own or its neighbours'
     assert [[s.output_ids] for s in seqs] == alone(tiny, reqs)
@@ -155,9 +160,9 @@ def test_prompt_logprobs_equal_hf(tiny, hf, budget):
         (p[3], SamplingParams(max_tokens=0, prompt_logprobs=0), "adapter-00"),
     ]
     # a plain request decoding meanwhile: its sampled rows come before the scored ones
-    plain = eng.add_request(p[2], greedy(12), None)
+    plain = eng.add_request(GenerateRequest(p[2], greedy(12), None))
     eng.step()
-    seqs = [eng.add_request(*r) for r in reqs]
+    seqs = [eng.add_request(GenerateRequest(*r)) for r in reqs]
     outputs = drain(eng)
     for seq, (prompt, sp, adapter) in zip(seqs, reqs):
         emitted = of(outputs, seq)
@@ -166,7 +171,7 @@ def test_prompt_logprobs_equal_hf(tiny, hf, budget):
         assert all(o.prompt_logprobs is None for c in seq.choices[1:] for o in of(outputs, c))
         assert_prompt_logprobs(hf(adapter), prompt, emitted[0].prompt_logprobs, sp.prompt_logprobs)
         if sp.max_tokens == 0:  # echo scoring: one output, no token
-            assert [(o.new_token, o.finished) for o in emitted] == [(None, True)]
+            assert [(o.token_ids, o.finish_reason) for o in emitted] == [((), "length")]
             assert seq.finish_reason == "length" and seq.output_ids == []
         else:
             for c in seq.choices:
@@ -176,8 +181,9 @@ def test_prompt_logprobs_equal_hf(tiny, hf, budget):
     assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.num_blocks
     if budget:  # steps that score prompt positions and sample no row at all
         seqs, outputs = run(make_engine(tiny, max_num_batched_tokens=budget), reqs[:1])
-        assert outputs[0].prompt_logprobs is not None
-        assert_prompt_logprobs(hf(None), p[0], outputs[0].prompt_logprobs, 4)
+        first = outputs[0][1]
+        assert first.prompt_logprobs is not None
+        assert_prompt_logprobs(hf(None), p[0], first.prompt_logprobs, 4)
 
 
 # -- 3. penalties, logit_bias, min_tokens, min_p -----------------------------------------------
@@ -305,11 +311,11 @@ def test_n_seeded_choices_reproducible_batch_independent_and_forked(tiny, hf):
     others = [(p, SamplingParams(seed=i, max_tokens=9), a) for i, (p, a) in enumerate(
         zip(prompts(5, 9, 30, 4), [None, "adapter-01", "adapter-02"])
     )]  # fmt: skip
-    eng.add_request(*others[0])
+    eng.add_request(GenerateRequest(*others[0]))
     eng.step()
-    eng.add_request(*others[1])
-    seq = eng.add_request(prompt, SEEDED, "adapter-01")
-    eng.add_request(*others[2])
+    eng.add_request(GenerateRequest(*others[1]))
+    seq = eng.add_request(GenerateRequest(prompt, SEEDED, "adapter-01"))
+    eng.add_request(GenerateRequest(*others[2]))
     drain(eng)
     assert choice_outputs(seq) == first
     for c in seq.choices:  # forked rows' logprobs too
@@ -342,7 +348,7 @@ def test_n_choices_finish_when_forks_must_wait(tiny, scarce):
     eng = make_engine(tiny, **kw)
     prompt = prompts(7, 10)[0]
     sp = SEEDED.model_copy(update={"max_tokens": 8, "logprobs": None, "n": 4})
-    seq = eng.add_request(prompt, sp, None)
+    seq = eng.add_request(GenerateRequest(prompt, sp, None))
     while not seq.group.forked:
         eng.step()
     assert any(c in eng.scheduler.waiting for c in seq.choices[1:]), "no fork waited"
@@ -416,7 +422,7 @@ def test_invalid_json_schema_is_refused_at_add_request(tiny, schema):
     eng = make_engine(tiny)
     sp = SamplingParams(structured_output=StructuredOutput(kind="json_schema", json_schema=schema))
     with pytest.raises(RequestError):
-        eng.add_request([1, 2, 3], sp)
+        eng.add_request(GenerateRequest([1, 2, 3], sp))
     assert not eng.has_work()
 
 
@@ -426,7 +432,9 @@ def test_invalid_json_schema_is_refused_at_add_request(tiny, schema):
 def test_logit_bias_outside_the_vocabulary_is_refused(tiny):
     eng = make_engine(tiny)
     with pytest.raises(RequestError, match="logit_bias"):
-        eng.add_request([5, 6], SamplingParams(logit_bias=((eng.spec.vocab_size, 1.0),)))
+        eng.add_request(
+            GenerateRequest([5, 6], SamplingParams(logit_bias=((eng.spec.vocab_size, 1.0),)))
+        )
     assert not eng.has_work()
 
 
@@ -465,8 +473,8 @@ def test_abort_of_n_choices_frees_every_block_and_sampler_state(tiny, when):
     sched, sampler = eng.scheduler, eng.sampler
     sp = SamplingParams(seed=3, n=3, max_tokens=20, repetition_penalty=1.2, ignore_eos=True)
     prompt, other = prompts(8, 20, 5)
-    seq = eng.add_request(prompt, sp, "adapter-00")
-    neighbour = eng.add_request(other, greedy(30), None)
+    seq = eng.add_request(GenerateRequest(prompt, sp, "adapter-00"))
+    neighbour = eng.add_request(GenerateRequest(other, greedy(30), None))
     while seq.num_computed == 0:  # its adapter loads, then its first chunk
         eng.step()
     if when == "decoding":
@@ -477,9 +485,7 @@ def test_abort_of_n_choices_frees_every_block_and_sampler_state(tiny, when):
         assert len(sampler._draws) == 3 and len(sampler.counts._rows) == 3
     else:
         assert not seq.group.forked and seq.status is SeqStatus.RUNNING
-    outputs = eng.abort(seq.choices[1])  # any choice ends the whole request
-    assert sorted(o.seq.index for o in outputs) == [0, 1, 2]
-    assert all(o.finished and o.new_token is None for o in outputs)
+    eng.abort(seq.choices[1])  # any choice ends the whole request
     assert all(c.finish_reason == "abort" and not c.blocks for c in seq.choices)
     assert all(c not in sched.waiting and c not in sched.running for c in seq.choices)
     assert not sampler._draws and not sampler.counts._rows

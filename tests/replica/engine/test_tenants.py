@@ -9,7 +9,7 @@ import pytest
 from replica.engine.engine import LLMEngine
 from replica.engine.prefix_cache import BASE_IDENTITY, root_key
 from replica.engine.sequence import SeqStatus, Sequence
-from replica.wire import SamplingParams, cache_scope
+from replica.wire import GenerateRequest, SamplingParams, cache_scope
 from tests.replica.engine.test_mixed_batch import make_engine
 from tests.replica.engine.test_prefix_cache import tokens
 
@@ -28,9 +28,12 @@ def steps_until_admitted(eng: LLMEngine, seqs: list[Sequence], limit: int = 200)
 def test_a_flood_from_one_tenant_does_not_hold_back_another(tiny, scheduling):
     eng = make_engine(tiny, scheduling=scheduling, max_num_seqs=4)
     for i in range(32):  # tenant a floods: eight times the batch
-        eng.add_request(tokens(i, 12), SHORT, "adapter-01", tenant="a")
+        eng.add_request(GenerateRequest(tokens(i, 12), SHORT, "adapter-01", tenant="a"))
     eng.step()  # a fills the batch; the rest of its flood waits
-    b = [eng.add_request(tokens(100 + i, 12), SHORT, "adapter-02", tenant="b") for i in range(2)]
+    b = [
+        eng.add_request(GenerateRequest(tokens(100 + i, 12), SHORT, "adapter-02", tenant="b"))
+        for i in range(2)
+    ]
     waited = steps_until_admitted(eng, b)
     # a seat frees every max_tokens steps; b takes the first ones (a's head goes first
     # on a tie of counters, so b may wait for one more)
@@ -48,7 +51,7 @@ PROMPT = tokens(7, 40)  # ten blocks of 4
 
 
 def cached(eng: LLMEngine, tenant: str | None, salt: str | None = None, prompt=PROMPT) -> int:
-    seq = eng.add_request(prompt, SHORT, None, tenant=tenant, cache_salt=salt)
+    seq = eng.add_request(GenerateRequest(prompt, SHORT, None, tenant=tenant, cache_salt=salt))
     while eng.has_work():
         eng.step()
     return seq.num_cached_tokens

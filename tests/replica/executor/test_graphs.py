@@ -28,7 +28,7 @@ from replica.executor.static_decode import (
     logits_bytes,
     static_decode_bytes,
 )
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import tiny_assets
 from tests.oracle import family_adapters
 from tests.replica.executor.test_static_decode import (
@@ -434,7 +434,7 @@ def test_warm_up_launches_every_kernel_specialisation_serving_does(warm_model, m
                 for i, n in enumerate(lengths):
                     sp = SamplingParams(temperature=0, max_tokens=3 + i % 5, ignore_eos=True)
                     ids = [t % eng.spec.vocab_size for t in prompt(i + 20 * wave, n)]
-                    eng.add_request(ids, sp, names[(i + wave) % len(names)])
+                    eng.add_request(GenerateRequest(ids, sp, names[(i + wave) % len(names)]))
                     if i % 4 == 0:
                         eng.step()
                 if wave == 1:

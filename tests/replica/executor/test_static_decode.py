@@ -15,7 +15,7 @@ from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.engine.planner import plan_batch
 from replica.executor.static_decode import StaticDecode, decode_buckets
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SCALAR_READS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal"}
@@ -36,7 +36,10 @@ def prompt(i: int, n: int) -> list[int]:
 
 def decoding(eng: LLMEngine, requests: list[tuple[int, str | None]]) -> None:
     """Add (prompt length, adapter) requests and step until every one is decoding."""
-    seqs = [eng.add_request(prompt(i, n), GREEDY, a) for i, (n, a) in enumerate(requests)]
+    seqs = [
+        eng.add_request(GenerateRequest(prompt(i, n), GREEDY, a))
+        for i, (n, a) in enumerate(requests)
+    ]
     for _ in range(200):
         if all(s.output_ids for s in seqs):
             return

@@ -23,7 +23,7 @@ from replica.errors import RequestError
 from replica.executor.tp_group import TPRankError
 from replica.model.adapter_weights import load_peft_adapter
 from replica.model.tp_shard import TPShard
-from replica.wire import SamplingParams
+from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import tiny_assets
 from tests.replica.executor.test_graphs import FakeGraphs
 
@@ -66,7 +66,7 @@ def staggered(eng: LLMEngine, requests) -> list[list[int]]:
     """One request arrives per step, so prefills share steps with decodes."""
     seqs = []
     for r in requests:
-        seqs.append(eng.add_request(*r))
+        seqs.append(eng.add_request(GenerateRequest(*r)))
         eng.step()
     for _ in range(1000):
         if not eng.has_work():
@@ -194,7 +194,7 @@ class TestDemoModel:
                 prompts(spec.vocab_size, [6, 7, 8]),
                 SamplingParams(temperature=0, max_tokens=4),
             )
-            seqs = [two.add_request(p, sampling, a) for p, a in zip(ps, adapters)]
+            seqs = [two.add_request(GenerateRequest(p, sampling, a)) for p, a in zip(ps, adapters)]
             while not all(s.output_ids for s in seqs):  # prefill (and loads) first
                 two.step()
             before = dict(comm.bytes), dict(comm.calls)
@@ -243,7 +243,7 @@ def test_adapter_churn_keeps_every_rank_on_rank0s_slots(tiny):
         lengths = [8 + i % 5 for i in range(16)]
         sampling = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         reqs = [(p, sampling, a) for p, a in zip(prompts(two.spec.vocab_size, lengths), names)]
-        seqs = [two.add_request(*r) for r in reqs]
+        seqs = [two.add_request(GenerateRequest(*r)) for r in reqs]
         for _ in range(2000):
             if not two.has_work():
                 break
@@ -282,7 +282,7 @@ def test_slots_handed_over_mid_step_are_written_on_every_rank_behind_that_step(m
         assert static.num_graphs == 0 and two.executor.group.rank_graphs == [0]
         runner.static_decode = None  # rank 1 has none either (CPU)
         reqs = [(p, sp, names[i % len(names)]) for i, p in enumerate(prompts(512, [8] * 8))]
-        seqs = [two.add_request(*r) for r in reqs]
+        seqs = [two.add_request(GenerateRequest(*r)) for r in reqs]
         for _ in range(2000):
             if not two.has_work():
                 break
@@ -307,7 +307,7 @@ def test_unload_and_register_again_reaches_every_rank(tiny):
         assert first == one.generate([(p, GREEDY, "adapter-00")])[0].output_ids
         two.unload_adapter("x")
         with pytest.raises(RequestError, match="unknown adapter 'x'"):
-            two.add_request(p, GREEDY, "x")
+            two.add_request(GenerateRequest(p, GREEDY, "x"))
         two.load_adapter("x", tiny.adapters["adapter-01"])  # same name, other weights
         again = two.generate([(p, GREEDY, "x")])[0].output_ids
         assert again == one.generate([(p, GREEDY, "adapter-01")])[0].output_ids != first
@@ -325,7 +325,7 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
         started = time.monotonic()
         [load] = two.generate([(p, GREEDY, "adapter-01")], max_steps=10_000)  # never in a slot
         assert load.finish_reason == "error"
-        assert "tensor-parallel rank 1 of 2 failed" in load.error
+        assert "tensor-parallel rank 1 of 2 failed" in load.group.error
         with pytest.raises(TPRankError, match="tensor-parallel rank 1 of 2 failed"):
             two.generate([(p, GREEDY, None)], max_steps=100)
         assert time.monotonic() - started < 30

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.serve.async_engine import AsyncLLMEngine
 from replica.serve.deployment import LoRAReplica
-from replica.wire import AdapterKey, GenerateRequest, SamplingParams
+from replica.wire import AdapterKey, GenerateRequest, Reply, SamplingParams
 
 LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
 
@@ -26,18 +25,9 @@ def replica(engine: LLMEngine | None = None) -> Any:
     return r
 
 
-@pytest.fixture
-def engine(tiny):
-    config = EngineConfig(model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20)
-    eng = LLMEngine(config)
-    key = str(AdapterKey("adapter-00", 1))  # the name the replica gives a version
-    eng.load_adapter(key, tiny.adapters["adapter-00"])
-    return eng
-
-
 def test_a_cancelled_generation_is_aborted_and_frees_kv_and_its_slot(engine):
     r = replica(engine)
-    request = GenerateRequest(AdapterKey("adapter-00", 1), [5, 6, 7, 8], LONG, "req-1")
+    request = GenerateRequest([5, 6, 7, 8], LONG, AdapterKey("adapter-00", 1), "req-1")
     started = asyncio.Event()
 
     async def consume() -> None:
@@ -62,37 +52,70 @@ def test_a_cancelled_generation_is_aborted_and_frees_kv_and_its_slot(engine):
     assert after["kv_blocks_free"] == after["kv_blocks_total"] and after["slot_refs"] == 0
 
 
-class SlowAdd:
-    """An AsyncLLMEngine whose add_request waits for `added` (the engine thread busy)."""
+def test_a_cancellation_while_the_request_is_being_added_aborts_it(engine):
+    """The add is queued for the engine thread and runs anyway: the abort queued behind
+    it ends the request no one would read."""
+    r = replica(engine)
+    request = GenerateRequest([5, 6, 7], LONG, None, "req-2")
+
+    async def main() -> dict:
+        task = asyncio.ensure_future(anext(r.generate(request)))
+        await asyncio.sleep(0)  # generate has queued the add and waits for a reply
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await r.aengine.call(engine.residency)  # after the add and the abort
+
+    try:
+        after = asyncio.run(main())
+    finally:
+        r.aengine.shutdown()
+    assert after["aborted"] == 1 and after["num_running"] == after["num_waiting"] == 0
+    assert after["kv_blocks_free"] == after["kv_blocks_total"]
+
+
+class ReadyStream:
+    """A RequestStream whose next replies arrive when `ready` is set."""
 
     def __init__(self) -> None:
-        self.adding, self.added, self.aborted = asyncio.Event(), asyncio.Event(), []
+        self.ready, self.finished = asyncio.Event(), False
 
-    async def add_request(self, *args: Any, **kwargs: Any) -> Any:
-        self.adding.set()
-        await self.added.wait()
-        raise AssertionError("never reached: the caller cancels first")
+    async def next(self) -> list[Reply]:
+        await self.ready.wait()
+        return [Reply((5,))]
 
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+
+class Recorder:
+    """An AsyncLLMEngine that hands out one ReadyStream and records aborts."""
+
+    def __init__(self) -> None:
+        self.stream, self.aborted = ReadyStream(), []
+
+    def add_request(self, request: GenerateRequest) -> ReadyStream:
+        return self.stream
+
+    def abort(self, stream: ReadyStream) -> None:
+        self.aborted.append(stream)
 
     def shutdown(self) -> None:  # LoRAReplica.__del__
         pass
 
 
-def test_a_cancellation_while_the_request_is_being_added_aborts_it():
-    """The add is queued for the engine thread and runs anyway: the abort queued behind
-    it ends the request no one would read."""
+def test_a_cancellation_landing_with_a_reply_is_not_lost():
+    """Replies arrive every step, so the caller's cancellation often lands as one does: it
+    must still end the generation (asyncio.wait_for would return the reply instead, and
+    the request would run to its end with no one reading)."""
     r = replica()
-    r.aengine = SlowAdd()
-    request = GenerateRequest(None, [5, 6, 7], LONG, "req-2")
+    r.aengine = Recorder()
+    request = GenerateRequest([5, 6, 7], LONG, None, "req-3", timeout_s=60.0)
 
     async def main() -> None:
         task = asyncio.ensure_future(anext(r.generate(request)))
-        await r.aengine.adding.wait()
-        task.cancel()
+        await asyncio.sleep(0)  # generate waits for the first replies
+        r.aengine.stream.ready.set()  # they arrive...
+        task.cancel()  # ...as the caller cancels
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
-    assert r.aengine.aborted == ["req-2"]
+    assert r.aengine.aborted == [r.aengine.stream]

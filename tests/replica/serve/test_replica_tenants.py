@@ -31,10 +31,10 @@ def test_the_tenant_and_salt_reach_the_engine(tiny):
     sampling = SamplingParams(temperature=0, max_tokens=2)
 
     async def cached(i: int, tenant: str | None, salt: str | None = None) -> int:
-        request = GenerateRequest(None, PROMPT, sampling, f"r{i}", tenant=tenant,
+        request = GenerateRequest(PROMPT, sampling, None, f"r{i}", tenant=tenant,
                                   tenant_weight=2.0, cache_salt=salt)  # fmt: skip
-        replies = [reply async for reply in r.generate(request)]
-        return replies[-1].num_cached_tokens
+        messages = [replies async for replies in r.generate(request)]
+        return messages[-1][-1].num_cached_tokens
 
     async def main() -> list[int]:
         calls = [("a", None), ("b", None), ("a", None), ("a", "s"), ("a", "s"), (None, None)]
