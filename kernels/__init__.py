@@ -16,6 +16,12 @@
     y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
     inter = expert_lora_shrink(x_sorted, a, plan, seg, max_rank)  # expert LoRA, grouped by
     expert_lora_expand(y, inter, b, plan, seg, slice_offsets)   # (adapter, expert)
+    y = quant_linear(x, w, bias)          # [M, N]: x · dequantize(w)ᵀ, w packed (FP8, INT4,
+    y = quant_moe_gemm(x_sorted, w, plan)  # MXFP4, NF4; kernels.quant_formats), experts too
+    batch = make_state_batch(seq_lens, state_slots, has_initial_state, device)  # Gated
+    y = causal_conv1d(x, weight, bias, conv_state, batch)        # DeltaNet: conv + SiLU,
+    o = gated_delta_rule(q, k, v, g, beta, recurrent_state, batch)  # then the delta rule
+    warm_up(run_batch, max_tokens, max_segments, max_context_len, block_size, windows)
 
 Adapter weights live in arenas of rank rows, not in slots padded to one rank: per
 projection an A arena [num_slices, P, in] and a B arena [out, P]. The adapter in slot s
@@ -37,19 +43,43 @@ none reads a device value for that (so offsets past the arena are the caller's b
 checked). `kernels.reference` and `kernels.paged_attention_reference` are the slow
 oracles they are tested against (`kernels.prefill_attention_reference` the prefill's);
 `lorafleet bench kernels` times the LoRA ops.
+
+Gated DeltaNet (Qwen3.5/3.6's linear attention): `causal_conv1d` and `gated_delta_rule`
+run over a StateBatch (sequences of a flattened batch and their rows of the per-sequence
+conv and recurrent state pools, read and written in place); backends
+`kernels.gated_delta_{torch,triton}`, oracle `kernels.gated_delta_reference`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from kernels.backend import backend_for, force_backend, forced_backend, implementation
+from kernels.gated_delta_batch import StateBatch, make_state_batch
 from kernels.lora_embedding import lora_embedding_shrink as _embedding_shrink
 from kernels.moe_plan import ExpertPlan, expert_segments, make_expert_plan
-from kernels.segments import SegmentInfo, make_segment_info, make_segment_infos
+from kernels.quant_formats import (
+    AwqInt4,
+    Fp8Weight,
+    GptqInt4,
+    Mxfp4Weight,
+    Nf4Weight,
+    PackQuantizedInt4,
+    QuantizedWeight,
+    dequantize,
+    stack_experts,
+)
+from kernels.segments import (
+    SMALL_TILE_TOKENS,
+    SegmentInfo,
+    make_segment_info,
+    make_segment_infos,
+)
 
 __all__ = [
     "SegmentInfo",
@@ -72,9 +102,112 @@ __all__ = [
     "moe_grouped_gemm",
     "expert_lora_shrink",
     "expert_lora_expand",
+    "Fp8Weight",
+    "PackQuantizedInt4",
+    "GptqInt4",
+    "AwqInt4",
+    "Mxfp4Weight",
+    "Nf4Weight",
+    "QuantizedWeight",
+    "dequantize",
+    "stack_experts",
+    "quant_linear",
+    "quant_moe_gemm",
+    "StateBatch",
+    "make_state_batch",
+    "causal_conv1d",
+    "gated_delta_rule",
+    "WarmBatch",
+    "warm_up",
+    "warm_up_batches",
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class WarmBatch(NamedTuple):
+    """One step of a start-up warm-up (kernels.warm_up_batches): `decodes` one-token
+    sequences at context 1 whose block tables are `table_width` blocks wide and whose
+    attention is split `decode_splits` ways, then prefill segments of (new tokens,
+    context) each: a whole prompt when they are equal, else its last tokens."""
+
+    decodes: int
+    prefills: tuple[tuple[int, int], ...] = ()
+    table_width: int = 1
+    decode_splits: int = 1
+
+
+def warm_up_batches(
+    max_tokens: int,
+    max_segments: int,
+    max_context_len: int,
+    block_size: int,
+    windows: Sequence[int] = (),
+) -> list[WarmBatch]:
+    """The steps (at most `max_tokens` tokens in `max_segments` sequences, contexts up to
+    `max_context_len`, the model's sliding `windows`) that between them launch every
+    specialisation the Triton kernels compile for a step's sizes, so that running each
+    once at start leaves nothing to compile while serving.
+
+    A launch compiles for its constexprs, its options and Triton's specialisation of
+    every other argument (an int equal to 1 or divisible by 16, a pointer 16-byte
+    aligned). What a step's sizes change: the LoRA kernels' tiles, by the longest segment
+    (1 token: BGMV; up to SMALL_TILE_TOKENS: 16-row tiles; longer: 64-row tiles); the MoE
+    GEMM's, by the step's tokens (up to SMALL_TILE_TOKENS or more); the decode attention's
+    block table row stride (1, a multiple of 16, other) and split count (the merge's
+    power-of-two tile, the count itself divisible by 16 or not); the prefill attention's
+    new tokens and context (1, a multiple of 16, other; read from the cache or not), its
+    window (a layer's, once the context is past it, else none). Everything else is fixed
+    by the model and the engine: shapes and strides, metadata and workspace addresses
+    (the LoRA kernels take them unspecialised; the engine packs metadata 16-byte
+    aligned), scales and caps."""
+    small = SMALL_TILE_TOKENS
+    batches = [
+        WarmBatch(small + 1),  # one-token segments, many tokens (few: below)
+        WarmBatch(0, ((2, 2),)),  # short segments, few tokens
+        WarmBatch(0, ((small, small), (2, 2))),  # short segments, many tokens
+        WarmBatch(0, ((small + 1, small + 1),)),  # long segments
+    ]
+    max_width = -(-max_context_len // block_size)
+    widths = [w for w in (1, 2, small) if w <= max_width]
+    # an eager step's split count follows its table's width (decode_splits), up to
+    longest = min(-(-max_width * block_size // _MIN_SPLIT_LEN), _MAX_SPLITS)
+    splits = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)  # every merge tile (2..32), odd and even
+    batches += [WarmBatch(1, (), w, s) for w in widths for s in splits if s <= longest]
+    for window in (None, *windows):
+        past = 0 if window is None else -(-(window + 1) // small) * small  # 16 | past
+        contexts = (2 * small, 2 * small + 1) if window is None else (past, past + 1)
+        for n in (1, small, small + 1):
+            for ctx in (*contexts, *((n,) if window is None else ())):
+                if n <= ctx:
+                    batches.append(WarmBatch(0, ((n, ctx),)))
+        if window is not None:  # whole prompts past the window
+            batches += [WarmBatch(0, ((c, c),)) for c in contexts]
+    return [
+        b
+        for b in batches
+        if b.decodes + sum(n for n, _ in b.prefills) <= max_tokens
+        and b.decodes + len(b.prefills) <= max_segments
+        and all(ctx <= max_context_len for _, ctx in b.prefills)
+    ]
+
+
+def warm_up(
+    run_batch: Callable[[WarmBatch], None],
+    max_tokens: int,
+    max_segments: int,
+    max_context_len: int,
+    block_size: int,
+    windows: Sequence[int] = (),
+) -> list[WarmBatch]:
+    """Run `run_batch` (a forward of the step a WarmBatch describes, with LoRA on every
+    projection) on each of warm_up_batches(...); returns them. Called once at start on
+    CUDA, so the first request of a new shape does not stall the serving loop on a Triton
+    compile."""
+    batches = warm_up_batches(max_tokens, max_segments, max_context_len, block_size, windows)
+    for batch in batches:
+        run_batch(batch)
+    return batches
 
 
 def lora_a_buffer(
@@ -606,3 +739,211 @@ def _check_paged_attention(
             f"{name}: q, k_cache, v_cache, block_tables, context_lens, out must share one device; "
             f"got {[str(t.device) for t in tensors]}"
         )
+
+
+def quant_linear(
+    x: torch.Tensor,  # [M, K]
+    w: QuantizedWeight,  # one packed matrix W [N, K] (kernels.quant_formats)
+    bias: torch.Tensor | None = None,  # [N], x.dtype
+    act_fp8: bool = False,  # W8A8: FP8 weights on CUDA only, dynamic per-token scales
+) -> torch.Tensor:  # [M, N], x.dtype
+    """Semantics, W = dequantize(w) (float32 [N, K], each format's published layout):
+
+        out = (x.float() @ W.T + bias) rounded once into x.dtype
+
+    with W rounded into x.dtype before the multiply for fp16/bf16 x (fp32 accumulation;
+    fp32 x is exact). Weights stay packed: the torch path dequantizes one tile of output
+    rows at a time, the Triton kernels decode in registers. Activations are never
+    quantized (W8A16 / W4A16) unless act_fp8: then x is first rounded per token to
+    e4m3 with scale amax / 448 (kernels.quant_triton.per_token_fp8), the W8A8 path a
+    checkpoint with dynamic activation scales allows; the torch path refuses it.
+    See kernels.quant_formats.dequantize.
+    """
+    _check_quant(x, w, "quant_linear")
+    if w.num_experts is not None:
+        raise ValueError("quant_linear: w holds stacked experts; use quant_moe_gemm")
+    if bias is not None and (
+        bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
+    ):
+        raise ValueError(
+            f"quant_linear: bias {tuple(bias.shape)} {bias.dtype} must be [{w.shape[0]}] "
+            f"{x.dtype} on {x.device}"
+        )
+    if act_fp8 and not isinstance(w, Fp8Weight):
+        raise ValueError(f"quant_linear: act_fp8 needs FP8 weights, not {type(w).__name__}")
+    return implementation(x, "quant").quant_linear(x, w, bias, act_fp8)
+
+
+def quant_moe_gemm(
+    x: torch.Tensor,  # [P, K]: the plan's pairs' inputs in sorted order
+    w: QuantizedWeight,  # packed stacked experts W [E, N, K] (stack_experts)
+    plan: ExpertPlan,
+) -> torch.Tensor:  # [P, N], x.dtype
+    """moe_grouped_gemm on packed experts. Semantics, W = dequantize(w) [E, N, K], for
+    each expert e and sorted row i in [plan.expert_indptr[e], plan.expert_indptr[e+1]):
+
+        out[i] = x[i].float() @ W[e].T   rounded once into x.dtype
+
+    (W rounded into x.dtype first for fp16/bf16 x, as quant_linear). Experts with no rows
+    are never read; graph-safe plans read no device value. See
+    kernels.moe_reference.moe_grouped_gemm_reference over dequantize(w).
+    """
+    _check_quant(x, w, "quant_moe_gemm")
+    if w.num_experts != plan.num_experts or x.shape[0] != plan.num_pairs:
+        raise ValueError(
+            f"quant_moe_gemm: x has {x.shape[0]} rows and w {w.num_experts} experts; the "
+            f"plan {plan.num_pairs} pairs of {plan.num_experts} experts"
+        )
+    return implementation(x, "quant").quant_moe_gemm(x, w, plan)
+
+
+def _check_quant(x: torch.Tensor, w: QuantizedWeight, name: str) -> None:
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be [M, {w.shape[1]}] for W {w.shape}")
+    if x.dtype not in _DTYPES or x.device != w.device or x.stride(1) != 1:
+        raise ValueError(
+            f"{name}: x {x.dtype} on {x.device} must be one of {_DTYPES} on the weight's "
+            f"{w.device}, unit stride along K"
+        )
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [T, D]: the batch's tokens (sequences concatenated), unit stride on D
+    weight: torch.Tensor,  # [D, K], K >= 2: one K-tap filter per channel
+    bias: torch.Tensor | None,  # [D]
+    conv_state: torch.Tensor,  # [num_slots, D, K-1], x.dtype, contiguous: updated in place
+    batch: StateBatch,
+    activation: str | None = "silu",  # "silu" or None
+) -> torch.Tensor:  # [T, D], x.dtype
+    """The causal depthwise convolution of Gated DeltaNet (and Mamba) with a conv state
+    per sequence. Per sequence i with tokens X = x[lo:hi] (L of them) and pool row
+    s = state_slots[i], with P = conv_state[s] if has_initial_state[i] else zeros [D, K-1]
+    and W = cat(P, Xᵀ, dim=1) [D, K-1+L]:
+
+        out[lo + t] = act(sum_j weight[:, j] * W[:, t + j] + bias)      t in [0, L)
+        conv_state[s] = W[:, L:]                     (the last K-1 inputs, in order)
+
+    i.e. transformers' causal_conv1d_fn over cat(P, X) (causal_conv1d_update for L = 1),
+    act = SiLU. fp32 arithmetic, out rounded once into x.dtype (fp32, fp16, bf16); the
+    state keeps inputs exactly. A row without an initial state is never read (NaN there
+    cannot reach an output); pool rows no sequence names are left bit-identical. Slots
+    must be distinct within a batch. Nothing reads a device value: a decode batch (one
+    token per sequence) is a fixed launch. See
+    kernels.gated_delta_reference.causal_conv1d_reference.
+    """
+    name = "causal_conv1d"
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 2:
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} must be [T, D] and weight {tuple(weight.shape)} "
+            "[D, K] with K >= 2"
+        )
+    d, kernel = weight.shape
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (d, kernel - 1):
+        raise ValueError(
+            f"{name}: conv_state {tuple(conv_state.shape)} must be [num_slots, {d}, {kernel - 1}]"
+        )
+    if bias is not None and bias.shape != (d,):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} must be [{d}]")
+    if activation not in ("silu", None):
+        raise ValueError(f"{name}: activation {activation!r} must be 'silu' or None")
+    if x.dtype not in _DTYPES or conv_state.dtype != x.dtype or weight.dtype not in _DTYPES:
+        raise ValueError(
+            f"{name}: x {x.dtype} and conv_state {conv_state.dtype} must share one of "
+            f"{_DTYPES}; weight {weight.dtype} one of them"
+        )
+    if x.stride(1) != 1 or not conv_state.is_contiguous():
+        raise ValueError(f"{name}: x needs unit stride along D and conv_state contiguity")
+    tensors = [x, weight, conv_state] + ([] if bias is None else [bias])
+    _check_state_batch(name, batch, x.shape[0], tensors)
+    return implementation(x, "gated_delta").causal_conv1d(
+        x, weight, bias, conv_state, batch, activation
+    )
+
+
+def gated_delta_rule(
+    q: torch.Tensor,  # [T, HK, dk]: queries, unit stride on dk (not yet normalized)
+    k: torch.Tensor,  # [T, HK, dk]: keys, likewise
+    v: torch.Tensor,  # [T, HV, dv], HV a multiple of HK
+    g: torch.Tensor,  # [T, HV]: log decay, <= 0
+    beta: torch.Tensor,  # [T, HV]: write strength, in [0, 1]
+    recurrent_state: torch.Tensor,  # [num_slots, HV, dk, dv] float32, contiguous: in place
+    batch: StateBatch,
+    out: torch.Tensor | None = None,  # [T, HV, dv] v.dtype, contiguous: written, returned
+) -> torch.Tensor:  # [T, HV, dv], v.dtype
+    """The gated delta rule of Gated DeltaNet (Qwen3.5/3.6's linear attention). Per
+    sequence i and value head h (key head h // (HV // HK), as transformers'
+    repeat_interleave), from S = recurrent_state[s, h] (s = state_slots[i]; zeros
+    without an initial state), for each token t in order:
+
+        q̂ = l2norm(q[t]) * dk**-0.5,   k̂ = l2norm(k[t])     (x / sqrt(sum(x²) + 1e-6))
+        S = exp(g[t, h]) * S
+        S = S + outer(k̂, beta[t, h] * (v[t, h] - Sᵀ k̂))
+        out[t, h] = Sᵀ q̂
+
+    then recurrent_state[s, h] = S (fp32). This is transformers'
+    torch_recurrent_gated_delta_rule / torch_chunk_gated_delta_rule with
+    use_qk_l2norm_in_kernel=True, initial_state and output_final_state, over a varlen
+    batch; Qwen3.5 feeds g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b).
+    Prefill chunks run the chunked form (chunks of 64), decodes the recurrent update;
+    fp32 arithmetic, out rounded once into v.dtype. A row without an initial state is
+    never read; rows no sequence names are left bit-identical; slots must be distinct
+    within a batch. Nothing reads a device value: a decode batch is a fixed launch. See
+    kernels.gated_delta_reference.gated_delta_rule_reference.
+    """
+    name = "gated_delta_rule"
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must be one [T, HK, dk] shape "
+            f"and v {tuple(v.shape)} [T, HV, dv]"
+        )
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hk == 0 or hv % hk or g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(
+            f"{name}: HV {hv} must be a multiple of HK {hk}; g {tuple(g.shape)} and beta "
+            f"{tuple(beta.shape)} [{t}, {hv}]"
+        )
+    if recurrent_state.dim() != 4 or recurrent_state.shape[1:] != (hv, dk, dv):
+        raise ValueError(
+            f"{name}: recurrent_state {tuple(recurrent_state.shape)} must be "
+            f"[num_slots, {hv}, {dk}, {dv}]"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{name}: q {q.dtype}, k {k.dtype}, v {v.dtype}: one of {_DTYPES}")
+    if g.dtype not in _DTYPES or beta.dtype not in _DTYPES:
+        raise ValueError(f"{name}: g {g.dtype} and beta {beta.dtype} must be among {_DTYPES}")
+    if recurrent_state.dtype != torch.float32 or not recurrent_state.is_contiguous():
+        raise ValueError(f"{name}: recurrent_state must be contiguous float32")
+    if any(x.stride(-1) != 1 for x in (q, k, v) if x.shape[-1] > 1):
+        raise ValueError(f"{name}: q, k and v need unit stride along the head dim")
+    if out is not None and (
+        out.shape != v.shape or out.dtype != v.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(f"{name}: out must be contiguous {tuple(v.shape)} {v.dtype}")
+    tensors = [q, k, v, g, beta, recurrent_state] + ([] if out is None else [out])
+    _check_state_batch(name, batch, t, tensors)
+    return implementation(v, "gated_delta").gated_delta_rule(
+        q, k, v, g, beta, recurrent_state, batch, out
+    )
+
+
+def _check_state_batch(
+    name: str, batch: StateBatch, tokens: int, tensors: list[torch.Tensor]
+) -> None:
+    meta = (batch.cu_seqlens, batch.state_slots, batch.has_initial_state)
+    n = batch.num_seqs
+    if tuple(m.dtype for m in meta) != (torch.int32, torch.int32, torch.bool):
+        raise ValueError(
+            f"{name}: cu_seqlens and state_slots must be int32, has_initial_state bool; got "
+            f"{[m.dtype for m in meta]}"
+        )
+    if tuple(m.shape for m in meta) != ((n + 1,), (n,), (n,)):
+        raise ValueError(
+            f"{name}: {n} sequences need cu_seqlens [{n + 1}], state_slots and "
+            f"has_initial_state [{n}]; got {[tuple(m.shape) for m in meta]}"
+        )
+    if batch.num_tokens != tokens:
+        raise ValueError(f"{name}: the batch holds {batch.num_tokens} tokens, the inputs {tokens}")
+    devices = {str(x.device) for x in [*tensors, *meta]}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: inputs, pools and batch tensors on several devices {devices}")

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels import sgmv_triton
 from kernels.moe_plan import ExpertPlan, expert_segments
-from kernels.segments import SegmentInfo
+from kernels.segments import SMALL_TILE_TOKENS, SegmentInfo
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def moe_grouped_gemm(
     out = torch.empty(p, n, dtype=x.dtype, device=x.device)
     if p == 0:
         return out
-    block_m = 16 if plan.max_rows <= 16 else 64
+    block_m = 16 if plan.max_rows <= SMALL_TILE_TOKENS else 64
     block_n, block_k = 64, 32
     grid = (e, triton.cdiv(plan.max_rows, block_m), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](

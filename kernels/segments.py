@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Segments (and, for MoE, batches) of up to this many tokens run the Triton kernels' small
+# row tiles, longer ones the large tiles: one of the batch sizes at which a kernel
+# compiles another specialisation (kernels.warm_up_batches).
+SMALL_TILE_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class SegmentInfo:

@@ -6,15 +6,18 @@ triton backend is chosen, so importing `kernels` never needs triton.
 Both kernels launch one program per (segment, token block, slice x column
 block[, K split]). The grid is sized from host ints only (number of segments,
 SegmentInfo.max_seg_len, the buffers' R and the slice widths): no launcher
-reads a device value. A program whose segment is slot 0 or empty, or whose
-block lies past its segment's tokens or its slot's rank, returns after a few
-scalar loads, so slot 0 costs nothing but those. Accumulation is fp32.
+reads a device value, and none makes or caches a device tensor: the slice
+offsets travel as kernel scalars, so a captured CUDA graph reads only tensors
+its caller owns (a cached one would be freed under the graph once evicted). A
+program whose segment is slot 0 or empty, or whose block lies past its
+segment's tokens or its slot's rank, returns after a few scalar loads, so slot
+0 costs nothing but those. Accumulation is fp32.
 
 Two kernel families. Decode batches (every segment one token, the engine's
 decode steps) run BGMV-style kernels: one program per token, tl.sum over a
 [rank, K-chunk] or [N-block, rank] tile, no matrix units, shrink with a K split
 so that a few tokens still fill the GPU. Everything else runs SGMV tile kernels
-(tl.dot; 16-row tiles for segments of <= _DECODE_MAX_SEG tokens, 64 above).
+(tl.dot; 16-row tiles for segments of <= SMALL_TILE_TOKENS tokens, 64 above).
 Measured on an H100 (bf16, rank 16, 32 tokens of 32 adapters, CUDA graph
 replays, weights rotated beyond L2; .ci/gpu and the bench): at hidden 4096 the
 BGMV pair runs in 8.1 us against the tile pair's 14 us (shrink 5.3 vs 7.4 with
@@ -32,19 +35,32 @@ triton 3.9) is never used.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.segments import SegmentInfo
+from kernels.segments import SMALL_TILE_TOKENS, SegmentInfo
 
-_DECODE_MAX_SEG = 16
+_MAX_SLICES = 4  # slice offsets travel as the scalars C0..C4
+# Specialisations a batch's sizes would otherwise multiply (kernels.warm_up compiles the
+# rest at start): the metadata and the step's LoRA workspace are read at whatever
+# address the step's packing gives them, and the slice offsets are only compared.
+_METADATA = ["indptr_ptr", "seg_slots_ptr", "ranks_ptr", "offsets_ptr"]
+_SHRINK_UNALIGNED = [*_METADATA, "out_ptr"]
+_EXPAND_UNALIGNED = [*_METADATA, "scalings_ptr", "inter_ptr"]
+_SLICE_OFFSETS = ["C0", "C1", "C2", "C3", "C4"]
 
 
 @triton.jit
+def _slice_columns(j, C0, C1, C2, C3, C4):
+    """Columns [c0, c1) of slice j < _MAX_SLICES."""
+    c0 = tl.where(j == 0, C0, tl.where(j == 1, C1, tl.where(j == 2, C2, C3)))
+    c1 = tl.where(j == 0, C1, tl.where(j == 1, C2, tl.where(j == 2, C3, C4)))
+    return c0, c1
+
+
+@triton.jit(do_not_specialize_on_alignment=_SHRINK_UNALIGNED)
 def _shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slices, P, K]: the A arena
@@ -106,7 +122,7 @@ def _shrink_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SLICE_OFFSETS, do_not_specialize_on_alignment=_EXPAND_UNALIGNED)
 def _expand_kernel(
     inter_ptr,  # [T, num_slices*R] fp32
     b_ptr,  # [N, P]: the B arena
@@ -116,7 +132,11 @@ def _expand_kernel(
     ranks_ptr,  # [S] int32
     scalings_ptr,  # [S] fp32
     offsets_ptr,  # [S] int32: each slot's first arena row
-    slice_offsets_ptr,  # [num_slices+1] int32
+    C0,  # C0..C4: the slice offsets (host ints, repeated past the last slice)
+    C1,
+    C2,
+    C3,
+    C4,
     R,
     N_BLOCKS,  # column blocks per slice (of the widest slice)
     stride_it,
@@ -139,8 +159,8 @@ def _expand_kernel(
         return
     end = tl.load(indptr_ptr + g + 1)
     m0 = tl.load(indptr_ptr + g) + pid_m * BLOCK_M
-    c1 = tl.load(slice_offsets_ptr + j + 1)
-    n0 = tl.load(slice_offsets_ptr + j) + pid_n * BLOCK_N
+    c0, c1 = _slice_columns(j, C0, C1, C2, C3, C4)
+    n0 = c0 + pid_n * BLOCK_N
     rank = tl.minimum(tl.load(ranks_ptr + slot), R)
     if m0 >= end or n0 >= c1 or rank == 0:
         return
@@ -171,7 +191,7 @@ def _expand_kernel(
     tl.store(y, (old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_SHRINK_UNALIGNED)
 def _shrink_bgmv_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slices, P, K]: the A arena
@@ -217,7 +237,7 @@ def _shrink_bgmv_kernel(
         tl.atomic_add(out, acc, mask=mask_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SLICE_OFFSETS, do_not_specialize_on_alignment=_EXPAND_UNALIGNED)
 def _expand_bgmv_kernel(
     inter_ptr,  # [T, num_slices*R] fp32
     b_ptr,  # [N, P]: the B arena
@@ -227,7 +247,11 @@ def _expand_bgmv_kernel(
     ranks_ptr,  # [S] int32
     scalings_ptr,  # [S] fp32
     offsets_ptr,  # [S] int32: each slot's first arena row
-    slice_offsets_ptr,  # [num_slices+1] int32
+    C0,  # C0..C4: the slice offsets (host ints, repeated past the last slice)
+    C1,
+    C2,
+    C3,
+    C4,
     R,
     N_BLOCKS,  # column blocks per slice (of the widest slice)
     stride_it,
@@ -243,8 +267,8 @@ def _expand_bgmv_kernel(
     slot = tl.load(seg_slots_ptr + g)
     if slot == 0 or row >= tl.load(indptr_ptr + g + 1):
         return
-    c1 = tl.load(slice_offsets_ptr + j + 1)
-    n0 = tl.load(slice_offsets_ptr + j) + tl.program_id(2) % N_BLOCKS * BLOCK_N
+    c0, c1 = _slice_columns(j, C0, C1, C2, C3, C4)
+    n0 = c0 + tl.program_id(2) % N_BLOCKS * BLOCK_N
     rank = tl.minimum(tl.load(ranks_ptr + slot), R)
     if n0 >= c1 or rank == 0:
         return
@@ -280,12 +304,6 @@ def _check_launch(seg: SegmentInfo, *tensors: torch.Tensor) -> None:
         raise ValueError("triton LoRA ops need contiguous SegmentInfo tensors")
 
 
-@functools.lru_cache(maxsize=64)
-def _offsets_tensor(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # one small device tensor per distinct slice layout, made once (not per call)
-    return torch.tensor(offsets, dtype=torch.int32, device=device)
-
-
 def _precision(dtype: torch.dtype, fp32_operand: bool = False) -> str:
     # Tiles are widened to fp32 before tl.dot (one code path for every dtype, and
     # the interpreter's bf16 dot is wrong). tf32 holds fp16/bf16 values exactly,
@@ -299,7 +317,7 @@ def _precision(dtype: torch.dtype, fp32_operand: bool = False) -> str:
 
 def shrink_config(max_seg_len: int, k: int, r_max: int, dtype: torch.dtype) -> dict:
     """Tile configuration of _shrink_kernel for a batch (host ints only)."""
-    if max_seg_len <= _DECODE_MAX_SEG:
+    if max_seg_len <= SMALL_TILE_TOKENS:
         # one token per segment: few programs, so split K (atomics into a zeroed output)
         cfg = dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=max(1, min(8, k // 512)))
     else:
@@ -309,7 +327,7 @@ def shrink_config(max_seg_len: int, k: int, r_max: int, dtype: torch.dtype) -> d
 
 def expand_config(max_seg_len: int, dtype: torch.dtype) -> dict:
     """Tile configuration of _expand_kernel for a batch (host ints only)."""
-    block_m = 16 if max_seg_len <= _DECODE_MAX_SEG else 64
+    block_m = 16 if max_seg_len <= SMALL_TILE_TOKENS else 64
     precision = _precision(dtype, fp32_operand=True)
     return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=16, PRECISION=precision, num_warps=4)
 
@@ -380,8 +398,11 @@ def lora_expand(
     accumulation rounded once into y.dtype. Arguments are checked by kernels.lora_expand."""
     _check_launch(seg, y, inter)
     num_slices = len(slice_offsets) - 1
+    if num_slices > _MAX_SLICES:
+        raise ValueError(f"triton lora_expand takes up to {_MAX_SLICES} slices, got {num_slices}")
     r_max = inter.shape[1] // num_slices
     width = max((c1 - c0 for c0, c1 in zip(slice_offsets, slice_offsets[1:])), default=0)
+    cols = [*slice_offsets, *[slice_offsets[-1]] * (_MAX_SLICES - num_slices)]  # C0..C4
     if not seg.has_lora or y.shape[0] == 0 or seg.num_segments == 0 or width == 0:
         return y
     if _bgmv(seg):  # one program per token
@@ -393,7 +414,7 @@ def lora_expand(
     n_blocks = triton.cdiv(width, cfg["BLOCK_N"])
     kernel[(seg.num_segments, rows, num_slices * n_blocks)](
         inter, b, y, seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings,
-        seg.slot_offsets, _offsets_tensor(tuple(slice_offsets), y.device), r_max, n_blocks,
+        seg.slot_offsets, *cols, r_max, n_blocks,
         inter.stride(0), b.stride(0), b.stride(1), y.stride(0), **cfg,
     )  # fmt: skip
     return y

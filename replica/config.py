@@ -120,7 +120,7 @@ class EngineConfig(BaseModel):
         True,
         description="On CUDA, replay decode-only steps as CUDA graphs, one per batch-size "
         "bucket (1, 2, 4, 8, then multiples of 8 up to max_num_seqs), with and without "
-        "LoRA, captured at start; other steps, tensor-parallel replicas and CPUs run "
+        "LoRA, captured at start on every rank; steps with a prefill, and CPUs, run "
         "eagerly.",
     )
     enable_prefix_caching: bool = Field(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -86,18 +87,31 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return pinned(host).to(device, non_blocking=True)
 
 
+# Fields packed into one buffer start 16 bytes apart: any dtype's view is valid, and a
+# Triton kernel reading one sees the same pointer alignment whatever the step's sizes
+# (a new alignment would compile another specialisation of the kernel mid-serving).
+PACK_ALIGN = 16
+
+
+def packed_offsets(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Each field's byte offset in a packed buffer (PACK_ALIGN-aligned), and its length."""
+    offsets, end = {}, 0
+    for name, size in sizes.items():
+        end = -(-end // PACK_ALIGN) * PACK_ALIGN
+        offsets[name] = end
+        end += size
+    return offsets, end
+
+
 def to_device_packed(
     host: dict[str, torch.Tensor], device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Host tensors -> device tensors through one copy: packed (8-byte aligned) into one
-    pinned buffer, copied without blocking, returned as typed views. CPU: the host ones."""
+    """Host tensors -> device tensors through one copy: packed (PACK_ALIGN-aligned) into
+    one pinned buffer, copied without blocking, returned as typed views. CPU: the host
+    ones."""
     if device.type == "cpu":
         return host
-    offsets, end = {}, 0
-    for name, t in host.items():
-        end = -(-end // 8) * 8
-        offsets[name] = end
-        end += t.numel() * t.element_size()
+    offsets, end = packed_offsets({n: t.numel() * t.element_size() for n, t in host.items()})
     packed = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=pinning())
     for name, t in host.items():
         size = t.numel() * t.element_size()
@@ -236,7 +250,10 @@ class StepProgress:
     reads (its sequences all end with this step): the load writes layer i only once the
     forward is past layer i. On CUDA each layer's end is an event on the compute stream
     that the loading stream waits on; on CPU the forward runs in the caller, so reaching
-    the layer is enough. finish() releases every waiter, also when the forward failed."""
+    the layer is enough. A step replayed as one CUDA graph reports step_done() instead:
+    one event behind the whole step releases every layer. finish() releases every
+    waiter, also when the forward failed. Under tensor parallelism begin() gives the
+    step's number, which the other ranks' loads wait behind (StepClock)."""
 
     def __init__(self, device: torch.device, timeout_s: float = 60.0) -> None:
         self._device = device
@@ -245,18 +262,42 @@ class StepProgress:
         self._done = -1  # last layer the forward has finished
         self._finished = False
         self._events: dict[int, torch.cuda.Event] = {}
+        self._whole: torch.cuda.Event | None = None  # behind the whole step (step_done)
+        self._step: int | None = None
         self._timeout_s = timeout_s
+
+    def begin(self, step: int) -> None:
+        """The executor issues the step now, numbered `step` on every rank."""
+        with self._cond:
+            self._step = step
+            self._cond.notify_all()
+
+    def step_number(self) -> int:
+        """The step's number, once begin() has given it (blocks until then)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._step is not None or self._finished, self._timeout_s)
+            if self._step is not None:
+                return self._step
+            if self._finished:
+                raise RuntimeError("the step ended before it began")
+            raise TimeoutError(f"the step did not begin within {self._timeout_s:.0f}s")
 
     def layer_done(self, layer: int) -> None:
         """Called by the forward after layer `layer` (on the compute thread)."""
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._device))
+        event = _recorded(self._device)
         with self._cond:
             if event is not None:
                 self._events[layer] = event
             self._done = layer
+            self._cond.notify_all()
+
+    def step_done(self) -> None:
+        """Called once the whole step is issued at once (a CUDA graph replay): past every
+        layer, behind one event."""
+        event = _recorded(self._device)
+        with self._cond:
+            self._whole = event
+            self._done = sys.maxsize
             self._cond.notify_all()
 
     def finish(self) -> None:
@@ -272,12 +313,62 @@ class StepProgress:
                 lambda: self._done >= layer or self._finished, self._timeout_s
             ):
                 raise TimeoutError(f"the step never finished layer {layer}")
-            event = self._events.get(layer)
-        if event is not None:
-            torch.cuda.current_stream(self._device).wait_event(event)
-        elif self._cuda:  # the forward stopped before this layer: wait for all of it
-            loading = torch.cuda.current_stream(self._device)
-            loading.wait_stream(torch.cuda.default_stream(self._device))
+            event = self._events.get(layer, self._whole)
+        _wait_behind(self._device, event)
+
+
+class StepClock:
+    """The steps one rank has issued, for copies that must run behind one of them: a
+    tensor-parallel rank's share of a slot handed over during step n waits for its own
+    step n. On CUDA the copying stream then waits on an event recorded behind that step
+    (the last `keep` steps keep theirs; an older step waits for everything issued); on
+    CPU the step has run once it is issued."""
+
+    def __init__(self, device: torch.device, keep: int = 16) -> None:
+        self._device = device
+        self._cond = threading.Condition()
+        self._issued = -1
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._keep = keep
+
+    def issued(self, step: int) -> None:
+        """Called by the step loop once step `step` is issued."""
+        event = _recorded(self._device)
+        with self._cond:
+            self._issued = step
+            if event is not None:
+                self._events[step] = event
+                self._events.pop(step - self._keep, None)
+            self._cond.notify_all()
+
+    def wait(self, step: int, timeout_s: float) -> None:
+        """Block until step `step` is issued; on CUDA order the current stream after it."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._issued >= step, timeout_s):
+                raise TimeoutError(f"step {step} was not issued within {timeout_s:.0f}s")
+            event = self._events.get(step)
+        _wait_behind(self._device, event)
+
+
+def _recorded(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on the device's current stream (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait_behind(device: torch.device, event: torch.cuda.Event | None) -> None:
+    """Order the device's current stream after `event`; without one (the work stopped
+    early, or its event is gone), after everything the default stream has issued."""
+    if device.type != "cuda":
+        return
+    stream = torch.cuda.current_stream(device)
+    if event is not None:
+        stream.wait_event(event)
+    else:
+        stream.wait_stream(torch.cuda.default_stream(device))
 
 
 _YIELD_S = 1e-4
@@ -352,11 +443,12 @@ class StagedBuffer:
         self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], device: torch.device
     ) -> None:
         """`layout`: name -> (dtype, shape) of each field, packed in this order."""
-        offsets, end = {}, 0
-        for name, (dtype, shape) in layout.items():
-            end = -(-end // 8) * 8  # 8-byte aligned: any dtype's view is valid
-            offsets[name] = end
-            end += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        sizes = {
+            name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for name, (dtype, shape) in layout.items()
+        }
+        offsets, end = packed_offsets(sizes)
+        self.offsets = offsets  # each field's first byte in the buffer
         self._device = device
         self._device_bytes = torch.zeros(max(end, 1), dtype=torch.uint8, device=device)
         cpu = device.type == "cpu"
@@ -366,7 +458,7 @@ class StagedBuffer:
         def views(raw: torch.Tensor) -> dict[str, torch.Tensor]:
             out = {}
             for name, (dtype, shape) in layout.items():
-                size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                size = sizes[name]
                 out[name] = raw[offsets[name] : offsets[name] + size].view(dtype).view(shape)
             return out
 
@@ -380,10 +472,12 @@ class StagedBuffer:
             self._copied = None
         return self.host
 
-    def upload(self) -> None:
-        """One copy of every field to the device, without blocking the host."""
+    def upload(self, nbytes: int | None = None) -> None:
+        """One copy of every field to the device (of the buffer's first `nbytes` only,
+        when given), without blocking the host."""
         if self._host_bytes is self._device_bytes:
             return
-        self._device_bytes.copy_(self._host_bytes, non_blocking=True)
+        part = slice(0, self._device_bytes.numel() if nbytes is None else nbytes)
+        self._device_bytes[part].copy_(self._host_bytes[part], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(self._device))

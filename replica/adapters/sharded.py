@@ -24,9 +24,11 @@ from replica.model.tp_shard import TPShard
 class RankLoads(Protocol):
     """Loads on ranks 1..N-1 (the executor's TPGroup): start them, then wait for all."""
 
-    def load_on_ranks(self, rows: Rows, name: str, locator: AdapterLocator) -> list[Any]:
+    def load_on_ranks(
+        self, rows: Rows, name: str, locator: AdapterLocator, after_step: int | None = None
+    ) -> list[Any]:
         """Ranks 1..N-1 start copying their shards of `name` into each group's arena rows
-        from `rows[group]`."""
+        from `rows[group]`, each behind its own step `after_step` when given."""
 
     def wait_loads(self, pending: list[Any]) -> None:
         """Block until every started load is done; raise if a rank failed."""
@@ -62,12 +64,12 @@ class ShardedSlotWriter:
         self, rows: Rows, adapter: LoRAAdapterWeights, progress: StepProgress | None = None
     ) -> None:
         """Runs on rank 0's loader thread; returns once every rank holds the adapter.
-        No hand-over under TP (the engine never passes `progress`): the other ranks' copies
-        could not be ordered behind rank 0's layers."""
-        if progress is not None:
-            raise ValueError("slot hand-over is not supported with tensor parallelism")
-        pending = self.group.load_on_ranks(rows, adapter.name, self.locate(adapter.name))
-        self.local.write(rows, adapter)
+        A hand-over (`progress`: the step that still reads the rows) is ordered on each
+        rank: rank 0 writes behind its own step's layers, every other rank behind the same
+        step of its own, named by its number."""
+        after = None if progress is None else progress.step_number()
+        pending = self.group.load_on_ranks(rows, adapter.name, self.locate(adapter.name), after)
+        self.local.write(rows, adapter, progress)
         self.group.wait_loads(pending)
 
     def group_ranks(self, adapter: LoRAAdapterWeights) -> dict[str, int]:

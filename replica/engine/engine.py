@@ -74,7 +74,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(self.spec.eos_token_ids)
         self.structured = StructuredOutputs(c.model, self.spec.vocab_size, self.spec.eos_token_ids)
-        self.telemetry = Telemetry(self.scheduler, self.adapters)
+        self.telemetry = Telemetry(self.scheduler, self.adapters, self.executor.graph_stats)
         self.limits = RequestLimits(
             self.spec.vocab_size, self.max_model_len, self.adapters.is_known, self.structured
         )
@@ -153,6 +153,11 @@ class LLMEngine:
 
     def drain_telemetry(self) -> dict:
         return self.telemetry.drain()
+
+    def graph_stats(self) -> dict[str, int]:
+        """How decode steps ran since start: `graphs_captured` (CUDA graphs held),
+        `graph_replays`, `eager_decode_steps` (decode-only steps run without a graph)."""
+        return self.executor.graph_stats()
 
     @property
     def load_wait_seconds(self) -> float:
@@ -243,17 +248,16 @@ class LLMEngine:
 
     def _forward(self, plan: BatchPlan, sampled: list[Sequence]) -> torch.Tensor:
         """Run the step. Slots whose every sequence ends with it are handed over meanwhile:
-        the next requests' adapters are written layer by layer behind the forward, so a
-        batch that ends at once is followed by its successors, not by a load."""
+        the next requests' adapters are written behind the forward (layer by layer behind
+        an eager one, behind the whole of a graph replay), so a batch that ends at once is
+        followed by its successors, not by a load."""
         handover = None
         if self.executor.supports_hand_over and self.scheduler.waiting:
             handover = self.adapters.hand_over(self._ending_refs(sampled), self._waiting_keys())
         if handover is None:
             return self.executor.execute(plan, self.executor.lora.table)
         try:
-            return self.executor.execute(
-                plan, handover.table, layer_done=handover.progress.layer_done
-            )
+            return self.executor.execute(plan, handover.table, progress=handover.progress)
         finally:
             handover.progress.finish()
 

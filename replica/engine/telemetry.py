@@ -6,6 +6,7 @@ Host-side state only: reading it never touches the device or waits for a step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +29,14 @@ class EngineStats:
 
 
 class Telemetry:
-    def __init__(self, scheduler: Scheduler, adapters: AdapterResidency) -> None:
-        self.scheduler, self.adapters = scheduler, adapters
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        adapters: AdapterResidency,
+        graph_stats: Callable[[], dict[str, int]],
+    ) -> None:
+        """`graph_stats`: the executor's (Executor.graph_stats), host counters."""
+        self.scheduler, self.adapters, self.graph_stats = scheduler, adapters, graph_stats
         self.stats = EngineStats()
 
     def count_lookup(self, adapter: str) -> None:
@@ -89,6 +96,7 @@ class Telemetry:
             "prefix_queried_tokens": self.scheduler.prefix.queried_tokens,
             "prefix_hit_tokens": self.scheduler.prefix.hit_tokens,
             "load_latencies_s": latencies,
+            **self.graph_stats(),  # graphs_captured, graph_replays, eager_decode_steps
         }
 
 

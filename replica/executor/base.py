@@ -8,11 +8,11 @@ tp_group.py). `create_executor` (executor/create.py) picks one from the config, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from replica.device import StepProgress
 from replica.executor.batch import BatchPlan
 from replica.executor.memory_plan import MemoryPlan
 from replica.model.decoder import CausalLM
@@ -24,7 +24,7 @@ class Executor(ABC):
     lora: LoRASlotBuffers  # rank 0's slot buffers: their host slot table holds for every rank
     num_blocks: int  # KV cache blocks the engine allocates (the same on every rank)
     max_model_len: int  # longest prompt + output: the config's, the model's and the cache's
-    supports_hand_over: bool  # slot writes can be ordered behind a running step's layers
+    supports_hand_over: bool  # slot writes can be ordered behind a running step
     memory_plan: MemoryPlan | None = None  # the plan measured at start (a CUDA single rank)
 
     @abstractmethod
@@ -33,11 +33,18 @@ class Executor(ABC):
         plan: BatchPlan,
         slots: SlotTable,
         all_rows: bool = False,
-        layer_done: Callable[[int], None] | None = None,
+        progress: StepProgress | None = None,
     ) -> torch.Tensor:
         """float32 logits of the plan's sampled rows (of every row if all_rows), gathered
-        over the vocabulary, run with the slot table `slots`. `layer_done(i)` after layer i
-        (only if supports_hand_over)."""
+        over the vocabulary, run with the slot table `slots`. `progress` (only if
+        supports_hand_over) learns how far the step has got: layer by layer in an eager
+        step, all at once after a graph replay."""
+
+    @abstractmethod
+    def graph_stats(self) -> dict[str, int]:
+        """How decode steps ran: `graphs_captured` (CUDA graphs held, on the rank with
+        fewest), `graph_replays` and `eager_decode_steps` (decode-only steps run without
+        a graph), since start."""
 
     @abstractmethod
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

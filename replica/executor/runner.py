@@ -7,12 +7,13 @@ the same config, running the plans rank 0 sends it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+import kernels
 from replica.config import EngineConfig
+from replica.device import StepProgress
 from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan, build_batch
 from replica.executor.memory_profile import size_kv_cache
@@ -50,10 +51,14 @@ class ModelRunner(Executor):
         self.scratch_block = self.num_blocks
         self.kv = KVCache(local, self.num_blocks + 1, c.block_size, device, dtype)
         self.slot_tensors = SlotTensors(self.lora.num_slots, device, self.lora.groups)
+        self.max_num_batched_tokens, self.max_num_seqs = c.max_num_batched_tokens, c.max_num_seqs
+        self.eager_decode_steps = 0  # decode-only steps the static path did not take
         self.static_decode: StaticDecode | None = None
-        if c.cuda_graphs and device.type == "cuda" and tp is None:
+        if c.cuda_graphs and device.type == "cuda":
             self.static_decode = self.make_static_decode(c.max_num_seqs)
-            self.static_decode.capture()
+        if device.type == "cuda" and tp is None:  # a TP group starts its ranks together
+            self.warm_up()
+            self.capture()
 
     def make_static_decode(self, max_num_seqs: int) -> StaticDecode:
         """The fixed-shape decode path over this rank's model and cache."""
@@ -63,22 +68,64 @@ class ModelRunner(Executor):
             self.block_size, self.scratch_block, self.device,
         )  # fmt: skip
 
+    def warm_up(self) -> None:
+        """Run once every shape this rank's steps can launch Triton kernels at (the steps
+        of kernels.warm_up_batches, the static decode's buckets), on the scratch block:
+        every kernel compiles now, not under the first request of a new shape. Under
+        tensor parallelism every rank runs it at once (its collectives pair up)."""
+        spec = self.model.spec
+        windows = sorted({w for i in range(spec.num_layers) if (w := spec.window(i))})
+        kernels.warm_up(
+            self._warm_batch, self.max_num_batched_tokens, self.max_num_seqs,
+            self.max_model_len, self.block_size, windows,
+        )  # fmt: skip
+        if self.static_decode is not None:
+            self.static_decode.warm_up()
+
+    def capture(self) -> None:
+        """Capture the decode graphs (after warm_up()); capture itself communicates
+        nothing, so each rank of a group captures on its own (TPGroup.warm_up then has
+        all ranks drop theirs if one could not)."""
+        if self.static_decode is not None:
+            self.static_decode.capture()
+
+    def drop_graphs(self) -> None:
+        if self.static_decode is not None:
+            self.static_decode.drop_graphs()
+
     def execute(
         self,
         plan: BatchPlan,
         slots: SlotTable,
         all_rows: bool = False,
-        layer_done: Callable[[int], None] | None = None,
+        progress: StepProgress | None = None,
     ) -> torch.Tensor:
         self.slot_tensors.update(slots)
         static = self.static_decode
-        if static is not None and not all_rows and layer_done is None and static.fits(plan):
-            return static.run(plan, slots.ranks)
+        # the path depends on (plan, all_rows) alone: every rank of a group takes the same
+        if static is not None and not all_rows and static.fits(plan):
+            logits = static.run(plan, slots.ranks)
+            if progress is not None:
+                progress.step_done()  # slot writes go behind the whole step
+            return logits
+        self.eager_decode_steps += not plan.prefill_starts
         batch, logit_rows = build_batch(
             plan, self.block_size, slots, self.device, self.slot_tensors.tensors()
         )
         rows = None if all_rows else logit_rows
+        layer_done = None if progress is None else progress.layer_done
         return self.model.forward(batch, self.kv, rows, layer_done)
+
+    def graph_stats(self) -> dict[str, int]:
+        static = self.static_decode
+        if static is None:
+            return {"graphs_captured": 0, "graph_replays": 0,
+                    "eager_decode_steps": self.eager_decode_steps}  # fmt: skip
+        return {
+            "graphs_captured": static.num_graphs,
+            "graph_replays": static.replays,
+            "eager_decode_steps": self.eager_decode_steps + static.eager_steps,
+        }
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.kv.copy_blocks(src, dst)
@@ -91,3 +138,42 @@ class ModelRunner(Executor):
 
     def shutdown(self) -> None:
         """Nothing to stop: the tensors go with the object."""
+
+    def _warm_batch(self, warm: kernels.WarmBatch) -> None:
+        """One eager step of the shapes `warm` gives, on the scratch block, with a
+        full-rank adapter on every projection group (kernels.warm_up)."""
+        bs, scratch, d = self.block_size, self.scratch_block, warm.decodes
+        lens = [n for n, _ in warm.prefills]
+        contexts = [ctx for _, ctx in warm.prefills]
+        indptr = [0]
+        for n in [1] * d + lens:
+            indptr.append(indptr[-1] + n)
+        plan = BatchPlan(
+            input_ids=[0] * indptr[-1],
+            positions=[0] * d + [p for n, c in warm.prefills for p in range(c - n, c)],
+            seg_indptr=indptr,
+            seg_slots=[1] * (len(indptr) - 1),
+            logit_rows=[end - 1 for end in indptr[1:]],
+            decode_tables=[[scratch] * warm.table_width] * d,
+            decode_context_lens=[1] * d,
+            decode_new_slots=[scratch * bs] * d,
+            prefill_starts=indptr[d:-1],
+            prefill_lens=lens,
+            prefill_context_lens=contexts,
+            prefill_tables=[[scratch] * -(-c // bs) for c in contexts],
+        )
+        batch, rows = build_batch(plan, bs, self._warm_slots(), self.device)
+        batch.attn.decode_splits = warm.decode_splits
+        self.model.forward(batch, self.kv, rows)
+
+    def _warm_slots(self) -> SlotTable:
+        """A slot table with slot 1 at the full rank in every group (at arena row 0,
+        scaling 0): every LoRA kernel launches, nothing changes any output."""
+        n, rank = self.lora.num_slots, self.lora.max_rank
+        groups = self.lora.table.ranks
+        return SlotTable(
+            ranks={g: [0, rank] + [0] * (n - 2) for g in groups},
+            scalings=[0.0] * n,
+            offsets={g: [0] * n for g in groups},
+            version=-1,
+        )

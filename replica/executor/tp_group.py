@@ -43,11 +43,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from replica.adapters.sharded import ShardedSlotWriter, ShardedSource
 from replica.adapters.sources import AdapterLocator
 from replica.config import EngineConfig
-from replica.device import device_uuid, other_visible_gpus
+from replica.device import StepProgress, device_uuid, other_visible_gpus
 from replica.executor.base import Executor
 from replica.executor.batch import BatchPlan
 from replica.executor.runner import ModelRunner
-from replica.executor.tp_worker import StepMessage, TPWorker
+from replica.executor.tp_worker import DROP_GRAPHS, WARM_UP, StepMessage, TPWorker
 from replica.model.lora_slots import Rows, SlotTable
 from replica.model.spec import load_model_spec
 from replica.model.tp_comm import TPComm
@@ -83,6 +83,8 @@ class TPGroup:
         self._runs: list[ray.ObjectRef] = []
         self._failure: str | None = None
         self._closed = False
+        self._steps = 0  # steps broadcast so far: the next one's number on every rank
+        self.rank_graphs: list[int] = []  # decode graphs ranks 1..N-1 captured (warm_up)
 
     @classmethod
     def start(
@@ -139,6 +141,31 @@ class TPGroup:
 
     # -- steps ---------------------------------------------------------------------------------
 
+    def warm_up(self, runner: ModelRunner) -> None:
+        """Every rank warms up (its collectives pair with the others') and captures its
+        decode graphs (ModelRunner.warm_up, capture); returns once all have. If some rank
+        could not capture them all (out of memory), every rank drops its graphs: all run
+        the same kind of step, never a replayed collective against an eager one."""
+        self.check()
+        try:
+            self.rank.comm.broadcast_object(WARM_UP)
+            runner.warm_up()
+            runner.capture()
+            stats = ray.get(
+                [w.graph_stats.remote(STARTUP_TIMEOUT_S) for w in self.workers],
+                timeout=STARTUP_TIMEOUT_S,
+            )
+            counts = [runner.graph_stats()["graphs_captured"]]
+            counts += [s["graphs_captured"] for s in stats]
+            if len(set(counts)) > 1:
+                log.warning("decode graphs captured per rank: %s; every rank runs eagerly", counts)
+                self.rank.comm.broadcast_object(DROP_GRAPHS)
+                runner.drop_graphs()
+                counts = [0] * self.size
+        except Exception as e:
+            raise self._failed(e) from e
+        self.rank_graphs = counts[1:]
+
     def execute(
         self,
         runner: ModelRunner,
@@ -146,23 +173,34 @@ class TPGroup:
         slots: SlotTable,
         all_rows: bool = False,
         copies: tuple[list[int], list[int]] = ([], []),
+        progress: StepProgress | None = None,
     ) -> torch.Tensor:
         """Send the step (and the block copies rank 0 made since the last one) to every
-        rank, run rank 0's part; the logits of every rank's vocab shard come back gathered."""
+        rank, run rank 0's part; the logits of every rank's vocab shard come back gathered.
+        `progress` learns the step's number, which the other ranks' slot writes of a
+        hand-over wait behind (load_on_ranks)."""
         self.check()
-        msg = StepMessage(plan, slots, all_rows, copies)
+        step, self._steps = self._steps, self._steps + 1
+        msg = StepMessage(plan, slots, all_rows, copies, step)
+        if progress is not None:
+            progress.begin(step)
         try:
             self.rank.comm.broadcast_object(msg)
-            return runner.execute(plan, slots, all_rows)
+            return runner.execute(plan, slots, all_rows, progress)
         except Exception as e:
             raise self._failed(e) from e
 
     # -- adapters ------------------------------------------------------------------------------
 
-    def load_on_ranks(self, rows: Rows, name: str, locator: AdapterLocator) -> list[ray.ObjectRef]:
+    def load_on_ranks(
+        self, rows: Rows, name: str, locator: AdapterLocator, after_step: int | None = None
+    ) -> list[ray.ObjectRef]:
         """Ranks 1..N-1 start loading their shards of `name` into each group's arena rows
-        from `rows[group]` (rank 0's choice)."""
-        return [w.load.remote(rows, name, locator, LOAD_TIMEOUT_S) for w in self.workers]
+        from `rows[group]` (rank 0's choice), each behind its own step `after_step` (a
+        hand-over: that step still reads the rows) when given."""
+        return [
+            w.load.remote(rows, name, locator, LOAD_TIMEOUT_S, after_step) for w in self.workers
+        ]
 
     def wait_loads(self, pending: list[ray.ObjectRef]) -> None:
         try:
@@ -302,25 +340,36 @@ def _first_line(error: Exception) -> str:
 class TPExecutor(Executor):
     """Rank 0 of a tensor-parallel group as the engine's executor."""
 
-    supports_hand_over = False  # the other ranks' copies cannot be ordered behind our layers
+    supports_hand_over = True  # each rank's share of a slot waits behind its own step
 
     def __init__(self, group: TPGroup, runner: ModelRunner) -> None:
         self.group, self.runner = group, runner
         self.model, self.lora, self.num_blocks = runner.model, runner.lora, runner.num_blocks
         self.max_model_len = runner.max_model_len
         self._copies: tuple[list[int], list[int]] = ([], [])  # for ranks 1..N-1, next step
+        if runner.device.type == "cuda":
+            try:
+                group.warm_up(runner)
+            except BaseException:
+                group.shutdown()
+                raise
 
     def execute(
         self,
         plan: BatchPlan,
         slots: SlotTable,
         all_rows: bool = False,
-        layer_done: Callable[[int], None] | None = None,
+        progress: StepProgress | None = None,
     ) -> torch.Tensor:
-        if layer_done is not None:
-            raise ValueError("slot hand-over is not supported with tensor parallelism")
         copies, self._copies = self._copies, ([], [])
-        return self.group.execute(self.runner, plan, slots, all_rows, copies)
+        return self.group.execute(self.runner, plan, slots, all_rows, copies, progress)
+
+    def graph_stats(self) -> dict[str, int]:
+        """Rank 0's counts (every rank runs every step the same way, a graph or its eager
+        forward), with the fewest graphs any rank captured."""
+        stats = self.runner.graph_stats()
+        stats["graphs_captured"] = min([stats["graphs_captured"], *self.group.rank_graphs])
+        return stats
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Rank 0 copies now; the other ranks with the next step's message, before its

@@ -3,14 +3,18 @@
 Each builds its own shard of the model, adapter slots and KV cache from the engine
 config, then loops: receive rank 0's step message (one broadcast per step), make the KV
 block copies it carries (forks), run the forward (whose collectives pair with rank 0's),
-until rank 0 sends None. Adapter loads arrive as separate actor calls, on another thread
-of the actor, for slots rank 0 has reserved and no step reads until every rank has
-finished loading.
+until rank 0 sends None. On CUDA the first message is WARM_UP: every rank warms up and
+captures its decode graphs at once (then DROP_GRAPHS if some rank could not). Adapter
+loads arrive as separate actor calls, on another thread of the actor, for slots rank 0
+has reserved and no step reads until every rank has finished loading; a slot handed over
+during step n (its last sequences still read it) is written only behind this rank's own
+step n.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +27,7 @@ from replica.adapters.sources import AdapterLocator
 from replica.config import EngineConfig
 from replica.device import (
     SideStreamLoader,
+    StepClock,
     device_uuid,
     rank_device,
     resolve_dtype,
@@ -46,6 +51,11 @@ class StepMessage:
     slots: SlotTable
     all_rows: bool
     copies: tuple[list[int], list[int]] = ([], [])  # (src blocks, dst blocks)
+    step: int = 0  # the step's number, counted by rank 0 from 0
+
+
+WARM_UP = "warm-up"  # rank 0's first message on CUDA: warm up and capture, all ranks at once
+DROP_GRAPHS = "drop-graphs"  # after WARM_UP, if some rank captured fewer graphs than another
 
 
 class LocatorRegistry:
@@ -78,6 +88,9 @@ class TPWorker:
         self.locators = LocatorRegistry()
         self.host_cache = HostCache(ShardedSource(self.locators, shard), c.host_cache_bytes)
         self.loader = SideStreamLoader(device)
+        self.clock = StepClock(device)  # the steps issued, for hand-over writes
+        self._warmed = threading.Event()
+        self._warm_error: BaseException | None = None
 
     def ready(self) -> dict[str, Any]:
         """Where this rank runs (pid, placement group, its GPU's UUID or None), once its
@@ -97,20 +110,59 @@ class TPWorker:
         """Run rank 0's steps until it sends None; returns how many ran."""
         steps = 0
         while (msg := self.tp.comm.broadcast_object()) is not None:
+            if msg == WARM_UP:
+                self._warm_up()
+                continue
+            if msg == DROP_GRAPHS:
+                self.runner.drop_graphs()
+                continue
             self.runner.copy_blocks(*msg.copies)
             self.runner.execute(msg.plan, msg.slots, msg.all_rows)
+            self.clock.issued(msg.step)
             steps += 1
         self.tp.comm.close()
         self.loader.shutdown()
         return steps
 
-    def load(self, rows: Rows, name: str, locator: AdapterLocator, timeout_s: float) -> None:
+    def graph_stats(self, timeout_s: float) -> dict[str, int]:
+        """This rank's ModelRunner.graph_stats, once its warm-up and capture are done."""
+        if not self._warmed.wait(timeout_s):
+            raise TimeoutError(f"rank {self.tp.shard.rank} did not warm up within {timeout_s}s")
+        if self._warm_error is not None:
+            raise RuntimeError(f"rank {self.tp.shard.rank} failed to warm up") from self._warm_error
+        return self.runner.graph_stats()
+
+    def _warm_up(self) -> None:
+        try:
+            self.runner.warm_up()
+            self.runner.capture()
+        except BaseException as e:
+            self._warm_error = e
+            raise
+        finally:
+            self._warmed.set()
+
+    def load(
+        self,
+        rows: Rows,
+        name: str,
+        locator: AdapterLocator,
+        timeout_s: float,
+        after_step: int | None = None,
+    ) -> None:
         """Copy this rank's shard of adapter `name` into each group's arena rows from
-        `rows[group]`; returns once it is there."""
+        `rows[group]`, behind this rank's step `after_step` when given (a hand-over);
+        returns once it is there."""
         if self.locators.update(name, locator):
             self.host_cache.drop(name)
         weights = self.host_cache.get(name)
-        self.loader.submit(lambda: self.runner.lora.write(rows, weights)).wait(timeout_s)
+
+        def write() -> None:
+            if after_step is not None:
+                self.clock.wait(after_step, timeout_s)
+            self.runner.lora.write(rows, weights)
+
+        self.loader.submit(write).wait(timeout_s)
 
     def slot_weights(
         self, layer: int, group: str, row0: int, rank: int

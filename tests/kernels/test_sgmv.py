@@ -11,11 +11,13 @@ than by a rounding error.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import subprocess
 import sys
 import textwrap
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ try:
     from triton.runtime.interpreter import InterpretedFunction
 
     from kernels import sgmv_triton
+    from tests.kernels.launches import recorded_launches
 except ImportError:  # a platform without triton still tests the torch path
     sgmv_triton = None
 needs_triton = pytest.mark.skipif(sgmv_triton is None, reason="triton is not installed")
@@ -213,6 +216,44 @@ def test_graph_safe_decode_matches_reference(backend, popularity, dtype):
     case = make_case(popularity, 9, "decode", dtype, 3, seed)
     case = dataclasses.replace(case, seg=dataclasses.replace(case.seg, graph_safe=True))
     check_backend(backend, case)
+
+
+@needs_triton
+def test_a_graph_safe_launch_reads_only_tensors_its_caller_holds(monkeypatch):
+    """A CUDA graph keeps the addresses its launches read, so each must stay owned by the
+    step's buffers for the graph's life. A decode expand's launches, then 70 expands of
+    other slice layouts (past any cache of 64): every tensor the first launches read is
+    still alive and where it was, and the same call reads the same addresses again."""
+    case = make_case("uniform", 7, "decode", torch.float32, 3, seed=8)
+    seg = dataclasses.replace(case.seg, graph_safe=True)
+    inter = lora_shrink_reference(case.x, case.a, seg, R)
+    kernels_ = (sgmv_triton._expand_bgmv_kernel, sgmv_triton._expand_kernel)
+    y = case.y.clone()
+    with kernels.forced_backend("triton"), recorded_launches(monkeypatch, *kernels_) as seen:
+        kernels.lora_expand(y, inter, case.b, seg, case.slice_offsets)
+        first = [dict(launch.args) for launch in seen]
+        read = [
+            (weakref.ref(t), t.data_ptr()) for args in first for t in args.values()
+            if isinstance(t, torch.Tensor)
+        ]  # fmt: skip
+        del first
+        seen.clear()
+        other = make_case("identical", 1, "decode", torch.float32, 3, seed=1)
+        for w in range(1, 71):  # 70 other slice layouts: [w, 1, 1] wide
+            cols = [0, w, w + 1, w + 2]
+            y_w = torch.zeros(other.x.shape[0], cols[-1], device=TEST_DEVICE)
+            b_w = torch.zeros(cols[-1], other.b.shape[1], device=TEST_DEVICE)
+            kernels.lora_expand(y_w, lora_shrink_reference(other.x, other.a, other.seg, R), b_w,
+                                other.seg, cols)  # fmt: skip
+        seen.clear()
+        gc.collect()
+        assert all(ref() is not None and ref().data_ptr() == ptr for ref, ptr in read)
+        kernels.lora_expand(y, inter, case.b, seg, case.slice_offsets)
+        again = [t.data_ptr() for t in seen[0].args.values() if isinstance(t, torch.Tensor)]
+    assert again == [ptr for _, ptr in read]
+    held = (y, inter, case.b, seg.seg_indptr, seg.seg_slots, seg.slot_ranks,
+            seg.slot_scalings, seg.slot_offsets)  # fmt: skip
+    assert set(again) == {t.data_ptr() for t in held}  # nothing but the caller's tensors
 
 
 @pytest.mark.parametrize("graph_safe", [False, True])
@@ -441,7 +482,7 @@ def test_triton_kernels_compile_for_cuda(tmp_path):
                 shrink = ints | {"x_ptr": p, "a_ptr": p, "out_ptr": "*fp32"}
                 build(st._shrink_kernel, shrink, st.shrink_config(seg_len, 4096, 64, dtype))
                 expand = ints | {"inter_ptr": "*fp32", "b_ptr": p, "y_ptr": p,
-                                 "scalings_ptr": "*fp32", "slice_offsets_ptr": "*i32"}
+                                 "scalings_ptr": "*fp32"}
                 build(st._expand_kernel, expand, st.expand_config(seg_len, dtype))
             for r in (16, 64):  # the decode (BGMV) kernels
                 build(st._shrink_bgmv_kernel, shrink, st.shrink_bgmv_config(4096, r))

@@ -70,8 +70,8 @@ def test_bf16_logits_stay_close_to_the_fp32_oracle(tiny):
 
 def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
     """More adapters than slots, loads on the side stream overlapped with compute (also
-    into slots whose batch is running its last step): the same tokens as the CPU engine,
-    slot bookkeeping intact after every step."""
+    into slots whose batch is running its last step, a replayed graph or an eager prefill
+    step): the same tokens as the CPU engine, slot bookkeeping intact after every step."""
     names = list(tiny.adapters)
     adapters = [None if i % 5 == 4 else names[i % len(names)] for i in range(20)]
     requests = [(prompt(i), GREEDY, a) for i, a in enumerate(adapters)]
@@ -92,9 +92,9 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
     want = [s.output_ids for s in cpu.generate(requests)]
     assert [s.output_ids for s in seqs] == want
     assert gpu.adapters.prefetcher.loads_started >= len(names) > gpu.config.num_slots - 1  # churned
-    assert (
-        gpu.adapters.prefetcher.handovers > 0
-    )  # loads ordered behind a step's layers by CUDA events
+    # loads ordered behind a step (its layers, or its graph replay) by CUDA events
+    assert gpu.adapters.prefetcher.handovers > 0
+    assert gpu.graph_stats()["eager_decode_steps"] == 0  # hand-over steps replay too
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "temperature", "top-k-top-p"])
@@ -137,11 +137,16 @@ def test_decode_graphs_are_captured_for_every_bucket(tiny):
     static = eng.executor.static_decode
     assert static is not None and static.buckets == [1, 2, 4, 8, 16]
     assert static.num_graphs == 2 * len(static.buckets)  # with and without LoRA
+    assert eng.graph_stats() == {
+        "graphs_captured": 10, "graph_replays": 0, "eager_decode_steps": 0,
+    }  # fmt: skip
+    assert static.logits.shape == (16, eng.spec.vocab_size)  # one buffer for every graph
 
 
 def test_graph_replay_equals_eager_across_adapter_loads(tiny):
-    """More adapters than slots, so adapters load and slots activate between replays: the
-    tokens of CUDA-graph decode equal those of eager decode on the same GPU."""
+    """More adapters than slots, so adapters load and slots activate between replays (and
+    slots are handed over during replayed steps): the tokens of CUDA-graph decode equal
+    those of eager decode on the same GPU, and the counters say which path ran."""
     names = list(tiny.adapters)
     adapters = [None if i % 4 == 3 else names[i % len(names)] for i in range(14)]
     requests = [(prompt(i, 5 + i % 7), GREEDY, a) for i, a in enumerate(adapters)]
@@ -150,26 +155,59 @@ def test_graph_replay_equals_eager_across_adapter_loads(tiny):
         eng = engine(tiny, "cuda", num_slots=3, max_loras_per_batch=2, cuda_graphs=graphs)
         for name, path in tiny.adapters.items():
             eng.load_adapter(name, path)
-        replays: list[int] = []
-        static = eng.executor.static_decode
-        if static is not None:
-            real = static.run
-            static.run = lambda *a, _real=real, _seen=replays: _seen.append(1) or _real(*a)
         results.append([s.output_ids for s in eng.generate(requests)])
-        assert bool(replays) == graphs
+        stats = eng.graph_stats()
+        if graphs:
+            assert stats["graph_replays"] > 0 and stats["eager_decode_steps"] == 0, stats
+        else:
+            assert stats["graph_replays"] == 0 and stats["eager_decode_steps"] > 0, stats
     assert results[0] == results[1]
 
 
-def test_a_failed_capture_leaves_decode_eager_and_the_engine_serving(tiny, monkeypatch):
-    def no_graphs(*args, **kwargs):
-        raise RuntimeError("out of memory (simulated)")
+def test_out_of_memory_in_capture_leaves_decode_eager_and_the_engine_serving(tiny, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
 
-    monkeypatch.setattr(torch.cuda, "graph", no_graphs)
+    monkeypatch.setattr(torch.cuda, "graph", no_memory)
     eng = engine(tiny, "cuda")
-    assert eng.executor.static_decode.num_graphs == 0
+    assert eng.graph_stats()["graphs_captured"] == 0
     want = engine(tiny, "cuda", cuda_graphs=False).generate([(prompt(1), GREEDY, None)])
     got = eng.generate([(prompt(1), GREEDY, None)])
     assert got[0].output_ids == want[0].output_ids
+    assert eng.graph_stats()["eager_decode_steps"] > 0
+
+
+def test_any_other_capture_failure_fails_the_start(tiny, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    with pytest.raises(RuntimeError, match="CUDA graph capture of decode bucket"):
+        engine(tiny, "cuda")
+
+
+def test_nothing_compiles_while_serving(tiny):
+    """Every Triton kernel variant a varied workload launches was compiled at start."""
+    from tests.replica.executor.test_graphs import triton_kernels
+
+    jitted = triton_kernels()
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for k in jitted for cache in k.device_caches.values())
+
+    names = [None, *tiny.adapters]
+    eng = engine(tiny, "cuda", num_slots=len(names), max_num_seqs=24, block_size=4)
+    for name, path in tiny.adapters.items():
+        eng.load_adapter(name, path)
+    at_start = compiled()
+    sp = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    for i, n in enumerate([1, 2, 3, 9, 17, 40, 70, *range(4, 22)]):
+        eng.add_request(prompt(i, n), sp, names[i % len(names)])
+        if i % 3 == 0:
+            eng.step()
+    drain(eng)
+    eng.score(prompt(2, 30), names[1])
+    assert compiled() == at_start
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

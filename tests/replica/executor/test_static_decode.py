@@ -176,7 +176,7 @@ def test_graph_steps_of_a_bucket_run_the_same_ops_on_the_same_buffers(tiny, monk
         static = static_for(eng, 8)
         plan, _ = next_plan(eng)
         assert static.bucket(len(plan.decode_context_lens)) == 8
-        buffers = dict(static.inputs.tensors)
+        buffers = dict(static.inputs.tensors, block_tables=static.inputs.block_tables)
         buffers |= {f"ranks.{g}": t for g, t in eng.executor.slot_tensors.ranks.items()}
         buffers["scalings"] = eng.executor.slot_tensors.scalings
         buffers |= {f"offsets.{g}": t for g, t in eng.executor.slot_tensors.offsets.items()}

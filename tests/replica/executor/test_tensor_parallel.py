@@ -7,6 +7,7 @@ a time, so every test (or class) builds its own TP=2 engine and shuts it down.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -24,6 +25,7 @@ from replica.model.adapter_weights import load_peft_adapter
 from replica.model.tp_shard import TPShard
 from replica.wire import SamplingParams
 from tests.conftest import tiny_assets
+from tests.replica.executor.test_graphs import FakeGraphs
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +73,10 @@ def staggered(eng: LLMEngine, requests) -> list[list[int]]:
             return [s.output_ids for s in seqs]
         eng.step()
     raise AssertionError("engine did not drain")
+
+
+def peft_rank(path) -> int:
+    return json.loads((path / "adapter_config.json").read_text())["r"]
 
 
 def worker(eng: LLMEngine):
@@ -249,6 +255,47 @@ def test_adapter_churn_keeps_every_rank_on_rank0s_slots(tiny):
         two.shutdown()
     one = engine(tiny)
     assert [s.output_ids for s in seqs] == [one.generate([r])[0].output_ids for r in reqs]
+
+
+def test_slots_handed_over_mid_step_are_written_on_every_rank_behind_that_step(monkeypatch):
+    """Batches that end at once hand their slots to the next adapters during their last
+    step: rank 0 writes behind its own step, rank 1 behind the same step of its own (by
+    the step's number). Rank 1's slots hold rank 0's adapters after every step and the
+    tokens equal TP=1's. Before, all ranks warm up at once (rank 0's message, collectives
+    paired); rank 0 'captures' graphs (a fake) that rank 1 cannot (CPU), so every rank
+    drops its graphs: no rank replays a collective another runs eagerly."""
+    many = tiny_assets("llama", num_adapters=16)
+    names = [n for n, p in many.adapters.items() if peft_rank(p) == 64]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    kw = {"num_slots": 3, "max_loras_per_batch": 2, "host_cache_bytes": 0}
+    two = engine(many, tp_size=2, **kw)
+    try:
+        runner = two.executor.runner
+        static = runner.make_static_decode(4)
+
+        def capture() -> None:  # graphs on rank 0 only (recorded, nothing run)
+            static.capture(FakeGraphs(run=False))
+            runner.static_decode = static
+
+        monkeypatch.setattr(runner, "capture", capture)
+        two.executor.group.warm_up(runner)  # what a CUDA group does at start
+        assert static.num_graphs == 0 and two.executor.group.rank_graphs == [0]
+        runner.static_decode = None  # rank 1 has none either (CPU)
+        reqs = [(p, sp, names[i % len(names)]) for i, p in enumerate(prompts(512, [8] * 8))]
+        seqs = [two.add_request(*r) for r in reqs]
+        for _ in range(2000):
+            if not two.has_work():
+                break
+            two.step()
+            check_rank1_slots(two)
+        assert two.adapters.prefetcher.handovers >= 2
+        stats = two.graph_stats()
+        assert stats["graphs_captured"] == 0 and stats["graph_replays"] == 0  # CPU: eager
+        assert stats["eager_decode_steps"] > 0
+    finally:
+        two.shutdown()
+    one = engine(many, **kw)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in one.generate(reqs)]
 
 
 def test_unload_and_register_again_reaches_every_rank(tiny):
