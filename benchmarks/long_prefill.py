@@ -25,7 +25,16 @@ each alike. Printed and written: each run's time, peak and loaded resident set, 
 variant the median and range of the time, its ratio to hf's median time and to hf's run
 of the same repeat (paired), the same for CPU time (user + system, all threads), and its
 median peak beside hf's plus the KV bytes (ours: the engine's cache, sized to the prompt,
-held from load on; hf: its DynamicCache, grown during the run).
+held from load on; hf: its DynamicCache, grown during the run). Each run records the
+1-minute load average when it ends.
+
+The children inherit the environment, OpenMP's included (recorded as `omp_env`). On a
+CPU shared with other jobs it matters: libgomp, unless told otherwise, spins at every
+parallel region's barrier (each large elementwise op, GEMM or attention call is one)
+while its partner thread waits for a core, so a run's CPU time grows with its number of
+ops, not only its work: four 2048-token steps pay it four times where one 8k step pays
+it once. `OMP_WAIT_POLICY=passive python -m benchmarks.long_prefill ...` makes waiting
+threads sleep instead (`OMP_NUM_THREADS=1` runs one thread), for every variant alike.
 """
 
 from __future__ import annotations
@@ -132,7 +141,7 @@ def child(variant: str, tokens: int) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return {
         "variant": variant, "seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak,
-        "loaded_rss": loaded,
+        "loaded_rss": loaded, "load_average": os.getloadavg()[0],
     }  # fmt: skip
 
 
@@ -206,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"run {rep} {variant:13s} {r['seconds']:7.2f} s (cpu {r['cpu_seconds']:6.1f} s)"
                 f"  peak {r['peak_rss'] / GB:5.2f} GB"
-                f"  loaded {r['loaded_rss'] / GB:5.2f} GB",
+                f"  loaded {r['loaded_rss'] / GB:5.2f} GB  load {r['load_average']:.1f}",
                 flush=True,
             )
     summary = summarize(runs, args.tokens)
@@ -232,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
             "cpus": os.cpu_count(),
             "torch": __import__("torch").__version__,
             "transformers": __import__("transformers").__version__,
+            "torch_threads": __import__("torch").get_num_threads(),
+            # libgomp's wait at a parallel region's barrier: unset spins (see the module
+            # docstring)
+            "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
         },
         "date": time.strftime("%Y-%m-%d"),
         "memory": "peak resident set per process (getrusage ru_maxrss); loaded_rss is "

@@ -61,7 +61,7 @@ def prefill_attention(
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return out.copy_(o[0].transpose(0, 1))
     if window is None and soft_cap is None and q.device.type == "cpu" and FLASH_CPU_WITH_LSE:
-        return out.copy_(_earlier_then_causal(qh, kh, vh, scale)[0].transpose(0, 1))
+        return _earlier_then_causal(qh, kh, vh, scale, out)
     per_row = ctx * 4 * (q.shape[1] if soft_cap is not None else 1)  # bytes a row holds
     rows = max(16, CHUNK_BYTES // per_row)
     for i0 in range(0, n, rows):
@@ -85,18 +85,25 @@ def _earlier_then_causal(
     kh: torch.Tensor,  # [1, KVH, ctx, hd], ctx > n
     vh: torch.Tensor,
     scale: float,
-) -> torch.Tensor:  # [1, H, n, hd], q.dtype
+    out: torch.Tensor,  # [n, H, hd], q.dtype
+) -> torch.Tensor:  # out
     """Lower-right causal attention as two flash calls: the earlier ctx - n positions
     (seen by every row) and the last n (causal), each weighted by its share of the
     softmax's denominator: the earlier part's is e^lse1 / (e^lse1 + e^lse2), i.e.
-    sigmoid(lse1 - lse2), and the causal part's the rest."""
+    sigmoid(lse1 - lse2), and the causal part's the rest. fp32 merges straight into
+    `out` (no copy after: on a CPU one parallel region less)."""
     earlier = kh.shape[2] - qh.shape[2]
     o1, lse1 = FLASH_CPU_WITH_LSE(qh, kh[:, :, :earlier], vh[:, :, :earlier], scale=scale)[:2]
     o2, lse2 = FLASH_CPU_WITH_LSE(
         qh, kh[:, :, earlier:], vh[:, :, earlier:], is_causal=True, scale=scale
     )[:2]
     w1 = torch.sigmoid(lse1 - lse2)[..., None]  # [1, H, n, 1]
-    return torch.lerp(o2.float(), o1.float(), w1).to(qh.dtype)  # o2 + w1 * (o1 - o2)
+    merged = out.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd] view of out
+    if o1.dtype == torch.float32:
+        torch.lerp(o2, o1, w1, out=merged)  # o2 + w1 * (o1 - o2)
+    else:
+        merged.copy_(torch.lerp(o2.float(), o1.float(), w1))
+    return out
 
 
 def _visible(

@@ -8,7 +8,7 @@ context, other processes), is the budget; in vLLM's order it holds
   weights        this rank's share of the model in the engine's dtype, and rotary tables
   activations    the peak working memory of the largest step: max_num_batched_tokens
                  tokens (at most max_model_len) of one prefill chunk ending at
-                 max_model_len, so attention gathers the longest context, with LoRA on and
+                 max_model_len (the longest context a chunk attends to), with LoRA on and
                  a logit row per token (prompt logprobs), plus the sampler's working
                  copies over max_num_seqs rows. At start a single-rank replica measures
                  the forward's peak (memory_profile.py); elsewhere it is estimated
@@ -183,14 +183,19 @@ def step_bytes(
     attends over `context` positions (0: decode tokens, read from the cache in place),
     with `logit_rows` logit rows: what persists through the step (the residual stream,
     the LoRA workspace) plus the largest of its phases. Per rank, with b the dtype's bytes,
-    T tokens, h hidden, q/kv/i this rank's query, KV and MLP widths, V the vocabulary:
+    T tokens, h hidden, q/kv/i this rank's query, KV and MLP widths, H/kvh its query and
+    KV heads, hd the head dim, C the context, V the vocabulary:
       residual + LoRA   T·h·b + T·lora_cols·4 (one fp32 column block per projection slice)
       norm              T·h·(b + 8): fp32 x and its square, the normed output
-      attention         T·(2q + 3kv + q)·b: q/k/v, the rotated q and k, the output; with
-                        qk_norm T·(q + kv)·4 more; a prefill over a longer context gathers
-                        its K and V, 2·kvh·C·hd·b, and builds a [T, C] mask of 1+b bytes;
-                        with a soft cap (Gemma 2) its fp32 scores, three of [H, T, C], and
-                        K, V repeated to H heads in fp32
+      attention         T·(q + 2kv)·b + T·(q + kv)·b: the projection's q/k/v and the rotated
+                        q and k; then the larger of the rotation's products, T·(q + kv)·b
+                        (with qk_norm T·(q + kv)·(2b + 8): the normed q and k and the norm's
+                        two fp32 temporaries too), and the output T·q·b plus, where SDPA's
+                        flash kernel runs the prefill (flash_prefill), its output and
+                        log-sum-exp T·q·b + T·H·4 and, for a chunk over a longer context
+                        (C > T), the K and V it gathers out of the cache, 2·kvh·C·hd·b. The
+                        Triton kernel (soft caps, windows, fp32) reads the cache in place
+                        into the output: no scores, mask or gathered K/V on any path
       dense MLP         T·(h + 4i)·b: the normed input, gate and up, act(gate), the product
       experts           P·(4h + 4i)·b + T·E·(b + 4) + P·32 for P = T·k (token, expert)
                         pairs: their inputs, gate/up, activation, outputs, the weighted copy
@@ -207,11 +212,13 @@ def step_bytes(
     ) * s.num_layers  # fmt: skip
     persistent = t * h * b + t * lora_cols * f32
     norm = t * h * (b + 8)
-    attention = t * (2 * q + 3 * kv + q) * b + (t * (q + kv) * f32 if s.qk_norm else 0)
-    if context > t:
-        attention += 2 * s.num_kv_heads * context * hd * b + t * context * (1 + b)
-    if context and s.attn_soft_cap is not None:
-        attention += 3 * s.num_heads * t * context * f32 + 2 * s.num_heads * context * hd * f32
+    rotation = t * (q + kv) * (2 * b + 2 * f32 if s.qk_norm else b)
+    output = t * q * b
+    if context and flash_prefill(s, dtype, context):
+        output += t * q * b + t * s.num_heads * f32
+        if context > t:
+            output += 2 * s.num_kv_heads * context * hd * b
+    attention = t * (q + 2 * kv) * b + t * (q + kv) * b + max(rotation, output)
     mlp = t * (h + 4 * s.intermediate_size) * b
     if s.num_experts:
         pairs = t * s.num_experts_per_tok
@@ -222,6 +229,17 @@ def step_bytes(
     if fp32_logits:
         head += r * vocab * f32 * (2 if s.final_soft_cap is not None else 1)
     return persistent + max(norm, attention, mlp, head)
+
+
+def flash_prefill(spec: ModelSpec, dtype: torch.dtype, context: int) -> bool:
+    """Whether some layer's prefill over `context` positions may run on SDPA's flash
+    kernel on CUDA (kernels.prefill_attention_triton: a half dtype, no soft cap, no window
+    shorter than the context; it also needs a head dim and GPU flash takes, so this may
+    say yes where the Triton kernel runs). Every other prefill runs the Triton kernel."""
+    if dtype not in (torch.float16, torch.bfloat16) or spec.attn_soft_cap is not None:
+        return False
+    windows = (spec.window(i) for i in range(spec.num_layers))
+    return any(w is None or w >= context for w in windows)
 
 
 def sampler_bytes(spec: ModelSpec, config: EngineConfig, rows: int) -> int:

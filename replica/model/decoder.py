@@ -26,7 +26,7 @@ from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.moe import SparseMoE
-from replica.model.rope import RotaryEmbedding
+from replica.model.rope import RotaryEmbedding, Rotation
 from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
 from replica.model.tp_layers import TPRank
 from replica.model.weights import open_checkpoint
@@ -158,17 +158,19 @@ class DecoderLayer:
         batch: ForwardBatch,
         kv: KVCache,
         ws: LoRAWorkspace | None,
+        rotation: Rotation,  # self.rope at batch.positions
     ) -> torch.Tensor:
         s = self.spec
-        t = x.shape[0]
+        t, heads, kv_heads, hd = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"], ws)
-        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(t, s.num_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        v = v.view(t, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope.apply(q, k, batch.positions)
+        v = qkv[:, s.q_size + s.kv_size :].view(t, kv_heads, hd)
+        if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
+            qk = qkv[:, : s.q_size + s.kv_size].view(t, heads + kv_heads, hd)
+            q, k = rotation.rotate(qk).split([heads, kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : s.q_size].view(t, heads, hd))
+            k = self.k_norm(qkv[:, s.q_size : s.q_size + s.kv_size].view(t, kv_heads, hd))
+            q, k = rotation.rotate(q), rotation.rotate(k)
         attn = paged_attention(
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.scale, self.window, self.soft_cap,
@@ -227,6 +229,7 @@ class CausalLM:
             self.lm_head = self.embed
         else:
             self.lm_head = layout.vocab(lm_head=True).to(self.device, dtype)
+        self.ropes = [r for _, r in ropes]
         layout.check_all_read()
 
     def step_weights(self) -> list[torch.Tensor]:
@@ -268,8 +271,10 @@ class CausalLM:
         ws = None  # one zeroed intermediate for every LoRA projection of the step
         if self.lora_cols and any(seg.has_lora for seg in batch.lora.values()):
             ws = LoRAWorkspace(x.shape[0], self.lora_cols, x.device)
+        # each distinct rope's cos and sin gathered once for the step, not once a layer
+        rotations = {id(r): r.at(batch.positions) for r in self.ropes}
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, kv, ws)
+            x = layer(x, batch, kv, ws, rotations[id(layer.rope)])
             if layer_done is not None:
                 layer_done(i)
         if logit_rows is not None:

@@ -180,7 +180,8 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position.
 
     `rotary_dim` (even, <= head_dim) is how many leading dims of each head are rotated; by
-    default int(head_dim * scaling["partial_rotary_factor"]), or head_dim.
+    default int(head_dim * scaling["partial_rotary_factor"]), or head_dim. The tables sit
+    side by side ([max_positions, 2, rotary_dim]) so a step gathers both in one op.
     """
 
     def __init__(
@@ -199,30 +200,49 @@ class RotaryEmbedding:
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, {head_dim}]")
         cos, sin = rope_tables(rotary_dim, max_positions, theta, scaling)
-        self.cos = cos.to(device=device, dtype=dtype)
-        self.sin = sin.to(device=device, dtype=dtype)
+        self.table = torch.stack([cos, sin], dim=1).to(device=device, dtype=dtype)
+        self.cos, self.sin = self.table[:, 0], self.table[:, 1]  # [P, rd] views
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         self.max_positions = max_positions
+
+    def at(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of tokens at `positions` [T]: cos and sin gathered once, for every
+        layer of the step that shares this table."""
+        cos_sin = self.table.index_select(0, positions)  # [T, 2, rd]
+        return Rotation(cos_sin[:, 0:1], cos_sin[:, 1:2], self.rotary_dim)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, hd], k: [T, KVH, hd], positions: [T] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rd]
-        sin = self.sin[positions].unsqueeze(1)
-        if self.rotary_dim == self.head_dim:
-            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        rd = self.rotary_dim  # partial rotary: dims from rd on pass through
-        return _apply_partial(q, cos, sin, rd), _apply_partial(k, cos, sin, rd)
+        rotation = self.at(positions)
+        return rotation.rotate(q), rotation.rotate(k)
 
 
-def _apply_partial(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
-) -> torch.Tensor:
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+class Rotation:
+    """cos and sin [T, 1, rotary_dim] of one step's positions, applied to any heads."""
 
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None:
+        self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, N, hd] (any strides, e.g. q and k side by side in a fused projection's
+        output) -> a rotated copy: x·cos + rotate_half(x)·sin over the first rotary_dim
+        dims, the rest passed through.
+
+        As x1·c - x2·s and x2·c + x1·s on the halves, the products rounded before the
+        sums as transformers rounds them (bit for bit its result), in four elementwise
+        ops instead of rotate_half's negation and concatenation and a product and sum
+        more: on a CPU each op is a parallel region the threads meet at."""
+        rd, half = self.rotary_dim, self.rotary_dim // 2
+        if rd == x.shape[-1]:
+            out, part = x * self.cos, x
+        else:  # partial rotary
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            part = x[..., :rd]
+            torch.mul(part, self.cos, out=out[..., :rd])
+            out[..., rd:] = x[..., rd:]
+        sin = part * self.sin  # [x1·s, x2·s]
+        out[..., :half].sub_(sin[..., half:])
+        out[..., half:rd].add_(sin[..., :half])
+        return out

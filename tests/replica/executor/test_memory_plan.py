@@ -95,7 +95,10 @@ def test_llama_3_1_8b_on_one_80gib_gpu_by_hand():
     # the largest step: 2048 tokens of a chunk ending at 131072, a logit row each
     t, cols = 2048, layers * 7 * 64  # LoRA workspace: 7 slices of rank 64 per layer
     persistent = t * h * 2 + t * cols * 4
-    attention = t * (2 * h + 3 * kv + h) * 2 + 2 * 8 * ctx * 128 * 2 + t * ctx * 3
+    # q/k/v and the rotated q and k; the output, SDPA flash's own output and log-sum-exp
+    # and the K/V it gathers for the context
+    attention = t * (h + 2 * kv) * 2 + t * (h + kv) * 2 + 2 * t * h * 2 + t * 32 * 4
+    attention += 2 * 8 * ctx * 128 * 2
     head = t * h * 2 + t * vocab * 2 + t * vocab * 4
     assert head > attention  # the logits of 2048 rows are the peak
     sampler = 64 * vocab * 16
@@ -201,20 +204,27 @@ def test_an_explicit_kv_cache_wins_within_the_budget():
     assert busy.budget_bytes == planned.budget_bytes - 10 * GiB + 512 * 2**20
 
 
-def test_step_bytes_grow_with_context_and_soft_caps():
+def test_step_bytes_budget_what_the_fused_prefill_paths_allocate():
+    """A chunk over a long context: in bf16 SDPA's flash kernel runs it, gathering its K
+    and V out of the cache (and returning its own output and log-sum-exp); the Triton
+    kernel (fp32, soft caps) reads the cache in place, so there the context adds nothing.
+    No [T, C] mask or score tensor on any path."""
     spec, config = published("Llama-3.1-8B")
     short = step_bytes(spec, config, BF16, 2048, 2048, 1, fp32_logits=False)
     long = step_bytes(spec, config, BF16, 2048, 131072, 1, fp32_logits=False)
     persistent = 2048 * 4096 * 2 + 2048 * 32 * 7 * 64 * 4
     assert short == persistent + 2048 * (4096 + 4 * 14336) * 2  # the MLP's phase
-    attention = 2048 * (2 * 4096 + 3 * 1024 + 4096) * 2
-    gather, mask = 2 * 8 * 131072 * 128 * 2, 2048 * 131072 * 3
-    assert long == persistent + attention + gather + mask
-    gemma2 = load_model_spec(family_model_dir("gemma2"))
-    capped = step_bytes(gemma2, config, torch.float32, 8, 64, 1)
-    uncapped = step_bytes(gemma2.__class__(**{**gemma2.__dict__, "attn_soft_cap": None}),
-                          config, torch.float32, 8, 64, 1)  # fmt: skip
-    assert capped > uncapped
+    qkv_rotated = 2048 * (4096 + 2 * 1024) * 2 + 2048 * (4096 + 1024) * 2
+    output, flash = 2048 * 4096 * 2, 2048 * 4096 * 2 + 2048 * 32 * 4
+    gather = 2 * 8 * 131072 * 128 * 2
+    assert long == persistent + qkv_rotated + output + flash + gather
+    fp32 = [step_bytes(spec, config, torch.float32, 2048, c, 1) for c in (2048, 131072)]
+    assert fp32[0] == fp32[1]
+    gemma2 = load_model_spec(family_model_dir("gemma2"))  # soft caps: the Triton kernel
+    uncapped = gemma2.__class__(**{**gemma2.__dict__, "attn_soft_cap": None})
+    capped = [step_bytes(gemma2, config, BF16, 2048, c, 1) for c in (2048, 131072)]
+    assert capped[0] == capped[1]
+    assert step_bytes(uncapped, config, BF16, 2048, 131072, 1) > capped[1]
 
 
 # -- at start on CUDA: torch.cuda's memory functions, monkeypatched ----------------------

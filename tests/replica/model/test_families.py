@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 from cluster.demo.families import family_model_dir
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
+from replica.model.decoder import CausalLM
+from replica.model.rope import RotaryEmbedding
 from replica.wire import SamplingParams
 from tests.oracle import (
     check_mixed_batch,
@@ -76,6 +78,30 @@ def test_family_matches_transformers_and_peft_in_one_mixed_batch(family):
     eng = engine_for(model_dir, adapters)
     got = check_mixed_batch(eng, model_dir, adapters, prompts(eng.spec.vocab_size), NEW_TOKENS)
     assert got[None] != got["all"], f"{name}: the adapter should change the continuation"
+
+
+def test_each_rope_table_is_gathered_once_a_step(monkeypatch):
+    """Gemma 3's local and global ropes: every step gathers each table's cos and sin at
+    its positions once, for all the layers sharing it (not once a layer)."""
+    eng = engine_for(family_model_dir("gemma3"), {})
+    gathered, forwards = [], []
+    at, forward = RotaryEmbedding.at, CausalLM.forward
+
+    def counted_at(rope, positions):
+        gathered.append(rope)
+        return at(rope, positions)
+
+    def counted_forward(model, *args, **kwargs):
+        forwards.append(model)
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(RotaryEmbedding, "at", counted_at)
+    monkeypatch.setattr(CausalLM, "forward", counted_forward)
+    eng.generate([(prompts(eng.spec.vocab_size)[1], GREEDY, None)])
+    ropes = eng.executor.model.ropes
+    assert len(ropes) == 2 and len({id(layer.rope) for layer in eng.executor.model.layers}) == 2
+    assert len(forwards) > NEW_TOKENS  # chunked prefill steps, then decode steps
+    assert gathered == ropes * len(forwards)
 
 
 def test_phi3_fused_projections_are_held_fused(tmp_path):

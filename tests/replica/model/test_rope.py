@@ -161,6 +161,25 @@ def test_full_rotary_apply_matches_qwen3_yarn():
     torch.testing.assert_close(ok, hk, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary_dim", [HEAD_DIM, 48], ids=["full", "partial"])
+def test_rotation_is_transformers_bit_for_bit(rotary_dim, dtype):
+    """Given the same cos and sin, the rotation is transformers' apply_rotary_pos_emb to
+    the bit (the products rounded before the sums, as it rounds them), also on q and k
+    read side by side out of a fused projection's rows, as the decoder rotates them."""
+    rope = RotaryEmbedding(HEAD_DIM, MAX_POS, THETA, None, "cpu", dtype, rotary_dim=rotary_dim)
+    positions = torch.tensor([0, 3, 7, 900, 2001, MAX_POS - 1])
+    t = len(positions)
+    g = torch.Generator().manual_seed(0)
+    qkv = (4 * torch.randn(t, 7 * HEAD_DIM, generator=g)).to(dtype)  # 4 q heads, 2 k, 1 v
+    qk = qkv[:, : 6 * HEAD_DIM].view(t, 6, HEAD_DIM)
+    ours = rope.at(positions).rotate(qk)
+    apply_fn = qwen3_apply if rotary_dim == HEAD_DIM else phi3_apply
+    hq, hk = hf_rotate(apply_fn, qk[:, :4], qk[:, 4:], rope.cos[positions], rope.sin[positions])
+    assert torch.equal(ours[:, :4], hq) and torch.equal(ours[:, 4:], hk)
+    assert torch.equal(qkv[:, : 6 * HEAD_DIM].view(t, 6, HEAD_DIM), qk)  # input untouched
+
+
 def test_tables_computed_in_fp32_then_cast():
     fp32 = RotaryEmbedding(HEAD_DIM, 512, THETA, YARN, "cpu", torch.float32)
     bf16 = RotaryEmbedding(HEAD_DIM, 512, THETA, YARN, "cpu", torch.bfloat16)
