@@ -18,6 +18,7 @@ from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
 from tests.conftest import tiny_assets
+from tests.net import free_port
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -184,18 +185,12 @@ def nothing_starts(monkeypatch):
     monkeypatch.setattr(serving, "connect", connect)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _refused(capsys, *argv: str) -> str:
     """`lorafleet ARGV` in this process: status 2 and one line on stderr, which it returns;
     within the 10 s the issue asks (its imports are already made in this process). An `up`
     without --port gets a free one (not 8000: a server of someone's may hold it)."""
     if argv[0] == "up" and "--port" not in argv:
-        argv = (*argv, "--port", str(_free_port()))
+        argv = (*argv, "--port", str(free_port()))
     started = time.monotonic()
     code, _, err = run_cli(capsys, *argv)
     assert code == 2, err
@@ -235,7 +230,7 @@ def test_every_bad_field_gets_its_own_line(tmp_path, capsys, nothing_starts):
         args["engine"]["max_lora_rank"] = "big"
 
     path = _config_file(tmp_path, spoil)
-    code, _, err = run_cli(capsys, "up", "--config", path, "--port", str(_free_port()))
+    code, _, err = run_cli(capsys, "up", "--config", path, "--port", str(free_port()))
     assert code == 2
     assert sorted(err.strip().splitlines()) == [
         "lorafleet: error: applications[0].args.engine.max_lora_rank: Input should be a valid "
@@ -311,7 +306,7 @@ def test_up_refuses_a_port_that_accepts_connections(capsys, nothing_starts):
 def test_up_refuses_a_port_another_lorafleet_command_is_taking(capsys, nothing_starts):
     """A second `up` started while the first one is still starting (its proxy not
     listening yet) is refused too: the first holds the port's lock until it exits."""
-    port = _free_port()
+    port = free_port()
     holder = subprocess.Popen(
         [sys.executable, "-c",
          f"from cluster import ports; ports.claim_port('127.0.0.1', {port}); "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import httpx
@@ -25,17 +24,12 @@ from replica.engine.engine import LLMEngine
 from replica.executor.tp_group import RANK_ACTOR_PREFIX
 from replica.wire import SamplingParams
 from tests.conftest import QUICK_STOP, tiny_assets
+from tests.net import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 ADAPTERS = ["adapter-00", "adapter-01"]
 PROMPT = [5, 17, 33, 2, 101, 64, 9]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def assets():
 @pytest.fixture(scope="module")
 def cluster(assets):
     ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     engine = {"model": str(assets.model_dir), "device": "cpu", "tp_size": 2,
               "num_slots": 3, "kv_cache_bytes": 16 * 2**20}  # fmt: skip
     deployment = {"name": "LoRAReplica", "num_replicas": 1, "health_check_period_s": 1,

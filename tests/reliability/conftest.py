@@ -10,7 +10,6 @@ things (killed replicas, a killed store) leave the app healthy again before they
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from ray import serve
 
 from cluster import serving
 from tests.conftest import QUICK_STOP, tiny_assets
+from tests.net import free_port
 
 API_KEY = "test-key-0123456789"
 KEY_ENV = "LORAFLEET_TEST_ADMIN_KEY"
@@ -48,12 +48,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rest = [i for i in items if i not in moved]
     first = next((k for k, i in enumerate(rest) if i.path.parent == here), len(rest))
     items[:] = [*rest[:first], *own, *rest[first:]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config(assets, port: int, adapter_limit: int) -> dict[str, Any]:
@@ -118,7 +112,7 @@ def adapter_file_limit(assets) -> int:
 @pytest.fixture(scope="package")
 def cluster(assets) -> Iterator[dict[str, Any]]:
     ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     config = app_config(assets, port, adapter_file_limit(assets))
     try:
         serving.deploy(config, timeout_s=240)

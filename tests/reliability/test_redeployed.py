@@ -29,8 +29,8 @@ from cluster import serving
 from router.ingress import HEALTH_MAX_REPORT_AGE_S
 from router.tenancy import key_digest
 from tests.cluster import test_dashboard as dashboard
+from tests.net import assert_openai_error
 from tests.reliability.conftest import ADMIN, complete, post, redeploy, wait_healthy
-from tests.reliability.test_bad_input import assert_openai_error
 from tests.reliability.test_faults import LONG, _aborted
 
 pytestmark = pytest.mark.serve
