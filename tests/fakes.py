@@ -1,17 +1,24 @@
 """Fakes the tests share: the AdapterStore's and the LoRAReplicas' Serve handles, as the
-Ingress calls them (`.remote()` awaited, a reply stream iterated)."""
+Ingress calls them (`.remote()` awaited, a reply stream iterated), and CUDA graphs that
+replay a step on the CPU, and a Hugging Face hub cache laid out by hand."""
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from ray.exceptions import RayTaskError
 
+from cluster.resolvers import ADAPTER_FILES
+from replica.executor.static_decode import CudaGraphs
 from replica.wire import AdapterInfo, GenerateRequest, Listing, Reply
 from router.errors import NotFoundError
 
@@ -140,3 +147,68 @@ class FakeReplicas:
             return self.streams[-1]
 
         return SimpleNamespace(remote=start)  # type: ignore[return-value]
+
+
+class FakeGraph:
+    def __init__(self, step: Callable[[], None], log: list) -> None:
+        self.step, self.log = step, log
+
+    def replay(self) -> None:
+        self.log.append("replay")
+        self.step()
+
+
+class FakeGraphs(CudaGraphs):
+    """Capture runs the step once (as a capture issues its work; not with run=False) and
+    keeps it; `fail` is raised instead from the capture numbered `fail_at`."""
+
+    def __init__(
+        self, fail: BaseException | None = None, fail_at: int = 0, run: bool = True
+    ) -> None:
+        super().__init__(torch.device("cpu"))
+        self.fail, self.fail_at, self.run = fail, fail_at, run
+        self.captures: list[tuple[int, ...]] = []
+        self.log: list[Any] = []
+
+    def pool(self) -> str:
+        return "pool"
+
+    def capture(self, step: Callable[[], None], pool: Any) -> FakeGraph:
+        assert pool == "pool"
+        if self.fail is not None and len(self.captures) == self.fail_at:
+            raise self.fail
+        self.captures.append(())
+        if self.run:
+            step()
+        return FakeGraph(step, self.log)
+
+    def synchronize(self) -> None:
+        pass
+
+    def free_bytes(self) -> int:
+        return 123_456_789
+
+    def allocated_bytes(self) -> int:
+        return 0
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_hf_cache(cache: Path, repo_id: str, adapter: Path, commit: str = COMMIT) -> Path:
+    """Lay `adapter`'s files out as huggingface_hub's cache does: blobs named by content
+    hash, a snapshot of symlinks into them, refs/main naming the commit. The snapshot."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for name in ADAPTER_FILES:  # the files this adapter has (one weights file)
+        if not (adapter / name).is_file():
+            continue
+        data = (adapter / name).read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

@@ -131,6 +131,7 @@ def test_churn_memory_is_half_the_working_set_and_loads_are_delayed(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
     # what is asserted here, nothing more: one scenario (adapter churn on 2 ranks) and the
     # communication section; the headline figures are checked on one rank above. The

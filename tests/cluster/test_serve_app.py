@@ -28,11 +28,11 @@ from transformers import AutoTokenizer
 from cluster import serving
 from cluster.cli import main
 from cluster.demo import showcase
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
-from tests.cluster import test_dashboard as dashboard
+from tests.cluster import dashboard
 from tests.conftest import QUICK_STOP, tiny_assets
+from tests.engines import make_engine
 from tests.net import free_port
 
 pytestmark = pytest.mark.serve
@@ -117,12 +117,7 @@ def client(cluster) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def engine(assets) -> LLMEngine:
     """The in-process engine with the same adapters: the reference for HTTP outputs."""
-    eng = LLMEngine(
-        EngineConfig(model=str(assets.model_dir), device="cpu", num_slots=8, max_lora_rank=64)
-    )
-    for name, path in assets.adapters.items():
-        eng.load_adapter(name, path)
-    return eng
+    return make_engine(assets, num_slots=8, max_lora_rank=64)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,10 @@ from ray.util import placement_group_table
 from transformers import AutoTokenizer
 
 from cluster import serving
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.executor.tp_group import RANK_ACTOR_PREFIX
 from replica.wire import SamplingParams
 from tests.conftest import QUICK_STOP, tiny_assets
+from tests.engines import make_engine
 from tests.net import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
@@ -68,9 +67,7 @@ def cluster(assets):
 @pytest.fixture(scope="module")
 def expected(assets) -> dict[str | None, str]:
     """Greedy text of the in-process TP=1 engine, per model."""
-    eng = LLMEngine(EngineConfig(model=str(assets.model_dir), device="cpu", num_slots=3))
-    for name in ADAPTERS:
-        eng.load_adapter(name, assets.adapters[name])
+    eng = make_engine(assets, {name: assets.adapters[name] for name in ADAPTERS}, num_slots=3)
     sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
 

@@ -32,6 +32,7 @@ MAX_ONGOING = 4  # per LoRAReplica
 MAX_QUEUED = 4  # at the ingress's handle
 MAX_MODEL_LEN = 2048  # the tiny model's context: long requests take seconds
 RESOLVABLE = "resolvable-"  # the prefix of the adapter names resolved on first request
+LONG = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True}  # runs until aborted
 
 
 OWN_RAY_MODULES = ("test_multinode.py",)  # start a Ray of their own: run before `cluster`
@@ -185,6 +186,20 @@ def wait_idle(cluster, timeout_s: float = 30.0, headers: dict | None = None) -> 
             return last
         time.sleep(0.25)
     raise AssertionError(f"replicas not idle after {timeout_s} s: {last}")
+
+
+def aborted(
+    cluster, expected: int | None = None, timeout_s: float = 30.0, headers: dict | None = None
+) -> int:
+    """Return the count of requests the engines ended early (abort), over the live replicas,
+    once they are idle. With `expected`, polled until it is reached (or the time is up): a replica
+    whose report came late under load (over 3 s old) is left out of wait_idle's sum."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = sum(s["aborted"] for s in wait_idle(cluster, headers=headers).values())
+        if expected is None or total >= expected or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
 
 
 def _idle(s: dict) -> bool:

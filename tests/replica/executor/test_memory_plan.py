@@ -26,8 +26,8 @@ from replica.model.spec import load_model_spec
 from replica.model.tp_layers import TPRank
 from replica.model.tp_shard import TPShard
 from tests.conftest import tiny_assets
+from tests.model_dirs import PUBLISHED
 
-PUBLISHED = Path(__file__).resolve().parents[2] / "published_configs"
 GiB = 2**30
 BF16 = torch.bfloat16
 META = torch.device("meta")

@@ -14,6 +14,7 @@ from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
 from replica.model.decoder import CausalLM
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
 from replica.model.weights import WeightLoadError
+from tests.model_dirs import edit_config, write_block_fp8_qwen3
 
 
 @pytest.fixture
@@ -21,12 +22,6 @@ def model_copy(tiny, tmp_path):
     dst = tmp_path / "model"
     shutil.copytree(tiny.model_dir, dst)
     return dst
-
-
-def edit_config(model_dir, **changes) -> None:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg.update(changes)
-    (model_dir / "config.json").write_text(json.dumps(cfg))
 
 
 def test_unsupported_architecture_is_named(model_copy):
@@ -163,29 +158,6 @@ def test_a_float8_weight_without_a_quantization_config_is_refused_by_name(model_
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(WeightLoadError, match=f"'{name}' is stored as F8_E4M3"):
         CausalLM(model_copy)
-
-
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": [128, 128]}  # fmt: skip
-
-
-def write_block_fp8_qwen3(out) -> None:
-    """The tiny Qwen3 in Qwen's block-FP8 layout (Qwen3-*-FP8): every projection stored as
-    float8_e4m3fn with a float32 weight_scale_inv per 128x128 block, the embedding, head
-    and norms kept, quantization_config saying so."""
-    from cluster.demo.families import family_model_dir
-
-    src = family_model_dir("qwen3")
-    shutil.copytree(src, out)
-    tensors = load_file(out / "model.safetensors")
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        w = tensors[name].float()
-        blocks = [-(-d // 128) for d in w.shape]
-        scale = w.abs().amax().clamp(min=1e-12) / 448.0  # e4m3's largest value
-        tensors[name] = (w / scale).to(torch.float8_e4m3fn)
-        tensors[name.replace(".weight", ".weight_scale_inv")] = torch.full(blocks, scale.item())
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    edit_config(out, quantization_config=FP8_CONFIG)
 
 
 def test_a_block_fp8_checkpoint_is_refused_naming_its_quant_method(tmp_path):

@@ -28,7 +28,7 @@ from replica.model.adapter_weights import load_peft_adapter
 from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import load_model_spec
 from tests.oracle import check_mixed_batch, family_adapters, hf_greedy, hf_logits, hf_model
-from tests.replica.model.test_families import (
+from tests.replica.model.families import (
     GREEDY,
     NEW_TOKENS,
     engine_for,

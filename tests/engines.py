@@ -1,0 +1,49 @@
+"""The one factory of the tests' engines, and the prompts they feed them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.demo.assets import DemoAssets
+from replica.adapters.sources import AdapterSource
+from replica.config import EngineConfig
+from replica.engine.engine import LLMEngine
+
+ALL = None  # make_engine's adapters: every adapter of the assets
+
+
+def make_engine(
+    model: DemoAssets | str | Path,
+    adapters: Mapping[str, str | Path] | None = ALL,
+    *,
+    source: AdapterSource | None = None,
+    **config: Any,
+) -> LLMEngine:
+    """Return an LLMEngine on `model` (demo assets or a model directory) with `adapters`
+    loaded (name -> PEFT directory; default: all of the assets' adapters, none for a bare
+    directory) and `config`'s EngineConfig fields.
+
+    One place builds the tests' engines, so a test states only the settings it depends on
+    and a change of EngineConfig is made once. Defaults: CPU, a 16 MiB KV cache, and one
+    slot per adapter beside the base's (no memory sizing, no eviction unless asked for).
+    """
+    if adapters is ALL:
+        adapters = model.adapters if isinstance(model, DemoAssets) else {}
+    model_dir = model.model_dir if isinstance(model, DemoAssets) else model
+    config.setdefault("device", "cpu")
+    config.setdefault("kv_cache_bytes", 16 << 20)
+    if adapters and "num_slots" not in config and "adapter_memory_bytes" not in config:
+        config["num_slots"] = len(adapters) + 1
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **config), source)
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def tokens(seed: int, n: int, vocab: int = 300) -> list[int]:
+    """Return `n` token ids drawn from [3, vocab) by a generator seeded with `seed`."""
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
