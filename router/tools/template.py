@@ -1,0 +1,173 @@
+"""A model's or an adapter's chat template, the parsers chosen for what it makes the model
+write, rendering a conversation through it (tools included), and the parser a request
+reads its answer with.
+
+The base model's template is its tokenizer's; an adapter directory's `chat_template.jinja`
+(or the `chat_template` of its tokenizer_config.json) replaces it for that adapter's
+requests, with parsers chosen from it. Parsers a config names win over the template's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.tools import registry
+from router.tools.events import Chain, PlainText, StreamParser
+from router.tools.forced import NamedCallParser, RequiredCallsParser
+from router.tools.reasoning import START as THINK_START
+from router.tools.reasoning import ThinkParser
+from router.tools.tagged import TaggedCallParser
+
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """None fields: the tokenizer's template (text), no parser of that kind."""
+
+    text: str | dict[str, str] | None  # a Jinja source, or transformers' named templates
+    source: str  # where it comes from: "tokenizer" or a file's path
+    tool_parser: str | None
+    reasoning_parser: str | None
+
+    @classmethod
+    def chosen(
+        cls,
+        text: str | dict[str, str] | None,
+        source: str,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> ChatTemplate:
+        """The template with its parsers: those named ("none": off), else the ones its
+        text implies."""
+        whole = "\n".join(text.values()) if isinstance(text, dict) else text
+        tool = registry.tool_parser_of(whole) if tool_parser is None else tool_parser
+        reasoning = (
+            registry.reasoning_parser_of(whole) if reasoning_parser is None else reasoning_parser
+        )
+        none = registry.NONE
+        return cls(
+            text,
+            source,
+            None if tool == none else registry.check_tool_parser(tool),
+            None if reasoning == none else registry.check_reasoning_parser(reasoning),
+        )
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tool-call markers are special tokens (decode keeping them)."""
+        fmt = registry.TOOL_PARSERS.get(self.tool_parser or "")
+        return fmt is not None and fmt.special_tokens
+
+    def render(
+        self,
+        tokenizer: Any,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> str:
+        """The conversation as the prompt's text (transformers' apply_chat_template)."""
+        text = self.text
+        if isinstance(text, dict):  # named templates: the tool one when there are tools
+            text = text.get("tool_use") if tools and "tool_use" in text else text.get("default")
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=text,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+
+    def card(self) -> dict[str, str | None]:
+        """What /v1/models/{id} says of it."""
+        return {
+            "chat_template": self.source,
+            "tool_parser": self.tool_parser,
+            "reasoning_parser": self.reasoning_parser,
+        }
+
+
+def answer_parser(
+    template: ChatTemplate, tool_mode: str, named: str | None, prompt: str
+) -> StreamParser:
+    """How a request's answer reads: a forced choice's JSON, else thinking (when the
+    template has a reasoning parser) then the answer's calls (with tool_choice auto)."""
+    if tool_mode == "named":
+        return NamedCallParser(named or "")
+    if tool_mode == "required":
+        return RequiredCallsParser()
+    parser: StreamParser = PlainText()
+    if tool_mode == "auto" and template.tool_parser is not None:
+        parser = TaggedCallParser(registry.TOOL_PARSERS[template.tool_parser])
+    if template.reasoning_parser is not None:
+        opened = prompt.rstrip().endswith(THINK_START)
+        parser = Chain(ThinkParser(opened), parser)
+    return parser
+
+
+def adapter_template_text(adapter_dir: str) -> tuple[str, str] | None:
+    """(template text, its file) an adapter directory ships, or None: its
+    chat_template.jinja, else its tokenizer_config.json's chat_template."""
+    root = Path(adapter_dir)
+    jinja = root / TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text(), str(jinja)
+    config = root / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            text = json.loads(config.read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if isinstance(text, str) and text:
+            return text, str(config)
+    return None
+
+
+class Templates:
+    """The base model's template and each adapter version's, chosen once per version: the
+    adapter's own file if it ships one, else the base's text; its parsers from the first
+    `adapter_parsers` glob matching its name, else from its text (the base's when
+    inherited)."""
+
+    def __init__(
+        self,
+        base: ChatTemplate,
+        adapter_parsers: Mapping[str, Any] = {},  # glob -> an object with the two fields
+    ) -> None:
+        self.base = base
+        self.adapter_parsers = dict(adapter_parsers)
+        self._adapters: dict[tuple[str, int], ChatTemplate] = {}
+
+    def of(self, name: str, version: int, path: str) -> ChatTemplate:
+        key = (name, version)
+        template = self._adapters.get(key)
+        if template is None:
+            template = self._adapters[key] = self._choose(name, path)
+        return template
+
+    def _choose(self, name: str, path: str) -> ChatTemplate:
+        override = next(
+            (v for glob, v in self.adapter_parsers.items() if fnmatch.fnmatchcase(name, glob)),
+            None,
+        )
+        tool = getattr(override, "tool_parser", None)
+        reasoning = getattr(override, "reasoning_parser", None)
+        own = adapter_template_text(path) if Path(path).is_dir() else None
+        if own is not None:
+            return ChatTemplate.chosen(own[0], own[1], tool, reasoning)
+        if override is None:
+            return self.base
+        base = self.base
+        return ChatTemplate.chosen(
+            base.text,
+            base.source,
+            tool or base.tool_parser or registry.NONE,
+            reasoning or base.reasoning_parser or registry.NONE,
+        )
