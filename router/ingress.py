@@ -366,9 +366,12 @@ class Ingress(AdapterRoutes):
             adapter = None if info is None else AdapterKey(info.name, info.version)
             kind, model = ("base" if adapter is None else "adapter"), body.model
             prompts, answers = prepare(info)
-            skip_special = body.skip_special_tokens
-            if skip_special is None:
-                skip_special = not (answers is not None and answers.special_tokens)
+            # a parser whose markers are special tokens reads the text with them kept (and
+            # without the EOS that ends it), unless the client said otherwise
+            keep_special = body.skip_special_tokens is None and bool(
+                answers and answers.special_tokens
+            )
+            hidden = frozenset(self.tokenizer.all_special_ids) if keep_special else frozenset()
             output = RequestOutput(
                 self.tokenizer,
                 prompts,
@@ -376,10 +379,11 @@ class Ingress(AdapterRoutes):
                 start,
                 TextOptions(
                     body.stop_strings(),
-                    skip_special_tokens=skip_special,
+                    skip_special_tokens=not keep_special and body.skip_special_tokens is not False,
                     include_stop_str=bool(body.include_stop_str_in_output),
                     wants_prompt_logprobs=not chat and bool(body.echo) and wants_logprobs,
                     token_ids=bool(body.return_token_ids),
+                    hidden_end_tokens=hidden,
                 ),
             )
             messages = None if answers is None else answers.assemblers(len(output.choices))

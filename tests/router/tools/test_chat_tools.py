@@ -10,6 +10,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from replica.wire import Reply
 from tests.router.test_ingress_api import (
     BASE,
     FakeReplicas,
@@ -277,3 +278,42 @@ def test_config_overrides_the_parsers_per_adapter(hermes_dir):
         base = client.get(f"/v1/models/{BASE}").json()
     assert (card.get("tool_parser"), card.get("reasoning_parser")) == ("llama3_json", None)
     assert (base["tool_parser"], base["reasoning_parser"]) == ("hermes", "think")
+
+
+# -- a format whose markers are special tokens --------------------------------------------------
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %} [TOOL_CALLS] "
+)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> str:
+    root = model_with_template(tmp_path_factory.mktemp("mistral") / "model", MISTRAL_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tokenizer.save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ('[TOOL_CALLS][{"name": "ping", "arguments": {}}]', None, [("ping", "{}")]),
+        ("Plain words.", "Plain words.", []),
+    ],
+)
+def test_special_token_markers_are_read_and_the_eos_is_not_text(mistral_dir, text, content, calls):
+    """Mistral's [TOOL_CALLS] is a special token: the answer is decoded keeping special
+    tokens, all but the EOS that ends it."""
+    tok = AutoTokenizer.from_pretrained(mistral_dir)
+    ids = (*tok.encode(text, add_special_tokens=False), tok.eos_token_id)
+    script = lambda r: [Reply(ids, "stop", num_prompt_tokens=len(r.prompt_ids))]  # noqa: E731
+    with ingress_client(mistral_dir, None, FakeReplicas(script)) as (client, _):
+        card = client.get(f"/v1/models/{BASE}").json()
+        r = client.post("/v1/chat/completions", json=CHAT)
+    assert card["tool_parser"] == "mistral"
+    whole = summary(r.json())
+    assert whole["content"] == content
+    assert [(c["name"], c["arguments"]) for c in whole["tool_calls"]] == calls
