@@ -42,6 +42,8 @@ from router.http_app import AUTHORIZATION, app, log, refuse_invalid_unicode
 from router.metrics import PROMETHEUS_TEXT, IngressMetrics, export_urls, scrape
 from router.model_defaults import sampling_defaults
 from router.options import IngressOptions
+from router.responses_api import answer as ra
+from router.responses_api import request as rq
 from router.streams import Streams, own_request_id
 from router.tenancy import Caller, Lease, Tenancy
 from router.tools.message import ChatAnswers
@@ -316,6 +318,23 @@ class Ingress(AdapterRoutes):
             body, functools.partial(self._chat_prompts, body), True, start, caller
         )
 
+    @app.post("/v1/responses")
+    async def create_response(
+        self, body: rq.ResponsesRequest, authorization: str | None = AUTHORIZATION
+    ) -> Any:
+        """OpenAI's Responses API, stateless: the chat path under another shape."""
+        start = time.perf_counter()
+        caller = self.tenancy.identify(authorization)
+        refuse_invalid_unicode(body)
+        try:
+            chat = rq.ResponsesRequest.chat_request(body)
+        except ValidationError as e:
+            errors = e.errors()
+            param = ".".join(str(part) for part in errors[0]["loc"]) if errors else None
+            raise BadRequestError(p.format_validation_errors(errors), param or None) from None
+        prepare = functools.partial(self._chat_prompts, chat)
+        return await self._serve(chat, prepare, True, start, caller, ra.ResponsesFront(body))
+
     def _chat_prompts(
         self, body: p.ChatCompletionRequest, info: AdapterInfo | None
     ) -> tuple[list[Prompt], ChatAnswers]:
@@ -348,8 +367,11 @@ class Ingress(AdapterRoutes):
         chat: bool,
         start: float,
         caller: Caller,
+        front: Any = responses,
     ) -> Any:
-        """`prepare(adapter)`: the request's prompts, and for chat how its answers read."""
+        """`prepare(adapter)`: the request's prompts, and for chat how its answers read;
+        `front`: what shapes the answer (`response`) and its stream (`sse`): the chat and
+        completions APIs' (router.responses) or the Responses API's."""
         n = body.n or 1
         wants_logprobs = body.num_logprobs() is not None
         output = RequestOutput(self.tokenizer, [], n, start)  # until the prompts are known
@@ -424,7 +446,7 @@ class Ingress(AdapterRoutes):
             streams = Streams([calls[0](), *(own_request_id(call) for call in calls[1:])])
             firsts = await streams.first(backstop)
             if body.stream:
-                chunks = responses.sse(
+                chunks = front.sse(
                     streams,
                     firsts,
                     output,
@@ -443,7 +465,7 @@ class Ingress(AdapterRoutes):
             async for i, message in streams.rest(output):
                 output.add(i, message)
             outcome = output.finish_reason
-            answer = responses.response(messages, request_id, model, output, logprobs)
+            answer = front.response(messages, request_id, model, output, logprobs)
             if not lease.headers:
                 return answer
             return Response(

@@ -63,6 +63,27 @@ def response(
     return p.CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
+async def deltas(
+    streams: Streams, firsts: list[list[Reply]], output: RequestOutput
+) -> AsyncIterator[Delta]:
+    """What each message of the replicas adds to `output`'s choices, as they come."""
+    for i, message in enumerate(firsts):
+        for delta in output.add(i, message):
+            yield delta
+    async for i, message in streams.rest(output):
+        for delta in output.add(i, message):
+            yield delta
+
+
+def error_event(e: Exception, request_id: str) -> tuple[int, str]:
+    """(status, message) of an error that ends a stream after its 200 header: an
+    APIError's own; a bug's logged with its traceback, the client gets none."""
+    if isinstance(e, APIError):
+        return e.status, printable(e.message)
+    log.exception("internal error in the stream of %s", request_id)
+    return 500, "internal server error; the server log has details"
+
+
 async def sse(
     streams: Streams,
     firsts: list[list[Reply]],
@@ -122,20 +143,12 @@ async def sse(
             )
         )
 
-    async def deltas() -> AsyncIterator[Delta]:
-        for i, message in enumerate(firsts):
-            for delta in output.add(i, message):
-                yield delta
-        async for i, message in streams.rest(output):
-            for delta in output.add(i, message):
-                yield delta
-
     outcome = "abort"  # unless the stream ends below: the client went away
     try:
         if chat:
             for choice in output.choices:
                 yield event(Delta(choice.index, ""), role=True)
-        async for delta in deltas():
+        async for delta in deltas(streams, firsts, output):
             parts = None
             if messages is not None:
                 parts = messages[delta.index].feed(delta.text)
@@ -158,13 +171,9 @@ async def sse(
                 )
             )
     except Exception as e:  # after the 200 header only an error event can tell the client
-        if isinstance(e, APIError):
-            status, message = e.status, e.message
-        else:  # a bug: logged with its traceback, the client gets no traceback
-            log.exception("internal error in the stream of %s", request_id)
-            status, message = 500, "internal server error; the server log has details"
+        status, message = error_event(e, request_id)
         outcome = str(status)
-        yield f"data: {json.dumps(p.error_body(status, printable(message)))}\n\n"
+        yield f"data: {json.dumps(p.error_body(status, message))}\n\n"
     finally:
         # the client gone mid-stream closes this generator, not the inner ones (their
         # own finally would cancel only when garbage collected): cancel now

@@ -117,3 +117,18 @@ def test_required_streams_valid_calls_that_reassemble(hermes_dir, engine):
     assert deltas[0].id and deltas[0].function.name == call.function.name
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_responses_api_forces_a_valid_call_too(hermes_dir, engine):
+    tool = {"type": "function", **WEATHER["function"]}
+
+    async def calls(sdk):
+        return await sdk.responses.create(
+            model=BASE, input="Weather in Paris?", tools=[tool], max_output_tokens=40,
+            tool_choice={"type": "function", "name": "get_weather"},
+        )  # fmt: skip
+
+    r = run(hermes_dir, engine, calls)
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
