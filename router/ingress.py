@@ -353,10 +353,13 @@ class Ingress(AdapterRoutes):
             template, body, body.add_generation_prompt is not False, body.chat_template_kwargs
         )
         named = body.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        free_text = body.response_format is None or body.response_format.type == "text"
+        strict = mode == "auto" and free_text
         answers = ChatAnswers(
             functools.partial(answer_parser, template, mode, named, text),
             body.parallel_calls(),
             template.special_tokens and mode == "auto",
+            template.strict_calls(body.tool_signatures()) if strict else None,
         )
         return [Prompt(ids)], answers
 
@@ -414,6 +417,8 @@ class Ingress(AdapterRoutes):
             # chat's default max_tokens is the rest of the context (None), as vLLM's
             default_max_tokens = None if chat else self.default_max_tokens
             sampling = _sampling(body, default_max_tokens, self.model_defaults)
+            if answers is not None and answers.constraint is not None:
+                sampling = sampling.model_copy(update={"structured_output": answers.constraint})
             charge = _token_charge(prompts, sampling, n, self.max_model_len)
             lease = await self.tenancy.admit(caller, charge)
             request_id = p.chat_completion_id() if chat else p.completion_id()

@@ -358,7 +358,9 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
     strict: bool | None = Field(
-        None, description="Accepted; forced choices always follow the schema (the grammar)."
+        None,
+        description="With tool_choice auto, a call of it follows the schema once begun "
+        "(forced choices always do).",
     )
 
 
@@ -529,6 +531,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def parallel_calls(self) -> bool:
         return self.parallel_tool_calls is not False
+
+    def tool_signatures(self) -> list[tuple[str, dict[str, Any] | None, bool]]:
+        """(name, parameters, strict) of each tool."""
+        return [
+            (t.function.name, t.function.parameters, bool(t.function.strict))
+            for t in self.tools or ()
+        ]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (none with tool_choice none)."""

@@ -1,5 +1,7 @@
 """tool_choice `required` or a named function: the JSON schema the output is decoded
-under (the replica's structured-output grammar), and how that output reads as calls.
+under (the replica's structured-output grammar), and how that output reads as calls;
+and `auto` with strict tools: the structural tag that constrains a call's arguments once
+the model starts one in its template's format.
 
 Whatever the template's own call format, a forced choice is decoded as plain JSON (as
 vLLM does): a named function's output is its arguments object, validated by the tool's
@@ -11,7 +13,7 @@ The grammar makes the output a call that parses; only max_tokens can cut it shor
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from router.tools.events import CallArguments, CallStart, Event
@@ -47,6 +49,27 @@ def required_schema(
     if not parallel:
         schema["maxItems"] = 1
     return json.dumps(schema)
+
+
+def strict_tag(
+    wrap: Callable[[str], tuple[str, str]],
+    trigger: str,
+    tools: Sequence[tuple[str, Mapping[str, Any] | None, bool]],
+) -> str | None:
+    """xgrammar's structural tag for `auto` calls when some tool is strict ((name,
+    parameters, strict) triples): text is free until `trigger`, then a call of one of the
+    tools as `wrap` writes it, a strict tool's arguments under its schema (the others' any
+    object). None when no tool is strict."""
+    if not any(strict for _, _, strict in tools):
+        return None
+    tags = []
+    for name, params, strict in tools:
+        begin, end = wrap(name)
+        schema = arguments_schema(params) if strict else dict(ANY_OBJECT)
+        content = {"type": "json_schema", "json_schema": schema}
+        tags.append({"type": "tag", "begin": begin, "content": content, "end": end})
+    fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": fmt})
 
 
 class NamedCallParser:

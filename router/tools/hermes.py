@@ -4,6 +4,8 @@ anywhere in the answer."""
 
 from __future__ import annotations
 
+import json
+
 from router.tools.calls import json_values, read_call
 from router.tools.tagged import Call, CallFormat
 
@@ -16,4 +18,11 @@ def decode(body: str) -> list[Call] | None:
     return None if call is None else [call]
 
 
-HERMES = CallFormat("hermes", "<tool_call>", "</tool_call>", decode)
+def wrap(name: str) -> tuple[str, str]:
+    """A strict call of `name` as Qwen's templates write one, around its arguments."""
+    return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
+
+
+HERMES = CallFormat(
+    "hermes", "<tool_call>", "</tool_call>", decode, wrap=wrap, trigger="<tool_call>"
+)

@@ -4,6 +4,8 @@ separated by `;`. An answer that begins with `{` is held to its end to be read."
 
 from __future__ import annotations
 
+import json
+
 from router.tools.calls import json_values, read_call
 from router.tools.tagged import Call, CallFormat
 
@@ -16,4 +18,18 @@ def decode(body: str) -> list[Call] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-LLAMA3_JSON = CallFormat("llama3_json", "{", None, decode, anchored=True, start_in_body=True)
+def wrap(name: str) -> tuple[str, str]:
+    """A strict call of `name` as Llama 3.1's template writes one, around its arguments."""
+    return f'{{"name": {json.dumps(name)}, "parameters": ', "}"
+
+
+LLAMA3_JSON = CallFormat(
+    "llama3_json",
+    "{",
+    None,
+    decode,
+    anchored=True,
+    start_in_body=True,
+    wrap=wrap,
+    trigger='{"name": ',
+)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from replica.wire import StructuredOutput
 from router.tools.events import CallArguments, CallStart, Event, Reasoning, StreamParser, Text
 
 
@@ -122,6 +123,7 @@ class ChatAnswers:
     parser: Callable[[], StreamParser]
     parallel_tool_calls: bool = True
     special_tokens: bool = False  # the call markers are special tokens: decode keeping them
+    constraint: StructuredOutput | None = None  # strict tools' calls (replaces the request's)
 
     def assemblers(self, n: int) -> list[MessageAssembler]:
         return [MessageAssembler(self.parser(), self.parallel_tool_calls) for _ in range(n)]

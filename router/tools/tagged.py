@@ -30,6 +30,10 @@ class CallFormat:
     anchored: bool = False  # a block only at the start of the answer (after whitespace)
     start_in_body: bool = False  # the start marker is the body's first character ("{")
     special_tokens: bool = False  # the markers are special tokens: decode keeping them
+    # strict tools: what a call of a function begins and ends with around its arguments
+    # (the grammar's tag), once the model writes `trigger`; None: not constrained
+    wrap: Callable[[str], tuple[str, str]] | None = None
+    trigger: str | None = None
 
 
 class TaggedCallParser:

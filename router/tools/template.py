@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replica.wire import StructuredOutput
 from router.tools import registry
 from router.tools.events import Chain, PlainText, StreamParser
-from router.tools.forced import NamedCallParser, RequiredCallsParser
+from router.tools.forced import NamedCallParser, RequiredCallsParser, strict_tag
 from router.tools.reasoning import START as THINK_START
 from router.tools.reasoning import ThinkParser
 from router.tools.tagged import TaggedCallParser
@@ -84,6 +85,19 @@ class ChatTemplate:
             add_generation_prompt=add_generation_prompt,
             **template_kwargs,
         )
+
+    def strict_calls(
+        self, tools: Sequence[tuple[str, Mapping[str, Any] | None, bool]]
+    ) -> StructuredOutput | None:
+        """The constraint on `auto` answers when some tool is strict ((name, parameters,
+        strict) triples): a call, once begun in this template's format, follows its
+        tool's schema. None without strict tools or for a format the grammar cannot
+        follow (markers that are special tokens)."""
+        fmt = registry.TOOL_PARSERS.get(self.tool_parser or "")
+        if fmt is None or fmt.wrap is None or fmt.trigger is None:
+            return None
+        tag = strict_tag(fmt.wrap, fmt.trigger, tools)
+        return None if tag is None else StructuredOutput(kind="structural_tag", json_schema=tag)
 
     def card(self) -> dict[str, str | None]:
         """What /v1/models/{id} says of it."""

@@ -132,3 +132,18 @@ def test_the_responses_api_forces_a_valid_call_too(hermes_dir, engine):
     [call] = r.output
     assert call.type == "function_call" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), SCHEMA)
+
+
+def test_auto_with_a_strict_tool_runs_under_the_structural_tag(hermes_dir, engine):
+    """The engine takes the tag (free text until a call begins); the random model's
+    text stays text."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+    async def calls(sdk):
+        return await sdk.chat.completions.create(
+            model=BASE, messages=ASK, tools=[strict], max_tokens=6, seed=0
+        )
+
+    r = run(hermes_dir, engine, calls)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls == []
