@@ -229,6 +229,13 @@ class ResponsesRequest(BaseModel):
     background_options: Any = None
     context_management: Any = None
 
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value: str | list[Any]) -> str | list[Any]:
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be empty")
+        return value
+
     @field_validator("previous_response_id", mode="before")
     @classmethod
     def _not_stored(cls, value: Any) -> Any:

@@ -148,6 +148,7 @@ def test_a_length_cut_is_incomplete(hermes_dir):
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", "function"),
         ({"input": [{"type": "image_generation_call"}]}, "input", "image_generation_call"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+        ({"input": []}, "input", "must not be empty"),
     ],
 )  # fmt: skip
 def test_what_is_not_served_is_a_400_naming_it(hermes_dir, fields, param, needle):
