@@ -358,7 +358,7 @@ class Ingress(AdapterRoutes):
         answers = ChatAnswers(
             functools.partial(answer_parser, template, mode, named, text),
             body.parallel_calls(),
-            template.special_tokens and mode == "auto",
+            template.special_tokens(mode),
             template.strict_calls(body.tool_signatures()) if strict else None,
         )
         return [Prompt(ids)], answers

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from router.tools.registry import (
     REASONING_PARSERS,
-    TOOL_PARSERS,
+    TOOL_PARSER_NAMES,
     check_reasoning_parser,
     check_tool_parser,
 )
@@ -78,7 +78,7 @@ class TenantConfig(BaseModel):
 
 
 _TOOL_PARSER_HELP = (
-    f"Tool-call parser ({', '.join(TOOL_PARSERS)}, or none); unset: the one the chat "
+    f"Tool-call parser ({', '.join(TOOL_PARSER_NAMES)}, or none); unset: the one the chat "
     "template implies."
 )
 _REASONING_PARSER_HELP = (

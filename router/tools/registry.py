@@ -13,13 +13,18 @@ from router.tools.mistral import MISTRAL
 from router.tools.tagged import CallFormat
 
 TOOL_PARSERS: dict[str, CallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
-REASONING_PARSERS = ("think",)
+# gpt-oss: channels carry both thinking and calls, one parser for the two (harmony.py)
+HARMONY = "harmony"
+TOOL_PARSER_NAMES = (*TOOL_PARSERS, HARMONY)
+REASONING_PARSERS = ("think", HARMONY)
 NONE = "none"
 
 
 def tool_parser_of(template: str | None) -> str | None:
     """The tool parser `template` (a chat template's text) implies; None if none does."""
     text = template or ""
+    if "<|channel|>" in text:
+        return HARMONY
     if "<tool_call>" in text:
         return HERMES.name
     if "[TOOL_CALLS]" in text:
@@ -30,14 +35,19 @@ def tool_parser_of(template: str | None) -> str | None:
 
 
 def reasoning_parser_of(template: str | None) -> str | None:
-    """The reasoning parser `template` implies: "think" if it writes `<think>`."""
-    return "think" if "<think>" in (template or "") else None
+    """The reasoning parser `template` implies: "think" if it writes `<think>`,
+    "harmony" if it writes gpt-oss's channels."""
+    text = template or ""
+    if "<|channel|>" in text:
+        return HARMONY
+    return "think" if "<think>" in text else None
 
 
 def check_tool_parser(name: str | None) -> str | None:
     """`name` if it names a tool parser (or "none"); ValueError listing them else."""
-    if name is not None and name != NONE and name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(TOOL_PARSERS)}, none")
+    if name is not None and name != NONE and name not in TOOL_PARSER_NAMES:
+        known = ", ".join(TOOL_PARSER_NAMES)
+        raise ValueError(f"unknown tool parser {name!r}; known: {known}, none")
     return name
 
 

@@ -20,6 +20,7 @@ from replica.wire import StructuredOutput
 from router.tools import registry
 from router.tools.events import Chain, PlainText, StreamParser
 from router.tools.forced import NamedCallParser, RequiredCallsParser, strict_tag
+from router.tools.harmony import HarmonyParser
 from router.tools.reasoning import START as THINK_START
 from router.tools.reasoning import ThinkParser
 from router.tools.tagged import TaggedCallParser
@@ -59,11 +60,13 @@ class ChatTemplate:
             None if reasoning == none else registry.check_reasoning_parser(reasoning),
         )
 
-    @property
-    def special_tokens(self) -> bool:
-        """Whether the tool-call markers are special tokens (decode keeping them)."""
+    def special_tokens(self, tool_mode: str) -> bool:
+        """Whether answers are decoded keeping special tokens: the parsers that read them
+        (harmony's channels always, Mistral's calls with tool_choice auto) see markers."""
+        if registry.HARMONY in (self.tool_parser, self.reasoning_parser):
+            return tool_mode in ("none", "auto")
         fmt = registry.TOOL_PARSERS.get(self.tool_parser or "")
-        return fmt is not None and fmt.special_tokens
+        return tool_mode == "auto" and fmt is not None and fmt.special_tokens
 
     def render(
         self,
@@ -117,6 +120,8 @@ def answer_parser(
         return NamedCallParser(named or "")
     if tool_mode == "required":
         return RequiredCallsParser()
+    if registry.HARMONY in (template.tool_parser, template.reasoning_parser):
+        return HarmonyParser(calls=tool_mode == "auto" and template.tool_parser == registry.HARMONY)
     parser: StreamParser = PlainText()
     if tool_mode == "auto" and template.tool_parser is not None:
         parser = TaggedCallParser(registry.TOOL_PARSERS[template.tool_parser])
