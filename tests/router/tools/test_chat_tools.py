@@ -6,6 +6,8 @@ forced choices sent to the replica as a JSON schema; an adapter's own template."
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -252,9 +254,7 @@ def test_required_decodes_a_list_of_calls(hermes_dir, tok):
 def test_an_adapters_own_template_is_used_for_its_requests(model_dir, hermes_dir, tmp_path, tok):
     adapter = tmp_path / "ad-tools"
     adapter.mkdir()
-    (adapter / "chat_template.jinja").write_text(
-        (__import__("pathlib").Path(hermes_dir) / "chat_template.jinja").read_text()
-    )
+    shutil.copy(Path(hermes_dir) / "chat_template.jinja", adapter / "chat_template.jinja")
     store = FakeStore({"ad-tools": registered("ad-tools", 1, str(adapter))})
     messages = {"messages": ASK, "tools": [WEATHER]}
     with ingress_client(model_dir, store) as (client, _):
