@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,9 @@ from router.tools.reasoning import ThinkParser
 from router.tools.tagged import TaggedCallParser
 
 TEMPLATE_FILE = "chat_template.jinja"
+CACHE_SIZE = 4096  # adapter versions whose template is kept (read again when evicted)
+# a tokenizer_config.json may hold a vocabulary: large, but not without bound
+MAX_TEMPLATE_FILE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -133,13 +137,15 @@ def answer_parser(
 
 def adapter_template_text(adapter_dir: str) -> tuple[str, str] | None:
     """(template text, its file) an adapter directory ships, or None: its
-    chat_template.jinja, else its tokenizer_config.json's chat_template."""
-    root = Path(adapter_dir)
-    jinja = root / TEMPLATE_FILE
-    if jinja.is_file():
+    chat_template.jinja, else its tokenizer_config.json's chat_template. Only files inside
+    the directory (symlinks resolved; the store checked it lies in the adapter roots) and
+    under MAX_TEMPLATE_FILE_BYTES are read."""
+    root = Path(adapter_dir).resolve()
+    jinja = _inside(root, TEMPLATE_FILE)
+    if jinja is not None:
         return jinja.read_text(), str(jinja)
-    config = root / "tokenizer_config.json"
-    if config.is_file():
+    config = _inside(root, "tokenizer_config.json")
+    if config is not None:
         try:
             text = json.loads(config.read_text()).get("chat_template")
         except (OSError, ValueError, AttributeError):
@@ -147,6 +153,13 @@ def adapter_template_text(adapter_dir: str) -> tuple[str, str] | None:
         if isinstance(text, str) and text:
             return text, str(config)
     return None
+
+
+def _inside(root: Path, name: str) -> Path | None:
+    path = (root / name).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        return None
+    return path if path.stat().st_size <= MAX_TEMPLATE_FILE_BYTES else None
 
 
 class Templates:
@@ -159,16 +172,21 @@ class Templates:
         self,
         base: ChatTemplate,
         adapter_parsers: Mapping[str, Any] = {},  # glob -> an object with the two fields
+        cache_size: int = CACHE_SIZE,
     ) -> None:
         self.base = base
         self.adapter_parsers = dict(adapter_parsers)
-        self._adapters: dict[tuple[str, int], ChatTemplate] = {}
+        self.cache_size = cache_size
+        self._adapters: OrderedDict[tuple[str, int], ChatTemplate] = OrderedDict()
 
     def of(self, name: str, version: int, path: str) -> ChatTemplate:
         key = (name, version)
         template = self._adapters.get(key)
         if template is None:
             template = self._adapters[key] = self._choose(name, path)
+            if len(self._adapters) > self.cache_size:
+                self._adapters.popitem(last=False)
+        self._adapters.move_to_end(key)
         return template
 
     def _choose(self, name: str, path: str) -> ChatTemplate:
