@@ -79,7 +79,7 @@ def test_a_named_choice_is_always_a_valid_call_and_the_loop_goes_on(hermes_dir, 
         call = first.choices[0].message.tool_calls[0]
         history = [
             *ASK,
-            first.choices[0].message.model_dump(exclude_none=True),
+            first.choices[0].message,  # as OpenAI's docs do: the SDK's object itself
             {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
         ]
         second = await sdk.chat.completions.create(
