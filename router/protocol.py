@@ -502,7 +502,7 @@ class ChatCompletionRequest(_SamplingRequest):
             return value
         names = [t.function.name for t in info.data.get("tools") or ()]
         if not names:
-            raise ValueError("tool_choice: needs tools")
+            raise ValueError("needs tools")
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
             raise ValueError(
                 f"function {value.function.name!r} is not among tools ({', '.join(names)})"
