@@ -32,7 +32,8 @@ MAX_ONGOING = 4  # per LoRAReplica
 MAX_QUEUED = 4  # at the ingress's handle
 MAX_MODEL_LEN = 2048  # the tiny model's context: long requests take seconds
 RESOLVABLE = "resolvable-"  # the prefix of the adapter names resolved on first request
-LONG = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True}  # runs until aborted
+# seconds of decoding on the tiny model: still running when the client leaves
+LONG = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True}
 
 
 OWN_RAY_MODULES = ("test_multinode.py",)  # start a Ray of their own: run before `cluster`
