@@ -20,6 +20,7 @@ from router.options import IngressOptions
 from tests.fakes import FakeReplicas, FakeStore
 
 BASE = "tiny-base"
+KEY = "secret-key-123"  # the admin API key of ingress_client(..., api_key=KEY)
 COMPLETION = {"model": BASE, "prompt": "hello there", "max_tokens": 2}
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -19,9 +19,7 @@ from router import ingress
 from tests.conftest import tiny_assets
 from tests.fakes import registered
 from tests.net import assert_openai_error
-from tests.router.client import BASE, CHAT, COMPLETION, ingress_client
-
-KEY = "secret-key-123"
+from tests.router.client import BASE, CHAT, COMPLETION, KEY, ingress_client
 
 
 def post_json(client: TestClient, path: str, body: Any, **kw: Any):
