@@ -1,6 +1,7 @@
 """Fakes the tests share: the AdapterStore's and the LoRAReplicas' Serve handles, as the
-Ingress calls them (`.remote()` awaited, a reply stream iterated), and CUDA graphs that
-replay a step on the CPU, and a Hugging Face hub cache laid out by hand."""
+Ingress calls them (`.remote()` awaited, a reply stream iterated); CUDA graphs that replay
+a step on the CPU; a Hugging Face hub cache laid out by hand. (The recording torch.cuda is
+tests/replica/fake_cuda.py.)"""
 
 from __future__ import annotations
 
