@@ -23,17 +23,18 @@ def make_engine(
     source: AdapterSource | None = None,
     **config: Any,
 ) -> LLMEngine:
-    """Return an LLMEngine on `model` (demo assets or a model directory) with `adapters`
-    loaded (name -> PEFT directory; default: all of the assets' adapters, none for a bare
-    directory) and `config`'s EngineConfig fields.
+    """Return an LLMEngine on `model` (demo assets, anything with their `model_dir` and
+    `adapters`, or a model directory) with `adapters` loaded (name -> PEFT directory;
+    default: all of the assets' adapters, none for a bare directory) and `config`'s
+    EngineConfig fields.
 
     One place builds the tests' engines, so a test states only the settings it depends on
     and a change of EngineConfig is made once. Defaults: CPU, a 16 MiB KV cache, and one
     slot per adapter beside the base's (no memory sizing, no eviction unless asked for).
     """
     if adapters is ALL:
-        adapters = model.adapters if isinstance(model, DemoAssets) else {}
-    model_dir = model.model_dir if isinstance(model, DemoAssets) else model
+        adapters = getattr(model, "adapters", {})
+    model_dir = getattr(model, "model_dir", model)
     config.setdefault("device", "cpu")
     config.setdefault("kv_cache_bytes", 16 << 20)
     if adapters and "num_slots" not in config and "adapter_memory_bytes" not in config:

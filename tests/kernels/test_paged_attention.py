@@ -324,6 +324,7 @@ def wide_tiles(monkeypatch, block_n: int) -> None:
     ids=["plain", "window", "cap", "window-cap"],
 )  # fmt: skip
 @pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.slow
 def test_paged_triton_split_kv_long_contexts(monkeypatch, splits, window, cap):
     wide_tiles(monkeypatch, 256)
     case = make_case(LONG_LENS, 16, (4, 2), window=window, seed=splits, soft_cap=cap)
@@ -636,6 +637,7 @@ def test_paged_triton_on_cpu_without_interpreter_is_refused():
 
 
 @needs_triton
+@pytest.mark.slow
 def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
     """No GPU here: lower the kernels to sm_90 cubins (ptxas ships with triton) for each
     dtype at the demo model's shapes, single-pass and split (with the merge), and

@@ -387,6 +387,7 @@ def test_prefill_triton_flash_is_asked_only_on_cuda():
 
 
 @needs_triton
+@pytest.mark.slow
 def test_prefill_triton_kernel_compiles_for_cuda(tmp_path):
     """No GPU here: lower the prefill kernel to sm_90 cubins for each dtype, with and
     without slots and cap, at head dims 64, 128 and 256 (Gemma 2's, in bf16)."""

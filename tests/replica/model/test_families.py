@@ -59,6 +59,7 @@ def decode_family(request, tmp_path_factory):
     return _family(request.param, tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_family_matches_transformers_and_peft_in_one_mixed_batch(family):
     name, model_dir, adapters = family
     eng = engine_for(model_dir, adapters)
@@ -188,6 +189,7 @@ def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(decode_fam
         assert seq.output_ids == hf_greedy(ref, longer, NEW_TOKENS), (name, adapter)
 
 
+@pytest.mark.slow
 def test_static_decode_path_equals_eager(decode_family):
     """The fixed-shape decode step that CUDA graphs replay: the eager
     engine's tokens, and no device value read inside the step."""

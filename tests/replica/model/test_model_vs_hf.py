@@ -40,6 +40,7 @@ def engine_for(model_dir, **kw) -> LLMEngine:
     ],
     ids=["llama", "llama3-rope", "mistral", "qwen2-tied-bias"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_base_model_matches_transformers(arch, overrides):
     assets = tiny_assets(arch, **overrides)
     ours, ref = engine_for(assets.model_dir), hf_model(assets.model_dir)
@@ -71,6 +72,7 @@ def demo_engine(demo):
     return eng
 
 
+@pytest.mark.slow
 def test_demo_base_matches_transformers(demo, demo_engine):
     ref = hf_model(demo.model_dir)
     for p in prompts(demo_engine.spec.vocab_size):
@@ -81,6 +83,7 @@ def test_demo_base_matches_transformers(demo, demo_engine):
 
 
 @pytest.mark.parametrize("index", range(8))
+@pytest.mark.slow
 def test_demo_adapter_matches_peft(demo, demo_engine, index, record_property):
     name, path = list(demo.adapters.items())[index]
     ref = hf_model(demo.model_dir, path)

@@ -81,6 +81,7 @@ def moe(request, adapters_of):
     return request.param, *adapters_of(request.param)
 
 
+@pytest.mark.slow
 def test_moe_base_and_adapters_match_transformers_and_peft_in_one_mixed_batch(moe):
     name, model_dir, adapters = moe
     spec = load_model_spec(model_dir)
@@ -225,6 +226,7 @@ def test_unreadable_expert_layouts_are_refused_saying_what_was_found(tmp_path):
         convert_peft_tensors("x", config, tensors, dense, 64)
 
 
+@pytest.mark.slow
 def test_prefix_cache_and_static_decode_with_an_moe_base(adapters_of):
     """Prefix-cache hits and the fixed-shape decode step (no device read) give the eager,
     uncached tokens on Qwen3-MoE with an expert adapter."""

@@ -39,6 +39,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.slow
 def test_embedding_and_head_lora_match_peft_in_a_mixed_batch(family, tmp_path):
     """Llama (untied), Gemma 2 (tied head, scaled embedding), Qwen3: an adapter on the
     vocabulary modules, one on the head only, and the base, in one batch with chunked
