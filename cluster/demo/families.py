@@ -81,6 +81,14 @@ DEMO_QUIRKS: dict[str, dict[str, Any]] = {
     "mixtral": {"intermediate_size": 384},
     "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    # a small gpt-oss: 8 experts of 256 columns, top-2; gpt-oss-20b's head_dim 64, window
+    # 128, SwiGLU constants and yarn (gpt-oss-20b: 32 experts of 2880, top-4)
+    "gptoss": {"head_dim": 64, "intermediate_size": 256, "num_local_experts": 8,
+               "sliding_window": 128, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+               "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False,
+                                   "rope_theta": 150000.0,
+                                   "original_max_position_embeddings": 4096}},
 }  # fmt: skip
 
 

@@ -94,6 +94,28 @@ def test_prefill_with_sinks_matches_reference(backend, shape, window):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_torch_by_hand_with_sinks_matches_reference(monkeypatch):
+    """Where torch has no flash op with a log-sum-exp, sinks take the by-hand chunks."""
+    monkeypatch.setattr(prefill_attention_torch, "FLASH_CPU_WITH_LSE", None)
+    for shape, window in (((9, 9), None), ((16, 40), 7), ((37, 37), 5)):
+        case = prefill_tests.make_case(*shape, (8, 2), window=window, seed=shape[1])
+        sinks = sinks_for(8, shape[0])
+        out = prefill_attention_torch.prefill_attention(*case.args(), sinks=sinks)
+        ref = prefill_attention_reference(*case.args(), sinks=sinks)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_prefill_torch_with_sinks_in_half_precision(dtype):
+    for shape, window in (((40, 40), None), ((16, 40), 7)):
+        case = prefill_tests.make_case(*shape, (8, 2), dtype=dtype, window=window, seed=6)
+        sinks = sinks_for(8, 6)
+        out = prefill_attention_torch.prefill_attention(*case.args(), sinks=sinks)
+        ref = prefill_attention_reference(*case.args(), sinks=sinks)
+        rtol, atol = prefill_tests.TOL[dtype]
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("backend", list(DECODE))
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("window", [None, 6])
