@@ -62,8 +62,11 @@ def gpt_oss(tmp_path_factory):
 def test_gpt_oss_matches_transformers_and_peft_in_one_mixed_batch(gpt_oss):
     """Sinks, windows, biases, clamped SwiGLU and yarn: logits of every position within
     2e-4 and greedy tokens of one mixed batch equal transformers + PEFT; each adapter
-    (one on attention only, one on the experts only) changes the continuation."""
-    model_dir, _, adapters = gpt_oss
+    (one on attention only, one on the experts only) changes the continuation. (The
+    adapter on both is checked against TP=1 in test_tensor_parallel.py, and in the
+    batches of the test of sixteen adapters below.)"""
+    model_dir, _, every = gpt_oss
+    adapters = {name: every[name] for name in ("attn", "experts")}
     eng = engine_for(model_dir, adapters)
     ps = prompts(eng.spec.vocab_size)
     assert eng.spec.window(0) == 8 < len(ps[1]) and eng.spec.window(1) is None
@@ -125,13 +128,13 @@ def test_mxfp4_checkpoint_equals_transformers_loading_the_same_files(gpt_oss):
     refs = {None: hf_model(mx_dir, eager=True),
             "experts": hf_model(mx_dir, adapters["experts"], eager=True)}  # fmt: skip
     assert type(refs[None].model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+    unquantized = hf_model(model_dir, eager=True)
     for p in prompts(eng.spec.vocab_size):
         for name, ref in refs.items():
             assert router_margin(ref, p, eng.spec.num_experts_per_tok) > MARGIN
             diff = (eng.score(p, name) - hf_logits(ref, p)).abs().max().item()
             assert diff < 2e-4, f"{name}: max |logit diff| {diff}"
-        unquantized = hf_logits(hf_model(model_dir, eager=True), p)
-        assert (eng.score(p) - unquantized).abs().max() > 0.1
+        assert (eng.score(p) - hf_logits(unquantized, p)).abs().max() > 0.1
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = eng.generate([(p, greedy, a) for p in prompts(256) for a in refs])
     from tests.oracle import hf_greedy
@@ -268,3 +271,24 @@ def mxfp4_copy(model_dir: Path, out: Path) -> Path:
     config["quantization_config"] = GPT_OSS_20B["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+@pytest.mark.slow  # the Triton interpreter: about 30 s on 2 shared CPU cores
+def test_triton_kernels_give_the_torch_path_output(gpt_oss):
+    """The model end to end with the Triton kernels forced (the interpreter here): sinks
+    in the decode and prefill kernels, the grouped expert GEMMs and expert LoRA."""
+    import kernels
+
+    model_dir, _, adapters = gpt_oss
+    eng = engine_for(model_dir, {"experts": adapters["experts"]})
+    sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    p = prompts(eng.spec.vocab_size)[1][:12]  # past the window of 8
+    requests = [(p, sampling, "experts"), (p[:5], sampling, None)]
+    with kernels.forced_backend("torch"):
+        want = [s.output_ids for s in eng.generate(requests)]
+        want_logits = eng.score(p, "experts")
+    with kernels.forced_backend("triton"):
+        got = [s.output_ids for s in eng.generate(requests)]
+        got_logits = eng.score(p, "experts")
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
