@@ -31,8 +31,8 @@ DEQUANTIZED_AT_LOAD = {("gpt_oss", "mxfp4")}
 
 def refuse_quantized(cfg: dict[str, Any], source: str) -> None:
     """Raise ModelConfigError naming the quant_method when config.json (or a multimodal
-    checkpoint's text_config) declares a quantized checkpoint: its packed weights and
-    scales would otherwise load as garbage."""
+    checkpoint's text_config) declares a quantized checkpoint other than one of
+    DEQUANTIZED_AT_LOAD's: its packed weights and scales would otherwise load as garbage."""
     for where in (cfg, cfg.get("text_config") or {}):
         for key in QUANTIZATION_KEYS:
             quant = where.get(key) if isinstance(where, dict) else None
