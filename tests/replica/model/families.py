@@ -1,5 +1,5 @@
 """What the family tests share: their prompts, the engine they build, the oracle's logit
-tolerance, and a recorder of the fixed-shape decode step."""
+tolerance, a recorder of the fixed-shape decode step, and the MoE routers' margin."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
 from tests.engines import make_engine
+from tests.oracle import hf_logits
 
 LOGIT_ATOL = 2e-4  # our fp32 logits against transformers' eager fp32
 NEW_TOKENS = 12
@@ -51,3 +52,27 @@ def traced_static_decode(runner, max_seqs: int) -> tuple[list[int], list[str]]:
 
     runner.static_decode.run = traced
     return used, reads
+
+
+MARGIN = 1e-4  # smallest k-th vs (k+1)-th router logit gap: our hidden states match
+# transformers' to ~1e-5, so no expert choice can flip
+
+
+def router_margin(model, prompt: list[int], k: int) -> float:
+    """Return the smallest gap between the k-th and (k+1)-th router logit of any token and
+    layer over the prompt (transformers; the softmax keeps their order)."""
+    gaps = []
+
+    def hook(_module, _args, out):
+        logits = out[0].float().sort(dim=-1, descending=True).values
+        gaps.append((logits[:, k - 1] - logits[:, k]).min().item())
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "top_k")]  # fmt: skip
+    try:
+        hf_logits(model, prompt)
+    finally:
+        for h in handles:
+            h.remove()
+    assert gaps, "no router ran"
+    return min(gaps)

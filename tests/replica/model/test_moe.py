@@ -30,35 +30,15 @@ from replica.model.spec import load_model_spec
 from tests.oracle import check_mixed_batch, family_adapters, hf_greedy, hf_logits, hf_model
 from tests.replica.model.families import (
     GREEDY,
+    MARGIN,
     NEW_TOKENS,
     engine_for,
     prompts,
+    router_margin,
     traced_static_decode,
 )
 
 MOE = ["mixtral", "qwen3moe"]
-MARGIN = 1e-4  # smallest k-th vs (k+1)-th router logit gap: our hidden states match
-# transformers' to ~1e-5, so no expert choice can flip
-
-
-def router_margin(model, prompt: list[int], k: int) -> float:
-    """The smallest gap between the k-th and (k+1)-th router logit of any token and layer
-    over the prompt (transformers; the softmax keeps their order)."""
-    gaps = []
-
-    def hook(_module, _args, out):
-        logits = out[0].float().sort(dim=-1, descending=True).values
-        gaps.append((logits[:, k - 1] - logits[:, k]).min().item())
-
-    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
-               if n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "top_k")]  # fmt: skip
-    try:
-        hf_logits(model, prompt)
-    finally:
-        for h in handles:
-            h.remove()
-    assert gaps, "no router ran"
-    return min(gaps)
 
 
 @pytest.fixture(scope="module")
