@@ -26,7 +26,6 @@ from typing import Any
 
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -117,8 +116,6 @@ def _token_charge(prompts: list[Prompt], sampling: Any, n: int, max_model_len: i
     return total
 
 
-@serve.deployment(name="Ingress")
-@serve.ingress(app)
 class Ingress(AdapterRoutes):
     def __init__(
         self,
@@ -128,15 +125,18 @@ class Ingress(AdapterRoutes):
         served_model_name: str,
         options: IngressOptions | None = None,
         ledger: Any = None,
+        listing_period_s: float = 1.0,
     ) -> None:
         """`replicas`, `store` and `ledger` are DeploymentHandles (LoRAReplica,
-        AdapterStore, TenantLedger; without a ledger, tenants get one of this process)."""
+        AdapterStore, TenantLedger; without a ledger, tenants get one of this process).
+        `listing_period_s`: how often the store's listing is refreshed (the routing stats
+        period, at which replicas report what they hold)."""
         self.replicas = replicas.options(stream=True)
         self.store = store
         self.model_dir = model_dir
         self.model_name = served_model_name
         self.options = options = options or IngressOptions()
-        self.catalog = Catalog(store, options.routing_stats_period_s)
+        self.catalog = Catalog(store, listing_period_s)
         self.default_max_tokens = options.default_max_tokens
         self.model_defaults = sampling_defaults(model_dir)  # generation_config.json
         key = options.api_key or os.environ.get(options.api_key_env) or None

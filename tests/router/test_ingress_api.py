@@ -161,30 +161,27 @@ class FakeReplicas:
         return SimpleNamespace(remote=start)  # type: ignore[return-value]
 
 
-def ingress_class() -> type:
-    """The Ingress class as written (serve.deployment wraps it in a Deployment)."""
-    mro = ingress.Ingress.func_or_class.__mro__
-    return next(c for c in mro if "completions" in vars(c))
-
-
 @contextlib.contextmanager
 def ingress_client(
     model_dir: str,
     store: FakeStore | None = None,
     replicas: FakeReplicas | None = None,
     ledger: Any = None,
+    listing_period_s: float = 1.0,
     **options: Any,
 ) -> Iterator[tuple[TestClient, Any]]:
     """A TestClient on the ingress's app, its routes bound to a fresh Ingress object (as
-    Serve binds them to the replica's), and that object. `ledger`: a TenantLedger handle
-    to share (default: the Ingress makes its own when tenants are configured)."""
-    obj = ingress_class()(
+    Serve binds them to the replica's: its replica context's servable object), and that
+    object. `ledger`: a TenantLedger handle to share (default: the Ingress makes its own
+    when tenants are configured)."""
+    obj = ingress.Ingress(
         replicas or FakeReplicas(),
         store or FakeStore(),
         model_dir,
         BASE,
         IngressOptions(**options),
         ledger,
+        listing_period_s=listing_period_s,
     )
     context = SimpleNamespace(servable_object=obj)
     with pytest.MonkeyPatch.context() as mp:
@@ -195,9 +192,11 @@ def ingress_client(
 
 @functools.cache
 def served_app() -> Any:
-    """The app as a Serve replica gets it: serve.ingress pickles it with cloudpickle, which
-    copies the routes' functions with only the module globals their code names (so an
-    annotation naming a class that no code uses would not resolve there)."""
+    """The app as a Serve replica gets it: made a class-based view by serve.ingress (as
+    build_app does), then pickled with cloudpickle, which copies the routes' functions
+    with only the module globals their code names (so an annotation naming a class that no
+    code uses would not resolve there)."""
+    serve.ingress(ingress.app)(ingress.Ingress)
     return cloudpickle.loads(cloudpickle.dumps(ingress.app))
 
 
