@@ -194,6 +194,7 @@ MOVED_KEYS: dict[str, str] = {
         k: f"ingress.{k}"
         for k in ("default_max_tokens", "request_timeout_s", "api_key", "api_key_env")
         + ("api_key_for_inference", "tenants", "rate_limit_window_s", "tenant_metric_labels")
+        + ("tool_parser", "reasoning_parser", "adapter_parsers")
     },
     "routing_stats_period_s": "routing.stats_period_s",
     **{

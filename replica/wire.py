@@ -50,13 +50,17 @@ FinishReason = Literal["stop", "length"]  # the ends a reply tells; failures are
 
 
 class StructuredOutput(BaseModel):
-    """A constraint the output must satisfy (OpenAI's response_format)."""
+    """A constraint the output must satisfy (OpenAI's response_format, a forced tool
+    choice's JSON, or strict tools' calls within free text)."""
 
     model_config = ConfigDict(frozen=True)
 
-    kind: Literal["json_object", "json_schema"]
+    kind: Literal["json_object", "json_schema", "structural_tag"]
     json_schema: str | None = Field(
-        None, description="json_schema: the JSON Schema, as JSON text (compiled once, cached)."
+        None,
+        description="json_schema: the JSON Schema; structural_tag: xgrammar's structural "
+        "tag (free text, each tag's content under its schema once its trigger is "
+        "written); as JSON text (compiled once, cached).",
     )
 
 
