@@ -4,7 +4,8 @@ Wires three deployments: the AdapterStore (one replica), the LoRAReplica engines
 (routed by AdapterAffinityRouter or Serve's default) and the HTTP Ingress; with tenants, a
 fourth: the TenantLedger (one replica: the quotas and usage every Ingress replica shares).
 Each is made a deployment here, none at its class's definition: tests construct them as
-plain classes.
+plain classes (router.ingress.ServedIngress is the Ingress wrapped for HTTP, not yet a
+deployment).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cluster.store import AdapterStore
 from replica.config import EngineConfig
 from replica.serve.deployment import LoRAReplica
 from router.affinity import AdapterAffinityRouter
-from router.ingress import Ingress, app
+from router.ingress import ServedIngress
 from router.ledger import TenantLedger
 from router.tenancy import ledger_args
 
@@ -59,9 +60,8 @@ def build_app(args: dict[str, Any]) -> Application:
             )
             .bind(*ledger_args(config.ingress))
         )
-    # serve.ingress binds the app's routes to the replica's Ingress object
     return (
-        serve.deployment(serve.ingress(app)(Ingress), name="Ingress")
+        serve.deployment(ServedIngress, name="Ingress")
         .options(
             max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
         )

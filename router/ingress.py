@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -48,7 +49,7 @@ from router.tenancy import Caller, Lease, Tenancy
 from router.tools.message import ChatAnswers
 from router.tools.template import ChatTemplate, Templates, answer_parser
 
-__all__ = ["Ingress", "app"]
+__all__ = ["Ingress", "ServedIngress", "app"]
 
 # The replica owns a request's deadline; the ingress's waits (for the store to find an
 # adapter, for a replica to take the call) trail it by this much.
@@ -500,3 +501,9 @@ class Ingress(AdapterRoutes):
         if lease is None:
             return None
         return self.tenancy.finish(lease, model, output.usage())
+
+
+# Ingress with the app's routes bound to the Serve replica's Ingress object; build_app makes
+# it a deployment. Made at import, not in build_app: the replica unpickles the routes by
+# reference to this module, and its import must make them the same class-based views.
+ServedIngress = serve.ingress(app)(Ingress)

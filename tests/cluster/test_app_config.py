@@ -125,7 +125,7 @@ def test_a_single_cuda_replica_asks_ray_for_a_gpu():
 def test_build_app_makes_every_deployment_and_binds_each_its_section(tiny):
     """The classes carry no Serve decorator (tests construct them); build_app names and
     binds each: the store by keyword, the ingress its section whole."""
-    assert type(Ingress) is type and type(LoRAReplica) is type
+    assert type(Ingress) is type and type(LoRAReplica) is type  # tests construct them
     config = {**NESTED, "engine": {"model": str(tiny.model_dir)}, "store": {}}
     ingress = build_app(config)._bound_deployment
     replicas, store = (a._bound_deployment for a in ingress.init_args[:2])

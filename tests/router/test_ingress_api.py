@@ -192,11 +192,9 @@ def ingress_client(
 
 @functools.cache
 def served_app() -> Any:
-    """The app as a Serve replica gets it: made a class-based view by serve.ingress (as
-    build_app does), then pickled with cloudpickle, which copies the routes' functions
-    with only the module globals their code names (so an annotation naming a class that no
-    code uses would not resolve there)."""
-    serve.ingress(ingress.app)(ingress.Ingress)
+    """The app as a Serve replica gets it: serve.ingress pickles it with cloudpickle, which
+    copies the routes' functions with only the module globals their code names (so an
+    annotation naming a class that no code uses would not resolve there)."""
     return cloudpickle.loads(cloudpickle.dumps(ingress.app))
 
 
