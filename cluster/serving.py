@@ -50,6 +50,8 @@ def load_config(path: str | Path) -> dict[str, Any]:
 
 def _upgraded(args: dict[str, Any], where: str) -> dict[str, Any]:
     """`args` in the nested shape (flat keys of the previous release moved, each logged)."""
+    if not isinstance(args, dict):  # not an AppConfig at all: preflight names the problem
+        return args
     try:
         return upgrade_args(args)
     except ValueError as e:

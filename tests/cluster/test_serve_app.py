@@ -697,7 +697,7 @@ def _joined_config(assets, port: int) -> dict:
     config = _config(assets, port)
     app = config["applications"][0]
     app.update(name="joined", route_prefix="/joined")
-    app["args"]["adapters"] = {}
+    app["args"]["store"]["adapters"] = {}
     replica = {"name": "LoRAReplica", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}
     app["deployments"] = [{**replica, **QUICK_STOP}, *app["deployments"][1:]]  # store, ingress
     return config
