@@ -164,6 +164,11 @@ class AdapterKey:
         return cls(name, int(version))
 
 
+def applied_text(applied: Mapping[str, int]) -> str:
+    """'q_proj ×32, v_proj ×32': the modules an adapter changes, with their layer counts."""
+    return ", ".join(f"{m} \u00d7{n}" for m, n in applied.items()) or "no module"
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     """One registered adapter version, as the AdapterStore tells of it (no weights): what
@@ -182,6 +187,9 @@ class AdapterInfo:
     nbytes: int  # the converted weights' bytes
     created: int  # unix time of the registration
     source: str | None = None  # the resolver that found it; None: loaded or preloaded
+    # module -> layers it is applied on (LoRAAdapterWeights.applied); {} in checkpoints
+    # written before it was recorded
+    applied: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def key(self) -> AdapterKey:

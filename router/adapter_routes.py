@@ -100,7 +100,12 @@ class AdapterRoutes:
             body.lora_name, body.lora_path, body.load_inplace, roots
         )
         self.catalog.learned(info)
-        return {"status": "ok", "lora_name": info.name, "version": info.version}
+        return {
+            "status": "ok",
+            "lora_name": info.name,
+            "version": info.version,
+            "applied": dict(info.applied),  # module -> layers: nothing silently left out
+        }
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(

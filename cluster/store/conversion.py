@@ -47,6 +47,7 @@ class Converted:
     nbytes: int
     weights: ray.ObjectRef  # the packed arrays (replica/adapters/packing.py)
     source: str | None  # the resolver that found it; None: loaded or preloaded
+    applied: Mapping[str, int]  # module -> layers it is applied on
 
     def info(self, version: int, created: int | None = None) -> AdapterInfo:
         """What the registry lists for it under `version` (`created`: now by default)."""
@@ -59,6 +60,7 @@ class Converted:
             nbytes=self.nbytes,
             created=int(time.time()) if created is None else created,
             source=self.source,
+            applied=self.applied,
         )
 
 
@@ -104,6 +106,7 @@ class Converter:
             nbytes=weights.nbytes,
             weights=ray.put(pack_adapter(weights)),
             source=source,
+            applied=weights.applied(),
         )
 
     async def convert_async(

@@ -45,6 +45,12 @@ class Checkpoint:
         self._slice(name, shape)
         return self._handles[self._files[name]].get_tensor(name)
 
+    def get_packed(self, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """The tensor `name` stored as exactly `dtype` (safetensors' name, e.g. "U8"): a
+        packed format's bytes, which the caller decodes (gpt-oss's MXFP4 experts)."""
+        self._slice(name, shape, (dtype,))
+        return self._handles[self._files[name]].get_tensor(name)
+
     def get_part(
         self, name: str, shape: tuple[int, ...], dim: int, start: int, stop: int
     ) -> torch.Tensor:
@@ -61,7 +67,9 @@ class Checkpoint:
         """The tensors nothing has read (yet)."""
         return sorted(set(self._files) - self._read)
 
-    def _slice(self, name: str, shape: tuple[int, ...]) -> Any:
+    def _slice(
+        self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = FLOAT_DTYPES
+    ) -> Any:
         if name not in self._files:
             raise WeightLoadError(f"{self.dir}: missing weight {name!r} (expected shape {shape})")
         f = self._files[name]
@@ -74,7 +82,12 @@ class Checkpoint:
                 f"{self.dir}: weight {name!r} has shape {found}, "
                 f"but config.json implies {tuple(shape)}"
             )
-        if part.get_dtype() not in FLOAT_DTYPES:
+        if part.get_dtype() not in dtypes and dtypes != FLOAT_DTYPES:
+            raise WeightLoadError(
+                f"{self.dir}: weight {name!r} is stored as {part.get_dtype()}, expected "
+                f"{', '.join(dtypes)}"
+            )
+        if part.get_dtype() not in dtypes:
             raise WeightLoadError(
                 f"{self.dir}: weight {name!r} is stored as {part.get_dtype()}, a packed or "
                 f"quantized format this server does not dequantize (it serves "
