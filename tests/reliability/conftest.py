@@ -70,22 +70,22 @@ def app_config(assets, port: int, adapter_limit: int) -> dict[str, Any]:
                     "engine": {
                         "model": str(assets.model_dir),
                         "device": "cpu",
-                        "num_slots": 3,
                         "max_lora_rank": 64,
                         "kv_cache_bytes": 16 * 2**20,
                         "max_model_len": MAX_MODEL_LEN,
+                        "adapters": {"num_slots": 3},
                     },
                     "served_model_name": "tiny-base",
-                    "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
-                    "adapter_roots": [str(assets.root / "adapters")],
-                    # names no other test uses: test_adapters.py's resolution tests
-                    "adapter_resolvers": ["local"],
-                    "resolve_allow": [f"{RESOLVABLE}*"],
-                    "routing_stats_period_s": 0.25,
-                    "request_timeout_s": 60,
-                    "max_queued_requests": MAX_QUEUED,
-                    "max_adapter_bytes": adapter_limit,
-                    "api_key_env": KEY_ENV,
+                    "store": {
+                        "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                        "adapter_roots": [str(assets.root / "adapters")],
+                        # names no other test uses: test_adapters.py's resolution tests
+                        "resolvers": ["local"],
+                        "resolve_allow": [f"{RESOLVABLE}*"],
+                        "max_adapter_bytes": adapter_limit,
+                    },
+                    "routing": {"stats_period_s": 0.25, "max_queued_requests": MAX_QUEUED},
+                    "ingress": {"request_timeout_s": 60, "api_key_env": KEY_ENV},
                 },
                 "deployments": [
                     {
