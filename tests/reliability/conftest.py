@@ -128,12 +128,15 @@ def cluster(assets) -> Iterator[dict[str, Any]]:
         ray.shutdown()
 
 
-def redeploy(cluster, timeout_s: float = 120.0, **args) -> None:
-    """Deploy the suite's app with these settings changed (none: put it back), and wait
+def redeploy(cluster, timeout_s: float = 120.0, **sections: dict) -> None:
+    """Deploy the suite's app with these config sections' keys changed (ingress={...};
+    none: put it back), and wait
     until the replicas of the previous version are gone: a stopping Ingress replica still
     answers with the old settings (a 1 s deadline leaked 504s into the next test)."""
     config = copy.deepcopy(cluster["config"])
-    config["applications"][0]["args"].update(args)
+    args = config["applications"][0]["args"]
+    for section, changes in sections.items():
+        args[section] = {**args.get(section, {}), **changes}
     serving.deploy(config, timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
