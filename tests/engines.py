@@ -10,10 +10,11 @@ import torch
 
 from cluster.demo.assets import DemoAssets
 from replica.adapters.sources import AdapterSource
-from replica.config import EngineConfig
+from replica.config import AdapterResidencyConfig, EngineConfig
 from replica.engine.engine import LLMEngine
 
 ALL = None  # make_engine's adapters: every adapter of the assets
+RESIDENCY_KEYS = frozenset(AdapterResidencyConfig.model_fields)
 
 
 def make_engine(
@@ -39,6 +40,11 @@ def make_engine(
     config.setdefault("kv_cache_bytes", 16 << 20)
     if adapters and "num_slots" not in config and "adapter_memory_bytes" not in config:
         config["num_slots"] = len(adapters) + 1
+    # the residency knobs go where EngineConfig keeps them (engine.adapters), not by their
+    # deprecated flat names
+    residency = {k: config.pop(k) for k in list(config) if k in RESIDENCY_KEYS}
+    if residency:
+        config["adapters"] = residency
     engine = LLMEngine(EngineConfig(model=str(model_dir), **config), source)
     for name, path in adapters.items():
         engine.load_adapter(name, path)
