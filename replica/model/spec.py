@@ -20,14 +20,15 @@ from replica.model.hf_config import (
     SLIDING,
     ModelConfigError,
     RopeSpec,
-    refuse_quantized,
     rope_scaling,
     rope_theta,
 )
+from replica.model.quant_config import QuantScheme, quant_scheme
 
 __all__ = ["ModelConfigError", "ModelSpec", "RopeSpec", "load_model_spec", "spec_from_dict"]
 
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class ModelSpec:
     moe_block: str = "mlp"  # the checkpoint's module of router and experts (Mixtral's
     # block_sparse_moe) and one expert's gate, up and down (Mixtral's w1, w3, w2)
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # --- a quantized checkpoint (model/quant_config.py): how each projection is stored ---
+    quant: QuantScheme | None = None
 
     @property
     def q_size(self) -> int:
@@ -136,6 +139,13 @@ class ModelSpec:
             return {}
         h, i = self.hidden_size, self.moe_intermediate_size
         return {"expert_gate_proj": (h, i), "expert_up_proj": (h, i), "expert_down_proj": (i, h)}
+
+    def module_path(self, layer: int, module: str, prefix: str | None = None) -> str:
+        """Where a checkpoint keeps projection `module` of `layer` (its tensors' names less
+        the .weight / .qweight suffix); `prefix`: the checkpoint's, else the first one."""
+        group = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        prefix = self.weight_prefixes[0] if prefix is None else prefix
+        return f"{prefix}layers.{layer}.{group}.{module}"
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""
@@ -208,9 +218,9 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
 
 def spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
     """The spec of a config.json's contents; ModelConfigError names what cannot be served."""
-    refuse_quantized(cfg, source)
+    quant = quant_scheme(cfg, source)
     cfg, family = family_config(cfg, source)
-    return base_spec(cfg, source, **family)
+    return replace(base_spec(cfg, source, **family), quant=quant)
 
 
 def base_spec(cfg: dict[str, Any], source: str, **family: Any) -> ModelSpec:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import SegmentInfo
 from replica.model.lora import LoRABuffers, LoRAWorkspace
+from replica.model.quant_weights import PackedLinear, linear
 from replica.model.tp_comm import TPComm
 from replica.model.tp_shard import TPShard
 
@@ -24,7 +25,9 @@ class TPRank:
     shard: TPShard
     comm: TPComm
 
-    def row_linear(self, weight: torch.Tensor, lora: LoRABuffers | None) -> RowParallelLoRALinear:
+    def row_linear(
+        self, weight: torch.Tensor | PackedLinear, lora: LoRABuffers | None
+    ) -> RowParallelLoRALinear:
         return RowParallelLoRALinear(weight, lora, self)
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -50,14 +53,16 @@ class RowParallelLoRALinear:
     its own output columns (its rows of B), and the base output's all-reduce sums the
     ranks' partial outputs and their disjoint LoRA columns in one go."""
 
-    def __init__(self, weight: torch.Tensor, lora: LoRABuffers | None, tp: TPRank) -> None:
+    def __init__(
+        self, weight: torch.Tensor | PackedLinear, lora: LoRABuffers | None, tp: TPRank
+    ) -> None:
         self.weight, self.lora, self.comm = weight, lora, tp.comm  # weight [out, in / N]
         self.cols = slice(*tp.shard.hidden_range)
 
     def __call__(
         self, x: torch.Tensor, seg: SegmentInfo, workspace: LoRAWorkspace | None = None
     ) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [T, out]: this rank's partial sum
+        y = linear(x, self.weight)  # [T, out]: this rank's partial sum
         if self.lora is not None and seg.has_lora:
             out = None if workspace is None else workspace.region(self.lora)
             inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.max_rank, out=out)
