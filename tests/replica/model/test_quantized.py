@@ -27,10 +27,17 @@ from replica.model.quant_weights import PackedLinear
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
 from replica.model.tp_shard import TPShard
 from tests.conftest import tiny_assets
-from tests.oracle import ATTENTION, check_mixed_batch, hf_logits, hf_model, peft_adapter
+from tests.oracle import (
+    ATTENTION,
+    check_mixed_batch,
+    family_adapters,
+    hf_logits,
+    hf_model,
+    peft_adapter,
+)
 from tests.quant_checkpoints import quantize_dir
 
-NEW_TOKENS = 8
+NEW_TOKENS = 6
 # Block FP8 where its 128x128 blocks bite: every projection spans several blocks
 BLOCK_QWEN3 = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64,
                "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
@@ -98,6 +105,9 @@ CASES = [
     ("llama", "gptq-g32", ()),
     ("qwen3", "gptq-g16-desc-act", ()),
     ("llama", "awq-g32", ("model.layers.1.mlp.gate_proj",)),
+    # Phi-3's fused qkv_proj / gate_up_proj: each part's rows of the packed tensor
+    ("phi3", "gptq-g32", ()),
+    ("gemma2", "ct-fp8-channel", ()),
 ]
 
 
@@ -107,10 +117,10 @@ def test_format_with_adapters_matches_transformers_on_its_dequantization(
 ):
     if family == "llama":
         assets = tiny_assets("llama")
-        src, adapters = assets.model_dir, dict(list(assets.adapters.items())[:2])
+        src, adapters = assets.model_dir, dict(list(assets.adapters.items())[:1])
     else:
         src = family_model_dir(family)
-        adapters = adapters_of(src, tmp_path)
+        adapters = {"all": family_adapters(family, src, tmp_path)["all"]}
     model_dir = tmp_path / fmt
     oracle = quantize_dir(src, model_dir, fmt, dense)
     eng = engine_for(model_dir, adapters)
@@ -243,3 +253,19 @@ def test_transformers_reads_our_block_fp8_writer_as_we_do(tmp_path):
     p = prompts(256)[1]
     assert torch.equal(hf_logits(ref, p), hf_logits(dense, p))
     shutil.rmtree(oracle)
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym-g32", "fp8-block"])
+def test_packed_experts_with_expert_lora_match_transformers(tmp_path, fmt):
+    """Qwen3-MoE with every expert packed (stacked per layer, kernels.quant_moe_gemm), a
+    dense layer between: base, an attention adapter and one on everything including the
+    experts' stacked parameters, in one mixed batch."""
+    src = family_model_dir("qwen3moe")
+    model_dir = tmp_path / fmt
+    oracle = quantize_dir(src, model_dir, fmt)
+    adapters = family_adapters("qwen3moe", src, tmp_path)
+    eng = engine_for(model_dir, adapters)
+    moe = eng.executor.model.layers[0].mlp
+    assert [type(w) for w in moe.packed] == [PACKED[fmt]] * 3
+    assert all(w.num_experts == 8 for w in moe.packed)
+    check_mixed_batch(eng, oracle, adapters, prompts(eng.spec.vocab_size), NEW_TOKENS)
