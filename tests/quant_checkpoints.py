@@ -20,11 +20,13 @@ from safetensors.torch import load_file, save_file
 
 from kernels import dequantize
 from kernels.quant_pack import (
+    nf4_absmax,
     pack_awq,
     pack_gptq,
     pack_quantized,
     quantize_fp8,
     quantize_int4,
+    quantize_nf4,
 )
 
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -118,6 +120,47 @@ def _awq(group: int):
     return write, config
 
 
+def _bnb_nf4(nested: bool):
+    """bitsandbytes' serialized Params4bit. Double quantization (`nested`): the absmax less
+    its mean, 8-bit codes per 256 blocks over a table the checkpoint carries (bitsandbytes'
+    dynamic map; any table reads the same way, here a uniform one)."""
+
+    def write(name: str, w: torch.Tensor, out: dict, dense: list[str]):
+        n, k = w.shape
+        q = quantize_nf4(w)
+        key = f"{name}.weight"
+        state = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [n, k]}
+        out |= {key: q.packed.view(-1, 1), f"{key}.quant_map": q.code}
+        absmax = q.absmax
+        if nested:
+            offset = absmax.mean()
+            table = torch.linspace(-1, 1, 256)
+            blocks = absmax - offset
+            padded = torch.zeros(-(-blocks.numel() // 256) * 256)
+            padded[: blocks.numel()] = blocks
+            scale = padded.view(-1, 256).abs().amax(dim=1).clamp(min=1e-12)
+            codes = (blocks[:, None] / scale.repeat_interleave(256)[: blocks.numel(), None]
+                     - table).abs().argmin(dim=1).to(torch.uint8)  # fmt: skip
+            out |= {f"{key}.absmax": codes, f"{key}.nested_absmax": scale,
+                    f"{key}.nested_quant_map": table}  # fmt: skip
+            state |= {"nested_blocksize": 256, "nested_offset": offset.item(),
+                      "nested_dtype": "float32"}  # fmt: skip
+            absmax = nf4_absmax(codes, scale, table, offset.item(), 256)
+        else:
+            out[f"{key}.absmax"] = absmax
+        blob = list(json.dumps(state).encode())
+        out[f"{key}.quant_state.bitsandbytes__nf4"] = torch.tensor(blob, dtype=torch.uint8)
+        return type(q)(q.packed, absmax, q.code, q.shape, q.blocksize)
+
+    def config(dense: list[str]) -> dict:
+        return {"quant_method": "bitsandbytes", "_load_in_4bit": True, "load_in_4bit": True,
+                "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+                "bnb_4bit_use_double_quant": nested, "bnb_4bit_compute_dtype": "float32",
+                "llm_int8_skip_modules": dense or None}  # fmt: skip
+
+    return write, config
+
+
 def _fp8_block(name: str, w: torch.Tensor, out: dict, dense: list[str]):
     q = quantize_fp8(w, (128, 128))
     out[f"{name}.weight"], out[f"{name}.weight_scale_inv"] = q.weight, q.scale
@@ -134,6 +177,8 @@ FORMATS = {
     "gptq-g32": _gptq(32, desc_act=False),
     "gptq-g16-desc-act": _gptq(16, desc_act=True),
     "awq-g32": _awq(32),
+    "bnb-nf4": _bnb_nf4(nested=False),
+    "bnb-nf4-nested": _bnb_nf4(nested=True),
 }
 
 

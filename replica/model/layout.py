@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import QuantizedWeight, stack_experts
-from replica.model.quant_config import ModuleFormat
+from replica.model.quant_config import NF4, ModuleFormat
 from replica.model.quant_weights import read_packed
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
@@ -131,10 +131,11 @@ class CheckpointLayout:
             for e in range(s.num_experts):
                 name = f"{where}.{e}.{m}"
                 fmt = s.quant.format_of(name)
-                if fmt is None:
+                if fmt is None or fmt.kind == NF4:
                     raise WeightLoadError(
-                        f"{self.ckpt.dir}: expert {name!r} is dense beside quantized "
-                        "experts: refused (one format per layer)"
+                        f"{self.ckpt.dir}: expert {name!r} is "
+                        f"{'dense beside quantized experts' if fmt is None else 'in NF4'}: "
+                        "refused (experts are served in one packed format per layer, not NF4)"
                     )
                 part = {"rows": cols} if shape == (i, h) else {"cols": cols}
                 ws.append(read_packed(self.ckpt, name, fmt, shape, **part))

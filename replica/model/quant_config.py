@@ -15,6 +15,8 @@ One reader per quant_method (QUANT_METHODS, the dispatch); each returns a QuantS
   gptq                auto-gptq / gptqmodel v1 4-bit (`qweight`, `qzeros`, `scales`, `g_idx`),
                       desc_act included
   awq                 AutoAWQ GEMM 4-bit (`qweight`, `qzeros`, `scales`)
+  bitsandbytes        NF4 (QLoRA's `*-bnb-4bit` bases): `weight` bytes, `weight.absmax`
+                      (double-quantized too), `weight.quant_map`, `weight.quant_state.*`
 
 Activations are not quantized (W8A16 / W4A16): activation scales a checkpoint ships are
 read and left unused, so outputs equal the dequantized model's. Anything else is refused in
@@ -34,7 +36,7 @@ from replica.model.hf_config import ModelConfigError
 # Where config.json declares a quantized checkpoint (transformers' quantization_config;
 # compressed-tensors' older compression_config).
 QUANTIZATION_KEYS = ("quantization_config", "compression_config")
-FP8, INT4_PACKED, GPTQ, AWQ = "fp8", "pack-quantized", "gptq", "awq"
+FP8, INT4_PACKED, GPTQ, AWQ, NF4 = "fp8", "pack-quantized", "gptq", "awq", "nf4"
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ModuleFormat:
     for per tensor, (1, None) per channel; `group_size` (int4): columns per scale, None per
     channel (the whole K)."""
 
-    kind: str  # FP8, INT4_PACKED, GPTQ or AWQ
+    kind: str  # FP8, INT4_PACKED, GPTQ, AWQ or NF4
     block: tuple[int | None, int | None] | None = None
     group_size: int | None = None
     symmetric: bool = True
@@ -60,11 +62,15 @@ class ModuleFormat:
         """Rows a tensor-parallel split of the output must be a multiple of."""
         if self.kind == FP8:
             return (self.block[0] or 1) if self.block else 1
+        if self.kind == NF4:  # whole absmax blocks of the row-major flat weight
+            return self.group_size
         return 8 if self.kind in (GPTQ, AWQ) or not self.symmetric else 1
 
     def in_align(self) -> int:
         """Columns a split of the input must be a multiple of: whole scale blocks or
-        groups, whole packed words."""
+        groups, whole packed words; 0: the input cannot be split."""
+        if self.kind == NF4:
+            return 0  # blocks run along the flattened rows: a column split cuts them all
         if self.kind == FP8:
             return (self.block[1] or 1) if self.block else 1
         if self.group_size is None or (self.kind == GPTQ and self.desc_act):
@@ -78,6 +84,8 @@ class ModuleFormat:
         if self.kind == FP8:
             bn, bk = self.block or (n, k)
             return n * k + -(-n // (bn or n)) * -(-k // (bk or k)) * 4
+        if self.kind == NF4:  # codes, fp32 absmax (double quantization undone), the code
+            return -(-n * k // 2) + -(-n * k // self.group_size) * 4 + 16 * 4
         g = self.groups(whole_k if self.desc_act and whole_k else k)
         codes = n * -(-k // 8) * 4  # 8 codes an int32, along K (pack-quantized, GPTQ) or N
         scales = n * g * scale_bytes
@@ -200,6 +208,21 @@ def _awq(q: dict[str, Any], where: str) -> QuantScheme:
     return QuantScheme("awq", ((("Linear",), fmt),), _names(q.get("modules_to_not_convert")))
 
 
+def _bitsandbytes(q: dict[str, Any], where: str) -> QuantScheme:
+    kind = q.get("bnb_4bit_quant_type", "fp4")
+    four_bit = q.get("load_in_4bit", q.get("_load_in_4bit"))
+    if not four_bit or kind != "nf4":
+        raise ModelConfigError(
+            f"{where}: load_in_4bit={four_bit!r} load_in_8bit="
+            f"{q.get('load_in_8bit')!r} bnb_4bit_quant_type={kind!r} is not served (4-bit "
+            "nf4 is)"
+        )
+    fmt = ModuleFormat(NF4, group_size=64, scale_name="weight.absmax")
+    return QuantScheme(
+        "bitsandbytes", ((("Linear",), fmt),), _names(q.get("llm_int8_skip_modules"))
+    )
+
+
 def _check_int4(q: dict[str, Any], where: str) -> None:
     bits = q.get("bits", q.get("w_bit"))
     if bits != 4:
@@ -232,4 +255,5 @@ QUANT_METHODS: dict[str, Callable[[dict[str, Any], str], QuantScheme]] = {
     "compressed-tensors": _compressed_tensors,
     "gptq": _gptq,
     "awq": _awq,
+    "bitsandbytes": _bitsandbytes,
 }

@@ -11,13 +11,16 @@ device holds what the checkpoint holds. PackedLinear multiplies by a list of suc
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import torch
 
 import kernels
-from kernels import AwqInt4, Fp8Weight, GptqInt4, PackQuantizedInt4, QuantizedWeight
-from replica.model.quant_config import AWQ, FP8, GPTQ, INT4_PACKED, ModuleFormat
+from kernels import AwqInt4, Fp8Weight, GptqInt4, Nf4Weight, PackQuantizedInt4, QuantizedWeight
+from kernels.quant_formats import NF4_VALUES
+from kernels.quant_pack import nf4_absmax
+from replica.model.quant_config import AWQ, FP8, GPTQ, INT4_PACKED, NF4, ModuleFormat
 from replica.model.weights import Checkpoint, DummyCheckpoint, WeightLoadError
 
 I32, F8 = (torch.int32,), (torch.float8_e4m3fn,)
@@ -35,7 +38,8 @@ def read_packed(
 ) -> QuantizedWeight:
     """This rank's part of `name`'s packed weight, as stored (float8 scales in fp32)."""
     n, k = shape
-    read = {FP8: _read_fp8, INT4_PACKED: _read_pack_quantized, GPTQ: _read_gptq, AWQ: _read_awq}
+    read = {FP8: _read_fp8, INT4_PACKED: _read_pack_quantized, GPTQ: _read_gptq, AWQ: _read_awq,
+            NF4: _read_nf4}  # fmt: skip
     w = read[fmt.kind](ckpt, name, fmt, n, k)
     for extra in fmt.extra:  # activation scales: W8A16 leaves them unused
         if isinstance(ckpt, Checkpoint) and ckpt.has(f"{name}.{extra}"):
@@ -107,6 +111,36 @@ def _read_awq(ckpt, name: str, fmt: ModuleFormat, n: int, k: int) -> AwqInt4:
     return AwqInt4(qweight, qzeros, scales, group)
 
 
+def _read_nf4(ckpt, name: str, fmt: ModuleFormat, n: int, k: int) -> Nf4Weight:
+    """bitsandbytes' serialized Params4bit: its quant_state JSON (a uint8 tensor) names the
+    block size and, double-quantized, how the absmax was itself quantized."""
+    w = f"{name}.weight"
+    if isinstance(ckpt, DummyCheckpoint):
+        packed = ckpt.get_packed(w, (-(-n * k // 2), 1), (torch.uint8,))
+        absmax = ckpt.get_packed(f"{w}.absmax", (-(-n * k // 64),), (torch.float32,))
+        code = torch.tensor(NF4_VALUES, device=ckpt.device)
+        return Nf4Weight(packed.view(-1), absmax, code, (n, k), 64)
+    state_name = f"{w}.quant_state.bitsandbytes__nf4"
+    state = json.loads(bytes(ckpt.get_packed(state_name, ckpt.shape(state_name),
+                                             (torch.uint8,)).tolist()))  # fmt: skip
+    if list(state.get("shape", ())) != [n, k] or state.get("quant_type") != "nf4":
+        raise WeightLoadError(f"{ckpt.dir}: {state_name!r} says {state}, config.json implies "
+                              f"an nf4 weight of shape {[n, k]}")  # fmt: skip
+    bs = int(state["blocksize"])
+    packed = ckpt.get_packed(w, (-(-n * k // 2), 1), (torch.uint8,)).view(-1)
+    code = ckpt.get_packed(f"{w}.quant_map", (16,), (torch.float32,))
+    blocks = -(-n * k // bs)
+    if "nested_blocksize" in state:  # double quantization: absmax as 8-bit codes
+        nested = int(state["nested_blocksize"])
+        codes = ckpt.get_packed(f"{w}.absmax", (blocks,), (torch.uint8,))
+        scale = ckpt.get_packed(f"{w}.nested_absmax", (-(-blocks // nested),), (torch.float32,))
+        table = ckpt.get_packed(f"{w}.nested_quant_map", (256,), (torch.float32,))
+        absmax = nf4_absmax(codes, scale, table, float(state["nested_offset"]), nested)
+    else:
+        absmax = ckpt.get_packed(f"{w}.absmax", (blocks,), (torch.float32,))
+    return Nf4Weight(packed, absmax, code, (n, k), bs)
+
+
 def _check_bias(ckpt, name: str) -> None:
     """auto-gptq and AutoAWQ may save an all-zero bias for bias-free projections: read and
     accepted when zero, refused otherwise (the decoder adds none there)."""
@@ -143,6 +177,13 @@ def slice_rows(w: QuantizedWeight, r0: int, r1: int) -> QuantizedWeight:
     if isinstance(w, AwqInt4):
         return AwqInt4(w.qweight[:, r0 // 8 : r1 // 8], w.qzeros[:, r0 // 8 : r1 // 8],
                        w.scales[:, r0:r1], w.group_size)  # fmt: skip
+    if isinstance(w, Nf4Weight):
+        bs = w.blocksize
+        if (r0 * k) % bs or ((r1 * k) % bs and r1 != n):
+            raise WeightLoadError(f"rows {r0}:{r1} of an NF4 weight cut its blocks of {bs}")
+        packed = w.packed[r0 * k // 2 : -(-r1 * k // 2)]
+        absmax = w.absmax[r0 * k // bs : -(-r1 * k // bs)]
+        return Nf4Weight(packed, absmax, w.code, (r1 - r0, k), bs)
     raise TypeError(f"slice_rows: {type(w).__name__}")
 
 

@@ -95,9 +95,15 @@ class TPShard:
             for name, what, (lo, hi), by_input in shares:
                 path = name if "." in name else s.module_path(layer, name)
                 fmt = s.quant.format_of(path)
-                align = 0 if fmt is None else (fmt.in_align() if by_input else fmt.out_align())
-                if align > 1 and (lo % align or hi % align):
-                    unit = "scale blocks" if fmt.kind == "fp8" else "groups or packed words"
+                if fmt is None:
+                    continue
+                align = fmt.in_align() if by_input else fmt.out_align()
+                units = {"fp8": "scale blocks", "nf4": "absmax blocks (along flattened rows)"}
+                unit = units.get(fmt.kind, "groups or packed words")
+                if align == 0:
+                    cuts.append(f"{path} ({s.quant.method}): its {what} cannot be split, "
+                                f"every one of its {unit} spans them")  # fmt: skip
+                elif lo % align or hi % align:
                     cuts.append(f"{path} ({s.quant.method}): its {what} {lo}:{hi} on rank "
                                 f"{self.rank} cut its {unit} of {align}")  # fmt: skip
         return cuts

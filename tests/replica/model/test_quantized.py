@@ -11,6 +11,7 @@ are the checkpoint's, and the memory plan counts them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from cluster.demo.families import family_model_dir
-from kernels import AwqInt4, Fp8Weight, GptqInt4, PackQuantizedInt4
+from kernels import AwqInt4, Fp8Weight, GptqInt4, Nf4Weight, PackQuantizedInt4
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.executor import memory_plan as mp
@@ -41,10 +42,19 @@ NEW_TOKENS = 6
 # Block FP8 where its 128x128 blocks bite: every projection spans several blocks
 BLOCK_QWEN3 = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64,
                "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
-PACKED = {"fp8-block": Fp8Weight, "ct-fp8-channel": Fp8Weight,
-          "ct-fp8-tensor-static": Fp8Weight, "ct-w4a16-g16": PackQuantizedInt4,
-          "ct-w4a16-asym-g32": PackQuantizedInt4, "ct-w4a16-channel": PackQuantizedInt4,
-          "gptq-g32": GptqInt4, "gptq-g16-desc-act": GptqInt4, "awq-g32": AwqInt4}  # fmt: skip
+PACKED = {
+    "fp8-block": Fp8Weight,
+    "ct-fp8-channel": Fp8Weight,
+    "ct-fp8-tensor-static": Fp8Weight,
+    "ct-w4a16-g16": PackQuantizedInt4,
+    "ct-w4a16-asym-g32": PackQuantizedInt4,
+    "ct-w4a16-channel": PackQuantizedInt4,
+    "gptq-g32": GptqInt4,
+    "gptq-g16-desc-act": GptqInt4,
+    "awq-g32": AwqInt4,
+    "bnb-nf4": Nf4Weight,
+    "bnb-nf4-nested": Nf4Weight,
+}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -108,6 +118,8 @@ CASES = [
     # Phi-3's fused qkv_proj / gate_up_proj: each part's rows of the packed tensor
     ("phi3", "gptq-g32", ()),
     ("gemma2", "ct-fp8-channel", ()),
+    ("llama", "bnb-nf4", ("model.layers.0.mlp.down_proj",)),
+    ("qwen3", "bnb-nf4-nested", ()),
 ]
 
 
@@ -132,7 +144,7 @@ def test_format_with_adapters_matches_transformers_on_its_dequantization(
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-channel", "ct-w4a16-asym-g32",
-                                 "gptq-g16-desc-act", "awq-g32"])  # fmt: skip
+                                 "gptq-g16-desc-act", "awq-g32", "bnb-nf4-nested"])  # fmt: skip
 def test_device_bytes_are_the_checkpoints_and_the_plan_counts_them(tmp_path, fmt):
     """The weights the model holds are the checkpoint's packed tensors (float8 scales in
     fp32), byte for byte what the memory plan counts, whole and as rank 0 of 2."""
@@ -148,7 +160,7 @@ def test_device_bytes_are_the_checkpoints_and_the_plan_counts_them(tmp_path, fmt
     assert held_bytes(model) < held_bytes(dense)
     from replica.model.tp_layers import TPRank
 
-    if fmt != "fp8-block":  # 128x128 blocks cannot be split on this tiny model
+    if fmt not in ("fp8-block", "bnb-nf4-nested"):  # blocks a split would cut: below
         rank = TPRank(TPShard(spec, 0, 2), None)
         meta = CausalLM(model_dir, "meta", torch.bfloat16, None, spec, rank, "dummy")
         assert mp.weight_bytes(spec, 2, torch.bfloat16) == held_bytes(meta)
@@ -176,13 +188,23 @@ def test_a_tp_split_that_cuts_a_block_or_group_is_refused_naming_the_layer(tmp_p
             continue
         with pytest.raises(ModelConfigError, match=r"layers\.0\.self_attn\.o_proj.*group"):
             TPShard(load_model_spec(tmp_path / fmt), 0, 2)
+    # NF4's absmax blocks run along the flattened rows: rows in whole blocks, no input split
+    quantize_dir(family_model_dir("qwen3"), tmp_path / "nf4", "bnb-nf4")
+    spec = load_model_spec(tmp_path / "nf4")
+    with pytest.raises(ModelConfigError, match=r"q_proj \(bitsandbytes\): its output rows 0:48 "
+                                               r"on rank 0 cut its absmax blocks"):  # fmt: skip
+        TPShard(spec, 0, 2)
+    fmt = spec.quant.format_of("model.layers.0.self_attn.o_proj")
+    only_o = dataclasses.replace(spec.quant, groups=(((r"re:.*\.o_proj",), fmt),))
+    with pytest.raises(ModelConfigError, match=r"o_proj \(bitsandbytes\): its input columns "
+                                               r"cannot be split"):  # fmt: skip
+        TPShard(dataclasses.replace(spec, quant=only_o), 0, 2)
 
 
 REFUSED = {
     "gguf": {"quant_method": "gguf"},
     "modelopt": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
     "eetq": {"quant_method": "eetq"},
-    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     "mxfp4": {"quant_method": "mxfp4"},
 }
 
@@ -212,6 +234,9 @@ def test_an_unserved_quant_method_is_refused_in_one_line_naming_it(method):
          "checkpoint_format='gptq_v2' is not served"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2' is not served"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "load_in_8bit=True"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"},
+         "bnb_4bit_quant_type='fp4' is not served"),
     ],
 )  # fmt: skip
 def test_an_unserved_variant_of_a_served_method_is_refused_naming_it(quant, named):
