@@ -497,7 +497,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"({min(c.max_num_batched_tokens, plan.max_model_len):,} tokens at context "
         f"{plan.max_model_len:,})"
         + ("; a single-rank replica profiles it at start" if c.tp_size == 1 else ""),
-        "CUDA graphs": f"{gib(plan.graph_bytes)}, estimated (logits buffer and pool)"
+        "CUDA graphs": f"{gib(plan.graph_bytes)}, estimated (logits buffer, inputs and pool)"
         if plan.graph_bytes
         else "none: tensor-parallel replicas and cuda_graphs=false run eagerly",
         "adapters": f"{gib(plan.adapter_memory_bytes)}: {plan.num_slots - 1} of rank "

@@ -79,11 +79,14 @@ class AdapterResidency:
     def register(self, name: str, path: str | Path) -> LoRAAdapterWeights:
         """Register a PEFT directory as `name`: read, validated and staged in the host cache
         now (once: the source's conversion is what is staged), copied into a device slot
-        when a request needs it. Nothing is registered on error."""
+        when a request needs it. Nothing is registered on error; a name already registered
+        is refused (unload it first)."""
         if not isinstance(self.source, PeftDirectorySource):
             raise TypeError("registering a directory needs the PEFT directory source")
         if name in self.unloading:
             raise RequestError(f"adapter {name!r} is being unloaded: requests on it still run")
+        if name in self.source:  # its slot would go on serving the weights it holds
+            raise RequestError(f"adapter {name!r} is already registered: unload it first")
         return self.host_cache.put(name, self.staged.stage(self.source.add(name, path)))
 
     def unregister(self, name: str) -> None:

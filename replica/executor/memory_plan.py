@@ -13,11 +13,13 @@ context, other processes), is the budget; in vLLM's order it holds
                  copies over max_num_seqs rows. At start a single-rank replica measures
                  the forward's peak (memory_profile.py); elsewhere it is estimated
                  (step_bytes below)
-  CUDA graphs    the decode graphs' one shared fp32 logits buffer [max_num_seqs, vocab]
-                 and their memory pool, estimated as one decode step's working memory at
-                 the largest bucket (graphs are captured largest first into one pool, so
-                 the smaller buckets reuse its blocks): step_bytes at max_num_seqs tokens,
-                 no context gathered (the decode kernel reads the cache in place)
+  CUDA graphs    on every rank (TP ranks capture too): the decode graphs' one shared fp32
+                 logits buffer [max_num_seqs, vocab], their persistent inputs with block
+                 tables as wide as max_model_len, and their memory pool, estimated as one
+                 decode step's working memory at the largest bucket (graphs are captured
+                 largest first into one pool, so the smaller buckets reuse its blocks):
+                 step_bytes at max_num_seqs tokens, no context gathered (the decode kernel
+                 reads the cache in place)
   adapter arenas engine.num_slots or adapter_memory_bytes when set; else ADAPTER_SHARE of
                  what the budget leaves after the three above (never a share of the whole
                  device), at least one and at most MAX_DEFAULT_SLOTS - 1 adapters of
@@ -39,6 +41,7 @@ import torch
 
 from replica.adapters.memory import size_adapter_slots, slot_bytes
 from replica.config import EngineConfig
+from replica.executor.static_decode import static_decode_bytes
 from replica.model.kv_cache import KVCache
 from replica.model.lora import EXPERT_GROUPS, layer_groups
 from replica.model.lora_slots import arena_rows, block_rows
@@ -290,18 +293,22 @@ def estimate_activation_bytes(
 
 
 def captures_graphs(config: EngineConfig) -> bool:
-    """Whether a CUDA replica captures decode graphs (single-rank replicas only)."""
-    return config.cuda_graphs and config.tp_size == 1
+    """Whether a CUDA replica captures decode graphs (each rank of a TP group too)."""
+    return config.cuda_graphs
 
 
-def estimate_graph_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -> int:
-    """The decode graphs' shared fp32 logits buffer [max_num_seqs, vocab] and their pool:
-    one decode step at the largest bucket (module docstring)."""
+def estimate_graph_bytes(
+    spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """What a rank's static decode path holds: the shared fp32 logits buffer and the
+    persistent inputs (static_decode_bytes), and the graphs' pool, one decode step at
+    the largest bucket (module docstring)."""
     if not captures_graphs(config):
         return 0
     n = config.max_num_seqs
-    logits = n * spec.vocab_size * 4
-    return logits + step_bytes(spec, config, dtype, n, 0, n, fp32_logits=False)
+    blocks = -(-max_model_len // config.block_size)
+    fixed = static_decode_bytes(n, spec.vocab_size, blocks)
+    return fixed + step_bytes(spec, config, dtype, n, 0, n, fp32_logits=False)
 
 
 def _adapter_arenas(
@@ -359,7 +366,7 @@ def plan_memory(
     measured = activation_bytes is not None
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(spec, c, dtype, max_len)
-    graphs = estimate_graph_bytes(spec, c, dtype)
+    graphs = estimate_graph_bytes(spec, c, dtype, max_len)
     block = kv_block_bytes(spec, tp, c.block_size, dtype)
     fixed = {"weights": weights, "activations": activation_bytes, "CUDA graphs": graphs}
     left = budget - sum(fixed.values()) - block  # the scratch block

@@ -322,3 +322,21 @@ def test_unload_lets_queued_and_running_requests_finish_and_refuses_new_ones(tin
     assert first.finish_reason == running.finish_reason == queued.finish_reason == "length"
     assert b not in eng.adapters.source.names() and b not in eng.adapters.host_cache.names()
     assert eng.adapters.pool.state(b) is None
+
+
+def test_registering_a_known_name_again_is_refused_and_unload_then_load_takes_the_new_weights(
+    tiny,
+):
+    """A name registered again would keep serving the weights resident in its slot, so it
+    is refused; unloaded first, the name serves the new directory's weights."""
+    a, b = list(tiny.adapters)[:2]
+    solo_b = engine(tiny).generate([(prompt(1), GREEDY, b)])[0].output_ids
+    eng = engine(tiny, source=PeftDirectorySource(load_model_spec(tiny.model_dir), 64, {}))
+    eng.load_adapter("x", tiny.adapters[a])
+    on_a = eng.generate([(prompt(1), GREEDY, "x")])[0].output_ids  # x resident in a slot
+    with pytest.raises(Exception, match="already registered"):
+        eng.load_adapter("x", tiny.adapters[b])
+    assert eng.generate([(prompt(1), GREEDY, "x")])[0].output_ids == on_a
+    eng.unload_adapter("x")
+    eng.load_adapter("x", tiny.adapters[b])
+    assert eng.generate([(prompt(1), GREEDY, "x")])[0].output_ids == solo_b != on_a

@@ -19,6 +19,7 @@ from replica.engine.engine import LLMEngine
 from replica.executor import memory_plan as mp
 from replica.executor import memory_profile
 from replica.executor.memory_plan import MemoryPlanError, plan_memory, step_bytes
+from replica.executor.static_decode import DecodeInputs
 from replica.model.decoder import CausalLM
 from replica.model.kv_cache import KVCache
 from replica.model.lora_slots import LoRASlotBuffers
@@ -105,7 +106,8 @@ def test_llama_3_1_8b_on_one_80gib_gpu_by_hand():
     assert plan.activation_bytes == persistent + head + sampler == 1_858_338_816
     # graphs: the shared fp32 logits buffer of 64 rows and a 64-token decode step's pool
     pool = 64 * h * 2 + 64 * cols * 4 + 64 * h * 2 + 64 * vocab * 2
-    assert plan.graph_bytes == 64 * vocab * 4 + pool
+    inputs = DecodeInputs.device_bytes(64, ctx // 16)  # block tables wide as 128k tokens
+    assert plan.graph_bytes == 64 * vocab * 4 + inputs + pool
     budget = int(0.9 * 80 * GiB) - 512 * 2**20  # less the CUDA context
     assert plan.budget_bytes == budget
     left = budget - plan.weights_bytes_per_gpu - plan.activation_bytes - plan.graph_bytes
@@ -115,9 +117,9 @@ def test_llama_3_1_8b_on_one_80gib_gpu_by_hand():
     assert plan.num_slots - 1 == int(left * 0.25) // adapter == 43
     assert plan.adapter_memory_bytes == 43 * adapter
     assert plan.kv_cache_bytes == left - 43 * adapter
-    assert plan.num_blocks == 21_124 and plan.kv_cache_tokens == 337_984
+    assert plan.num_blocks == 21_122 and plan.kv_cache_tokens == 337_952
     assert plan.max_model_len == ctx
-    assert plan.max_concurrency_at_max_model_len == round(21_124 / (ctx // 16), 2) == 2.58
+    assert plan.max_concurrency_at_max_model_len == round(21_122 / (ctx // 16), 2) == 2.58
     assert 0 <= plan.free_bytes < plan.kv_block_bytes
 
 
@@ -129,7 +131,8 @@ def test_llama_3_1_70b_and_qwen3_32b_at_tp_4_by_hand():
     params = 80 * per_layer + 2 * (128256 // 4) * h + h
     assert plan.weights_bytes_per_gpu == 2 * (params + 2 * 131072 * 128)
     assert plan.kv_block_bytes == 16 * 80 * 2 * kv * 2
-    assert plan.graph_bytes == 0  # tensor-parallel replicas run eagerly
+    # every rank captures decode graphs: the full-vocab logits buffer and inputs each
+    assert plan.graph_bytes > 64 * 128256 * 4 + DecodeInputs.device_bytes(64, 131072 // 16)
     assert plan.max_model_len == 131072 and plan.num_blocks > 3 * 131072 // 16 * 0.9
     assert 0 <= plan.free_bytes < plan.kv_block_bytes
 
@@ -356,6 +359,6 @@ def test_the_start_line_says_kv_tokens_blocks_concurrency_and_adapter_rows(tiny,
     assert "32 rank rows per projection group" in line and "2 adapters at rank 16" in line
     spec, config = published("Llama-3.1-8B")
     summary = plan_memory(spec, config, BF16, 80 * GiB).summary()
-    for words in ("337,984 tokens in 21,124 blocks of 16", "2.58 sequences of max_model_len",
+    for words in ("337,952 tokens in 21,122 blocks of 16", "2.58 sequences of max_model_len",
                   "2752 rank rows per projection group", "CUDA graphs 0.05 GiB"):  # fmt: skip
         assert words in summary
