@@ -1,9 +1,10 @@
 """`python -m benchmarks engine --quant fp8,w4a16`: the demo model's decode step with its
 projections held packed in each format, against the same model dense.
 
-Every model is the demo Llama's config.json with seeded random weights made on the device
-(engine.load_format dummy), dense or with a quantization_config naming the format, so
-each format runs at the same shapes with the same adapters (the demo's, at their ranks).
+Every model is the demo Llama's config.json (the tests' tiny Llama with --quick) with
+seeded random weights made on the device (engine.load_format dummy), dense or with a
+quantization_config naming the format, so each format runs at the same shapes with the
+same adapters (the demo's, at their ranks).
 Per format: the bytes of every tensor a decode step reads (its weights; the packed ones
 as the checkpoint stores them), the base decode step at batch 1 and at the adapter batch,
 the same batch with every sequence on its own adapter, and the ratios to the dense model.
@@ -19,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cluster.demo.assets import DemoAssets, DemoSpec, cached_demo_assets
+from cluster.demo.assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec
 
 # quantization_config of each format, as the Hub and llm-compressor write them
 QUANT_CONFIGS = {
@@ -45,7 +46,10 @@ FORMATS = tuple(QUANT_CONFIGS)
 def run(args: argparse.Namespace, decode_step, base_step) -> dict:
     """{"dense" and each of args.quant: figures}, printed as a table. `decode_step(assets,
     n, args, **engine)` and `base_step(assets, args, **engine)` are benchmarks.engine's."""
-    demo = cached_demo_assets(DemoSpec(num_adapters=args.adapters))
+    spec = DemoSpec(num_adapters=args.adapters)
+    if args.quick:  # the tiny Llama of the unit tests: a smoke run of seconds
+        spec = tiny_spec("llama", num_adapters=args.adapters, vocab_size=2048)  # ids < 2000
+    demo = cached_demo_assets(spec)
     n = min(16, args.adapters)
     out = {}
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-quant-") as tmp:
