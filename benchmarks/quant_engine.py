@@ -48,7 +48,13 @@ def run(args: argparse.Namespace, decode_step, base_step) -> dict:
     n, args, **engine)` and `base_step(assets, args, **engine)` are benchmarks.engine's."""
     spec = DemoSpec(num_adapters=args.adapters)
     if args.quick:  # the tiny Llama of the unit tests: a smoke run of seconds
-        spec = tiny_spec("llama", num_adapters=args.adapters, vocab_size=2048)  # ids < 2000
+        spec = tiny_spec(
+            "llama",
+            num_adapters=args.adapters,
+            vocab_size=2048,  # ids < 2000
+            hidden_size=128,
+            intermediate_size=256,
+        )  # whole groups of 128
     demo = cached_demo_assets(spec)
     n = min(16, args.adapters)
     out = {}
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace, decode_step, base_step) -> dict:
             dense["decode_step_batch1_s"] / figures["decode_step_batch1_s"]
         )
         figures["lora_overhead"] = figures["decode_step_ratio_16_adapters_vs_base"]
-    _print(out)
+    _print(out, "the tests' tiny Llama" if args.quick else "demo Llama")
     return out
 
 
@@ -84,9 +90,9 @@ def _config_only(src: Path, out: Path, quant: dict | None) -> Path:
     return out
 
 
-def _print(out: dict) -> None:
+def _print(out: dict, model: str) -> None:
     batch = next(iter(out.values()))["decode_batch"]
-    print(f"\nquantized bases (demo Llama, dummy weights): decode step, base and {batch} "
+    print(f"\nquantized bases ({model}, dummy weights): decode step, base and {batch} "
           "adapters")  # fmt: skip
     columns = ("weights MiB", "vs dense", "batch 1 ms", "speed", f"base x{batch} ms",
                f"{batch} LoRA ms", "LoRA/base")  # fmt: skip

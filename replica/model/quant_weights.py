@@ -104,6 +104,9 @@ def _read_gptq(ckpt, name: str, fmt: ModuleFormat, n: int, k: int) -> GptqInt4:
 
 def _read_awq(ckpt, name: str, fmt: ModuleFormat, n: int, k: int) -> AwqInt4:
     group = fmt.group_size or k
+    if k % group:
+        raise WeightLoadError(f"{ckpt.dir}: {name} has {k} input columns, not a multiple of "
+                              f"AWQ's group_size {group}")  # fmt: skip
     qweight = ckpt.get_packed(f"{name}.qweight", (k, n // 8), I32)
     qzeros = ckpt.get_packed(f"{name}.qzeros", (k // group, n // 8), I32)
     scales = ckpt.get_packed(f"{name}.scales", (k // group, n), SCALES)
