@@ -17,7 +17,7 @@ LOAD_DELAY_DEFAULT_MS): the load stall ratios compare loads that cost what real 
 `--family` runs the decode-step measurement (decode_step_overhead_vs_bytes) on random-weight
 demo-sized models of other families (cluster/demo/families.py), with PEFT adapters of the
 same ranks and targets as the demo's written for each model's shapes. On a mixture of
-experts (qwen3moe, mixtral) every adapter is an expert adapter: its MLP targets are every
+experts (qwen3moe, mixtral, gptoss) every adapter is an expert adapter: its MLP targets are every
 expert's gate/up/down (per-expert keys), and the family also reports prefill and decode
 tok/s, base and LoRA.
 
@@ -139,8 +139,8 @@ LOAD_DELAY_HOW = (
     "load hook): on the loader thread with overlapped loading, inside the step with sync "
     "loading; churn runs only"
 )
-FAMILIES = ("llama", "qwen3", "gemma2", "qwen3moe", "mixtral")
-MOE_FAMILIES = ("qwen3moe", "mixtral")
+FAMILIES = ("llama", "qwen3", "gemma2", "qwen3moe", "mixtral", "gptoss")
+MOE_FAMILIES = ("qwen3moe", "mixtral", "gptoss")
 
 
 def _share(text: str) -> float:

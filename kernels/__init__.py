@@ -10,8 +10,10 @@
     b = lora_b_buffer(out, rows, device, dtype)      # a B arena, the fastest layout
     o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                block_size, scale, sliding_window, soft_cap=cap,
-                               num_splits=decode_splits(max_len, D, KVH))  # [D, H, hd]
-    o = prefill_attention(q, k, v, scale, slots, sliding_window, soft_cap)  # [n, H, hd]
+                               num_splits=decode_splits(max_len, D, KVH),
+                               sinks=sinks)  # [D, H, hd]
+    o = prefill_attention(q, k, v, scale, slots, sliding_window, soft_cap,
+                          sinks=sinks)  # [n, H, hd]
     plan = make_expert_plan(topk_ids, num_experts, seg)  # MoE pairs sorted by expert
     y = moe_grouped_gemm(x_sorted, w, plan)         # [P, N]: each row times its expert
     inter = expert_lora_shrink(x_sorted, a, plan, seg, max_rank)  # expert LoRA, grouped by
@@ -513,6 +515,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,  # host float > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd] q.dtype, written in place and returned
     num_splits: int | None = None,  # host int >= 1: programs sharing each sequence's context
+    sinks: torch.Tensor | None = None,  # [H] float32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """Decode attention straight from the paged KV cache. Per sequence i with
     ctx = context_lens[i] (tokens in cache, the newest included: it is already written),
@@ -522,6 +525,8 @@ def paged_decode_attention(
         s[p] = soft_cap * tanh(s[p] / soft_cap)      (only when soft_cap is not None)
         out[i, h] = softmax(s) @ V[k, p]
 
+    (with sinks, softmax over [s, sinks[h]] with the sink's probability dropped: gpt-oss's
+    attention sinks, which let a head attend to nothing)
     where lo = max(0, ctx - sliding_window) (0 without a window) and position p lives in
     cache slot block_tables[i, p // block_size] * block_size + p % block_size. The cap is
     Gemma 2's attention-logit soft-capping: every scaled score is squashed to at most
@@ -548,6 +553,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, block_size, sliding_window, soft_cap,
         out,
     )  # fmt: skip
+    _check_sinks("paged_decode_attention", q, sinks)
     if num_splits is None:
         num_splits = decode_splits(block_tables.shape[1] * block_size, q.shape[0], k_cache.shape[0])
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
@@ -555,6 +561,7 @@ def paged_decode_attention(
     return implementation(q, "paged_attention").paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
         sliding_window=sliding_window, soft_cap=soft_cap, out=out, num_splits=num_splits,
+        sinks=sinks,
     )  # fmt: skip
 
 
@@ -602,6 +609,7 @@ def prefill_attention(
     soft_cap: float | None = None,  # host float > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [n, H, hd] q.dtype (may be rows of a larger
     # batch's output), written in place and returned
+    sinks: torch.Tensor | None = None,  # [H] float32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [n, H, hd], q.dtype
     """Causal attention of a prefill (a whole prompt, a chunk after earlier ones, or the
     uncached rest of a prompt after a prefix-cache hit): query row i sits at position
@@ -612,6 +620,7 @@ def prefill_attention(
         s[p] = soft_cap * tanh(s[p] / soft_cap)      (only when soft_cap is not None)
         out[i, h] = softmax(s) @ V[k, p]
 
+    (with sinks, softmax over [s, sinks[h]] with the sink's probability dropped.)
     Scores, cap, softmax and accumulation in fp32, rounded into q.dtype (with half
     inputs a fused kernel may round its partial results too: within the half dtype's
     tolerance of the reference, which rounds once). Lower-right causal
@@ -623,9 +632,21 @@ def prefill_attention(
     See kernels.prefill_attention_reference.prefill_attention_reference.
     """
     _check_prefill_attention(q, k, v, slots, sliding_window, soft_cap, out)
+    _check_sinks("prefill_attention", q, sinks)
     return implementation(q, "prefill_attention").prefill_attention(
-        q, k, v, scale, slots, sliding_window=sliding_window, soft_cap=soft_cap, out=out
-    )
+        q, k, v, scale, slots, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+        sinks=sinks,
+    )  # fmt: skip
+
+
+def _check_sinks(name: str, q: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    if sinks is None:
+        return
+    if sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32 or sinks.device != q.device:
+        raise ValueError(
+            f"{name}: sinks {tuple(sinks.shape)} {sinks.dtype} on {sinks.device} must be "
+            f"[{q.shape[1]}] float32 on {q.device} (one logit per query head)"
+        )
 
 
 def _check_prefill_attention(

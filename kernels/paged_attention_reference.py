@@ -19,6 +19,7 @@ def paged_decode_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """Per sequence i with ctx = context_lens[i], attending positions p in
     [max(0, ctx - sliding_window), ctx) (all of [0, ctx) without a window), each held in
@@ -42,5 +43,14 @@ def paged_decode_attention_reference(
         scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * scale  # [H, n]
         if soft_cap is not None:  # Gemma 2: cap * tanh(s / cap), in fp32, before softmax
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        out[i] = torch.einsum("hn,hnd->hd", scores.softmax(-1), values).to(q.dtype)
+        out[i] = torch.einsum("hn,hnd->hd", softmax_with_sinks(scores, sinks), values).to(q.dtype)
     return out
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of fp32 scores [H, ..., n], with head h's sink logit
+    sinks[h] as one more entry whose probability is then dropped (None: plain softmax)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().view(-1, *([1] * (scores.dim() - 1))).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]

@@ -3,7 +3,8 @@
 Vectorized over sequences: every row's W * block_size table positions become cache
 slots, one index_select per cache gathers them all, the fp32 scores are soft-capped
 when asked (cap * tanh(s / cap)), and a masked fp32 softmax drops the positions outside
-[max(0, ctx - window), ctx). Every shape follows the table width W, never the values
+[max(0, ctx - window), ctx); attention sinks (gpt-oss) join that softmax as one more
+logit per head. Every shape follows the table width W, never the values
 in context_lens, and no device value is read on the host (no sync on CUDA). Masked
 positions are redirected to the row's newest slot before the gather, so a slot the
 contract says is never read (the tail of the last block, blocks past the context, blocks
@@ -28,6 +29,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd], q.dtype
     num_splits: int = 1,  # no effect: every position of every row is one vectorized pass
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """See kernels.paged_decode_attention (arguments are checked there) and
     kernels.paged_attention_reference."""
@@ -54,7 +56,12 @@ def paged_decode_attention(
     if soft_cap is not None:  # cap * tanh(s / cap), on every score before the mask
         scores.div_(soft_cap).tanh_().mul_(soft_cap)
     scores.masked_fill_(~attended[None, :, None, :], float("-inf"))
-    o = scores.softmax(-1) @ values  # [KVH, D, G, hd]
+    if sinks is not None:  # one more logit per head, its probability dropped
+        sink = sinks.float().view(kvh, 1, h // kvh, 1).expand(kvh, d, h // kvh, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :length]
+    else:
+        probs = scores.softmax(-1)
+    o = probs @ values  # [KVH, D, G, hd]
     o = o.transpose(0, 1).reshape(d, h, hd)  # [D, H, hd], query head = kv head * G + g
     if out is None:
         return o.to(q.dtype)

@@ -34,6 +34,12 @@ the online softmax only ever sees capped scores: qk_scale is then scale / cap an
 cap_scale is cap * log2(e), i.e. s2 = cap * log2(e) * tanh(scale * q·k / cap). tanh is
 _tanh below: libdevice's tanh does not run in the interpreter (it returns None there).
 
+Attention sinks (gpt-oss: each head's softmax has one more logit, sinks[h], whose
+probability weighs no value) are a constexpr branch too, SINKS: they change only the
+denominator, so the online softmax runs as without them and the sink's exp2(sink *
+log2(e) - m) joins l where the output is normalised (in the merge kernel, once, against
+the splits' largest log-sum-exp).
+
 Tiles are widened to fp32 before tl.dot (as in kernels.sgmv_triton: one code path for
 every dtype, and the interpreter's bf16 dot is never used). Q·K in tf32 is exact for
 fp16/bf16 data; P·V has fp32 probabilities, which tf32 rounds by 2^-11 (about one fp16
@@ -134,6 +140,7 @@ def _paged_decode_kernel(
     v_ptr,  # [KVH, slots, hd]
     out_ptr,  # [D, H, hd]; with SPLIT, [D, H, S, hd] fp32: each split's normalised output
     lse_ptr,  # with SPLIT, [D, H, S] fp32: each split's log2-sum-exp2 (unused without)
+    sinks_ptr,  # with SINKS, [H] fp32: each head's sink logit (unused without)
     tables_ptr,  # [D, W] int32
     lens_ptr,  # [D] int32
     qk_scale,  # fp32: softmax scale * log2(e); with SOFT_CAP, scale / cap
@@ -158,6 +165,7 @@ def _paged_decode_kernel(
     PV_PRECISION: tl.constexpr,
     SOFT_CAP: tl.constexpr,  # apply s = cap * tanh(s / cap) to every score
     SPLIT: tl.constexpr,  # program_id(2) picks a share of the tiles; partial results
+    SINKS: tl.constexpr,  # each head's softmax has its sink logit in the denominator
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -196,6 +204,9 @@ def _paged_decode_kernel(
         rows = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # (seq, head) in [D, H]
         tl.store(lse_ptr + rows * num_splits + split, lse, mask=offs_g < GROUP)
     else:
+        if SINKS:  # the sink's share of the denominator, at the running max's scale
+            sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0) * 1.4426950408889634
+            l_i = l_i + tl.exp2(sink - m_i)
         o = acc / l_i[:, None]
         tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=mask_q)
 
@@ -204,6 +215,7 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(
     part_ptr,  # [D, H, S, hd] fp32: each split's normalised output
     lse_ptr,  # [D, H, S] fp32: each split's log2-sum-exp2, -inf for an empty split
+    sinks_ptr,  # with SINKS, [H] fp32: each head's sink logit
     out_ptr,  # [D, H, hd]
     num_splits,
     head_dim,
@@ -211,10 +223,12 @@ def _merge_splits_kernel(
     stride_oh,
     BLOCK_S: tl.constexpr,  # >= num_splits
     BLOCK_D: tl.constexpr,  # >= head_dim
+    SINKS: tl.constexpr,
 ):
     """out = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse): the softmax
-    over every split's positions at once. Split 0 is never empty (its run starts at the
-    tile of the first attended position), so the max is finite."""
+    over every split's positions at once (with SINKS the head's sink adds
+    2^(sink * log2(e) - max lse) to the denominator). Split 0 is never empty (its run
+    starts at the tile of the first attended position), so the max is finite."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head  # (seq, head) in [D, H]
@@ -223,11 +237,15 @@ def _merge_splits_kernel(
     lse = tl.load(
         lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf")
     )
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S], 0 for empty and padding splits
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - top)  # [BLOCK_S], 0 for empty and padding splits
     mask = (offs_s < num_splits)[:, None] & (offs_d < head_dim)[None, :]
     parts = part_ptr + (row * num_splits + offs_s[:, None]) * head_dim + offs_d[None, :]
     part = tl.load(parts, mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
-    o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    denominator = tl.sum(w, axis=0)
+    if SINKS:
+        denominator += tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - top)
+    o = tl.sum(part * w[:, None], axis=0) / denominator
     o_row = out_ptr + seq.to(tl.int64) * stride_od + head * stride_oh + offs_d
     tl.store(o_row, o.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
@@ -279,6 +297,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
     out: torch.Tensor | None = None,  # [D, H, hd], q.dtype
     num_splits: int = 1,  # programs per (sequence, kv head), each over a share of the tiles
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [D, H, hd], q.dtype
     """See kernels.paged_decode_attention (arguments are checked there) and
     kernels.paged_attention_reference. Reads no device value: the grid is (D, KVH,
@@ -303,16 +322,18 @@ def paged_decode_attention(
         lse = torch.empty((d, h, num_splits), dtype=torch.float32, device=q.device)
     else:
         dest, lse = out, out
+    sink_arg = q if sinks is None else sinks  # a pointer the kernel never reads without
     _paged_decode_kernel[(d, kvh, num_splits)](
-        q, k_cache, v_cache, dest, lse, block_tables, context_lens, qk_scale, cap_scale,
+        q, k_cache, v_cache, dest, lse, sink_arg, block_tables, context_lens, qk_scale, cap_scale,
         window, hd, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), dest.stride(0), dest.stride(1),
         block_tables.stride(0), GROUP=h // kvh, BLOCK_SIZE=block_size,
-        SOFT_CAP=soft_cap is not None, SPLIT=split, **cfg,
+        SOFT_CAP=soft_cap is not None, SPLIT=split, SINKS=sinks is not None, **cfg,
     )  # fmt: skip
     if split:
         _merge_splits_kernel[(d, h)](
-            dest, lse, out, num_splits, hd, out.stride(0), out.stride(1),
+            dest, lse, sink_arg, out, num_splits, hd, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=cfg["BLOCK_D"],
+            SINKS=sinks is not None,
         )  # fmt: skip
     return out

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.paged_attention_reference import softmax_with_sinks
+
 
 def prefill_attention_reference(
     q: torch.Tensor,  # [n, H, hd]: the queries of the last n of ctx positions
@@ -17,6 +19,7 @@ def prefill_attention_reference(
     slots: torch.Tensor | None = None,  # [ctx] int64: where position p's K/V are; None: p
     sliding_window: int | None = None,
     soft_cap: float | None = None,  # > 0: Gemma 2's attention-logit soft cap
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [n, H, hd], q.dtype
     """With ctx = len(slots) (k.shape[1] without slots), query row i sits at position
     t = ctx - n + i and sees positions p in [max(0, t - sliding_window + 1), t] (all of
@@ -26,7 +29,8 @@ def prefill_attention_reference(
         s[p] = soft_cap * tanh(s[p] / soft_cap)      (only when soft_cap is not None)
         out[i, h] = softmax(s) @ V[h // (H // KVH), p]
 
-    in float32, rounded once into q.dtype. Only the seen slots are read.
+    in float32, rounded once into q.dtype; with sinks, head h's softmax has one more
+    logit sinks[h] whose probability is dropped (gpt-oss). Only the seen slots are read.
     """
     n, h, _ = q.shape
     group = h // k.shape[0]
@@ -42,5 +46,6 @@ def prefill_attention_reference(
         scores = torch.einsum("hd,hmd->hm", q[i].float(), keys) * scale  # [H, m]
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        out[i] = torch.einsum("hm,hmd->hd", scores.softmax(-1), values).to(q.dtype)
+        probs = softmax_with_sinks(scores, sinks)
+        out[i] = torch.einsum("hm,hmd->hd", probs, values).to(q.dtype)
     return out

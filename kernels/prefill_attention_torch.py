@@ -15,8 +15,13 @@ Every call reaches a fused SDPA kernel with 4-D [1, heads, rows, hd] inputs and 
   one SDPA call over only the keys some row of the chunk sees, with a [rows, keys] bool
   mask: the mask, not a score matrix, is what a chunk adds, and a window also bounds each
   chunk's keys, so its work;
-- soft-capped scores (Gemma 2), which SDPA cannot cap, are computed by hand chunk by
-  chunk in fp32, each chunk's [H, rows, keys] bounded by CHUNK_BYTES.
+- attention sinks (gpt-oss: one more logit per head in the softmax, its probability
+  dropped), which SDPA has no argument for, scale each row's plain attention by
+  sigmoid(lse - sink), its share of the softmax's denominator: on the CPU the flash op
+  above gives lse, over the whole causal prompt or chunk by chunk with an additive mask;
+- soft-capped scores (Gemma 2), which SDPA cannot cap, and sinks where torch has no such
+  op, are computed by hand chunk by chunk in fp32, each chunk's [H, rows, keys] bounded
+  by CHUNK_BYTES.
 
 On the CPU (torch 2.13) SDPA's flash kernel takes every one of these inputs, masks and
 GQA included; kernels.prefill_attention_triton is the CUDA backend.
@@ -44,6 +49,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [n, H, hd], q.dtype
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit
 ) -> torch.Tensor:  # [n, H, hd], q.dtype
     """See kernels.prefill_attention (arguments are checked there) and
     kernels.prefill_attention_reference."""
@@ -57,12 +63,16 @@ def prefill_attention(
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)  # [1, KVH, ctx, hd]
     window = None if sliding_window is None or sliding_window >= ctx else sliding_window
-    if window is None and soft_cap is None and ctx == n:
+    flash_cpu = q.device.type == "cpu" and FLASH_CPU_WITH_LSE is not None
+    if sinks is not None and soft_cap is None and flash_cpu:
+        return _sunk(qh, kh, vh, scale, window, sinks, out)
+    by_hand = soft_cap is not None or sinks is not None
+    if window is None and not by_hand and ctx == n:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return out.copy_(o[0].transpose(0, 1))
-    if window is None and soft_cap is None and q.device.type == "cpu" and FLASH_CPU_WITH_LSE:
+    if window is None and not by_hand and flash_cpu:
         return _earlier_then_causal(qh, kh, vh, scale, out)
-    per_row = ctx * 4 * (q.shape[1] if soft_cap is not None else 1)  # bytes a row holds
+    per_row = ctx * 4 * (q.shape[1] if by_hand else 1)  # bytes a row holds
     rows = max(16, CHUNK_BYTES // per_row)
     for i0 in range(0, n, rows):
         i1 = min(n, i0 + rows)
@@ -70,12 +80,12 @@ def prefill_attention(
         lo = 0 if window is None else max(0, first - window + 1)  # keys [lo, last] seen
         mask = _visible(first, i1 - i0, lo, last + 1, window, q.device)  # [rows, keys]
         keys, values = kh[:, :, lo : last + 1], vh[:, :, lo : last + 1]
-        if soft_cap is None:
+        if by_hand:
+            o = _by_hand(qh[0, :, i0:i1], keys[0], values[0], mask, scale, soft_cap, sinks)
+        else:
             o = F.scaled_dot_product_attention(
                 qh[:, :, i0:i1], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )[0]
-        else:
-            o = _capped(qh[0, :, i0:i1], keys[0], values[0], mask, scale, soft_cap)
         out[i0:i1] = o.transpose(0, 1)
     return out
 
@@ -106,6 +116,40 @@ def _earlier_then_causal(
     return out
 
 
+def _sunk(
+    qh: torch.Tensor,  # [1, H, n, hd]
+    kh: torch.Tensor,  # [1, KVH, ctx, hd]
+    vh: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor,  # [H] fp32
+    out: torch.Tensor,  # [n, H, hd], q.dtype
+) -> torch.Tensor:  # out
+    """Attention with sinks from the CPU flash op: each row's output and log-sum-exp,
+    the output scaled by sigmoid(lse - sink) (e^lse / (e^lse + e^sink), the rows' share
+    of the softmax once the sink joins it). A whole causal prompt is one call; a chunk
+    after earlier positions or a window runs in query chunks over the keys they see,
+    with an additive mask (the op's masks are of q's dtype)."""
+    n, ctx = qh.shape[2], kh.shape[2]
+    sink = sinks.float().view(1, -1, 1)  # [1, H, 1]
+    if window is None and ctx == n:
+        o, lse = FLASH_CPU_WITH_LSE(qh, kh, vh, is_causal=True, scale=scale)[:2]
+        out.copy_((o.float() * torch.sigmoid(lse - sink)[..., None])[0].transpose(0, 1))
+        return out
+    rows = max(16, CHUNK_BYTES // (ctx * qh.element_size()))
+    for i0 in range(0, n, rows):
+        i1 = min(n, i0 + rows)
+        first, last = ctx - n + i0, ctx - n + i1 - 1
+        lo = 0 if window is None else max(0, first - window + 1)
+        seen = _visible(first, i1 - i0, lo, last + 1, window, qh.device)
+        mask = torch.zeros(seen.shape, dtype=qh.dtype, device=qh.device)
+        mask.masked_fill_(~seen, float("-inf"))
+        keys, values = kh[:, :, lo : last + 1], vh[:, :, lo : last + 1]
+        o, lse = FLASH_CPU_WITH_LSE(qh[:, :, i0:i1], keys, values, attn_mask=mask, scale=scale)[:2]
+        out[i0:i1] = (o.float() * torch.sigmoid(lse - sink)[..., None])[0].transpose(0, 1)
+    return out
+
+
 def _visible(
     first: int, rows: int, lo: int, hi: int, window: int | None, device: torch.device
 ) -> torch.Tensor:
@@ -119,21 +163,32 @@ def _visible(
     return seen
 
 
-def _capped(
+def _by_hand(
     qh: torch.Tensor,  # [H, rows, hd]
     k: torch.Tensor,  # [KVH, m, hd]
     v: torch.Tensor,  # [KVH, m, hd]
     mask: torch.Tensor,  # [rows, m] bool
     scale: float,
-    soft_cap: float,
+    soft_cap: float | None,
+    sinks: torch.Tensor | None,  # [H] fp32
 ) -> torch.Tensor:  # [H, rows, hd], q.dtype
-    """Gemma 2's attention over one chunk: cap * tanh(scale * q·k / cap), masked, softmax
-    and values in fp32. The query heads of one kv head share its K/V (no copy of them)."""
+    """Attention over one chunk in fp32: scale * q·k, capped to cap * tanh(s / cap)
+    (Gemma 2), masked, softmax with each head's sink logit as one more entry whose
+    probability is dropped (gpt-oss), then the values. The query heads of one kv head
+    share its K/V (no copy of them)."""
     h, rows, hd = qh.shape
-    kvh = k.shape[0]
-    qg = qh.float().reshape(kvh, h // kvh * rows, hd)  # [KVH, G*rows, hd]: heads h = kv*G + g
+    kvh, g = k.shape[0], h // k.shape[0]
+    qg = qh.float().reshape(kvh, g * rows, hd)  # [KVH, G*rows, hd]: heads h = kv*G + g
     scores = qg @ k.float().transpose(1, 2)  # [KVH, G*rows, m]
-    scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
-    scores = scores.view(kvh, h // kvh, rows, -1).masked_fill_(~mask, float("-inf"))
-    o = scores.softmax(-1).view(kvh, h // kvh * rows, -1) @ v.float()  # [KVH, G*rows, hd]
+    if soft_cap is None:
+        scores.mul_(scale)
+    else:
+        scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+    scores = scores.view(kvh, g, rows, -1).masked_fill_(~mask, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float().view(kvh, g, 1, 1).expand(kvh, g, rows, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    o = probs.reshape(kvh, g * rows, -1) @ v.float()  # [KVH, G*rows, hd]
     return o.view(h, rows, hd).to(qh.dtype)

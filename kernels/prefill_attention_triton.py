@@ -6,8 +6,8 @@ Imported lazily by `kernels.prefill_attention` when the triton backend is chosen
 SDPA's flash kernel (fp16/bf16, GQA native) takes plain causal attention: is_causal when
 the queries are the whole context, torch.nn.attention.bias.causal_lower_right when they
 are its last n positions (a chunk after earlier ones, a prefix-cache hit). It has no
-sliding window and no soft cap, and no fp32 (SDPA would pick its efficient kernel, which
-not every torch gives GQA: MATH then); those go to _prefill_kernel.
+sliding window, no soft cap and no sinks, and no fp32 (SDPA would pick its efficient
+kernel, which not every torch gives GQA: MATH then); those go to _prefill_kernel.
 
 _prefill_kernel is flash attention's forward pass: one program per (BLOCK_M query rows,
 query head), an online softmax in fp32 (base 2) over tiles of BLOCK_N key positions.
@@ -16,9 +16,10 @@ program walks only the tiles some row of it sees (causal and window bounds both 
 loop), masks the rest per element, and reads a position's K/V either at k[:, p] (the
 fresh K/V of a whole prompt) or at k[:, slots[p]] (the paged cache: HAS_SLOTS). The soft
 cap is the decode kernel's: scores capped right after the dot, before the mask and every
-max. A row can meet tiles before its window opens (all masked): the running max then
-stays -inf and is replaced by 0 where it is subtracted, so those tiles add exactly 0.
-Dots and precisions as in kernels.paged_attention_triton (tiles widened to fp32).
+max; so are attention sinks (SINKS: the head's sink joins the denominator at the end). A
+row can meet tiles before its window opens (all masked): the running max then stays -inf
+and is replaced by 0 where it is subtracted, so those tiles add exactly 0. Dots and
+precisions as in kernels.paged_attention_triton (tiles widened to fp32).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _prefill_kernel(
     v_ptr,  # [KVH, S, hd]
     out_ptr,  # [n, H, hd]
     slots_ptr,  # [ctx] int64 with HAS_SLOTS (unused without)
+    sinks_ptr,  # [H] fp32 with SINKS (unused without)
     n,  # queries: the last n of the ctx positions
     ctx,
     qk_scale,  # fp32: softmax scale * log2(e); with SOFT_CAP, scale / cap
@@ -68,6 +70,7 @@ def _prefill_kernel(
     QK_PRECISION: tl.constexpr,
     PV_PRECISION: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    SINKS: tl.constexpr,  # the head's sink logit joins each row's softmax denominator
 ):
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -117,6 +120,9 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PRECISION)
         m_i = m_new
 
+    if SINKS:  # every stored row saw its own position: m is finite there
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        l_i += tl.where(m_i == float("-inf"), 0.0, tl.exp2(sink - m_i))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only on rows past n (not stored)
     o_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=mask_q)
@@ -156,6 +162,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [n, H, hd], q.dtype
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit
 ) -> torch.Tensor:  # [n, H, hd], q.dtype
     """See kernels.prefill_attention (arguments are checked there) and
     kernels.prefill_attention_reference."""
@@ -167,11 +174,11 @@ def prefill_attention(
         return out
     if sliding_window is not None and sliding_window >= ctx:
         sliding_window = None  # a window past the first position is no window
-    if sliding_window is None and soft_cap is None:
+    if sliding_window is None and soft_cap is None and sinks is None:
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
         if flash_applies(qh, k.unsqueeze(0)):
             return _flash(qh, k, v, scale, slots, out)
-    return prefill_attention_kernel(q, k, v, scale, slots, sliding_window, soft_cap, out)
+    return prefill_attention_kernel(q, k, v, scale, slots, sliding_window, soft_cap, out, sinks)
 
 
 def _flash(qh, k, v, scale, slots, out) -> torch.Tensor:
@@ -195,6 +202,7 @@ def prefill_attention_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     out: torch.Tensor,  # [n, H, hd], q.dtype
+    sinks: torch.Tensor | None = None,  # [H] fp32
 ) -> torch.Tensor:
     """_prefill_kernel over every case (the tests call it directly). Reads no device
     value: the grid is (ceil(n / BLOCK_M), H), host ints."""
@@ -209,9 +217,10 @@ def prefill_attention_kernel(
     cfg = prefill_config(hd, q.dtype)
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), h)
     _prefill_kernel[grid](
-        q, k, v, out, k if slots is None else slots, n, ctx, qk_scale, cap_scale, window, hd,
+        q, k, v, out, k if slots is None else slots, q if sinks is None else sinks, n, ctx,
+        qk_scale, cap_scale, window, hd,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), GROUP=h // k.shape[0], HAS_SLOTS=slots is not None,
-        SOFT_CAP=soft_cap is not None, **cfg,
+        SOFT_CAP=soft_cap is not None, SINKS=sinks is not None, **cfg,
     )  # fmt: skip
     return out

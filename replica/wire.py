@@ -50,13 +50,17 @@ FinishReason = Literal["stop", "length"]  # the ends a reply tells; failures are
 
 
 class StructuredOutput(BaseModel):
-    """A constraint the output must satisfy (OpenAI's response_format)."""
+    """A constraint the output must satisfy (OpenAI's response_format, a forced tool
+    choice's JSON, or strict tools' calls within free text)."""
 
     model_config = ConfigDict(frozen=True)
 
-    kind: Literal["json_object", "json_schema"]
+    kind: Literal["json_object", "json_schema", "structural_tag"]
     json_schema: str | None = Field(
-        None, description="json_schema: the JSON Schema, as JSON text (compiled once, cached)."
+        None,
+        description="json_schema: the JSON Schema; structural_tag: xgrammar's structural "
+        "tag (free text, each tag's content under its schema once its trigger is "
+        "written); as JSON text (compiled once, cached).",
     )
 
 
@@ -160,6 +164,11 @@ class AdapterKey:
         return cls(name, int(version))
 
 
+def applied_text(applied: Mapping[str, int]) -> str:
+    """'q_proj ×32, v_proj ×32': the modules an adapter changes, with their layer counts."""
+    return ", ".join(f"{m} \u00d7{n}" for m, n in applied.items()) or "no module"
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     """One registered adapter version, as the AdapterStore tells of it (no weights): what
@@ -178,6 +187,9 @@ class AdapterInfo:
     nbytes: int  # the converted weights' bytes
     created: int  # unix time of the registration
     source: str | None = None  # the resolver that found it; None: loaded or preloaded
+    # module -> layers it is applied on (LoRAAdapterWeights.applied); {} in checkpoints
+    # written before it was recorded
+    applied: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def key(self) -> AdapterKey:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import Response
@@ -20,6 +21,7 @@ from router.errors import BadRequestError, ForbiddenError, GatewayTimeoutError, 
 from router.http_app import AUTHORIZATION, app, refuse_invalid_unicode
 from router.options import IngressOptions
 from router.tenancy import Caller, Tenancy, unknown_model
+from router.tools.template import ChatTemplate
 
 
 class AdapterRoutes:
@@ -37,6 +39,7 @@ class AdapterRoutes:
     # tenant's name; None: everything)
     _models_tag: str | None
     _models_bodies: dict[str | None, bytes]
+    _template: Callable[[AdapterInfo | None], ChatTemplate]  # Ingress's
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models(self, authorization: str | None = AUTHORIZATION) -> Response:
@@ -63,11 +66,9 @@ class AdapterRoutes:
     async def model(self, model_id: str, authorization: str | None = AUTHORIZATION) -> p.ModelCard:
         """One ModelCard: the base model's or an adapter's (ids may hold slashes)."""
         caller = self.tenancy.identify(authorization)
-        if not caller.may_use(model_id, self.model_name):
-            raise unknown_model(model_id)
-        if model_id == self.model_name:
-            return self._base_card()
-        return self._adapter_card(await self._adapter_info(model_id, caller))
+        info = await self._resolve_info(model_id, caller)
+        card = self._base_card() if info is None else self._adapter_card(info)
+        return card.model_copy(update=self._template(info).card())
 
     def _base_card(self) -> p.ModelCard:
         return p.ModelCard(id=self.model_name, created=self.created, root=self.model_dir)
@@ -99,7 +100,12 @@ class AdapterRoutes:
             body.lora_name, body.lora_path, body.load_inplace, roots
         )
         self.catalog.learned(info)
-        return {"status": "ok", "lora_name": info.name, "version": info.version}
+        return {
+            "status": "ok",
+            "lora_name": info.name,
+            "version": info.version,
+            "applied": dict(info.applied),  # module -> layers: nothing silently left out
+        }
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(
@@ -125,12 +131,18 @@ class AdapterRoutes:
         self, model: str, caller: Caller, deadline: float | None = None
     ) -> AdapterKey | None:
         """The adapter version `model` names; None for the base model."""
+        info = await self._resolve_info(model, caller, deadline)
+        return None if info is None else AdapterKey(info.name, info.version)
+
+    async def _resolve_info(
+        self, model: str, caller: Caller, deadline: float | None = None
+    ) -> AdapterInfo | None:
+        """The AdapterInfo `model` names; None for the base model."""
         if not caller.may_use(model, self.model_name):
             raise unknown_model(model)
         if model == self.model_name:
             return None
-        info = await self._adapter_info(model, caller, deadline)
-        return AdapterKey(info.name, info.version)
+        return await self._adapter_info(model, caller, deadline)
 
     async def _adapter_info(
         self, model: str, caller: Caller, deadline: float | None = None

@@ -41,6 +41,9 @@ class TextOptions:
     include_stop_str: bool = False
     wants_prompt_logprobs: bool = False  # echo with logprobs: the echo waits for them
     token_ids: bool = False  # vLLM's return_token_ids: the ids beside the text
+    # ids whose text is left out when they end a choice: the EOS of an answer decoded
+    # keeping special tokens (a tool parser's markers are special tokens)
+    hidden_end_tokens: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class ChoiceOutput:
         self.detok = IncrementalDetokenizer(tokenizer, options.skip_special_tokens, prompt.ids)
         self.stop = StopStringMatcher(options.stop)
         self.include_stop_str = options.include_stop_str
+        self.hidden_end_tokens = options.hidden_end_tokens
         self.num_tokens = 0
         # everything sent so far (the whole answer, when not streaming)
         self.text = ""
@@ -140,8 +144,11 @@ class ChoiceOutput:
         if self.finished:  # cut at a stop string already: the replica's late tokens
             return "", [], []
         text, logprobs, ids = "", list(message.logprobs), list(message.token_ids)
+        last = len(ids) - 1 if message.finish_reason == "stop" else -1
         for i, token in enumerate(message.token_ids):
             self.num_tokens += 1
+            if i == last and token in self.hidden_end_tokens:
+                continue
             delta, stopped = self.stop.feed(self.detok.add(token))
             text += delta
             if stopped:

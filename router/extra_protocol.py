@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.protocol import ChatMessage
+from router.protocol import ChatMessage, ChatTool
 
 
 class TokenizeRequest(BaseModel):
@@ -28,6 +28,9 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = Field(None, description="Text to tokenize; or give messages.")
     messages: list[ChatMessage] | None = Field(
         None, min_length=1, description="A conversation, rendered by the chat template."
+    )
+    tools: list[ChatTool] | None = Field(
+        None, description="Messages only: tools, rendered by the chat template."
     )
     add_special_tokens: bool | None = Field(
         None,
@@ -46,9 +49,11 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.prompt is not None and (
-            self.add_generation_prompt is not None or self.chat_template_kwargs is not None
+            self.add_generation_prompt is not None
+            or self.chat_template_kwargs is not None
+            or self.tools is not None
         ):
-            raise ValueError("add_generation_prompt and chat_template_kwargs need messages")
+            raise ValueError("add_generation_prompt, chat_template_kwargs and tools need messages")
         return self
 
 

@@ -20,7 +20,7 @@ import inspect
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from replica.wire import GenerateRequest
+from replica.wire import AdapterInfo, AdapterKey, GenerateRequest
 from router import extra_protocol as xp
 from router import protocol as p
 from router import responses
@@ -42,8 +42,12 @@ from router.http_app import AUTHORIZATION, app, log, refuse_invalid_unicode
 from router.metrics import PROMETHEUS_TEXT, IngressMetrics, export_urls, scrape
 from router.model_defaults import sampling_defaults
 from router.options import IngressOptions
+from router.responses_api import answer as ra
+from router.responses_api import request as rq
 from router.streams import Streams, own_request_id
 from router.tenancy import Caller, Lease, Tenancy
+from router.tools.message import ChatAnswers
+from router.tools.template import ChatTemplate, Templates, answer_parser
 
 __all__ = ["Ingress", "app"]
 
@@ -144,6 +148,10 @@ class Ingress(AdapterRoutes):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.max_model_len = _context_length(model_dir, self.tokenizer)
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
+        base_template = ChatTemplate.chosen(
+            self.tokenizer.chat_template, "tokenizer", options.tool_parser, options.reasoning_parser
+        )
+        self.templates = Templates(base_template, options.adapter_parsers)
         self.created = int(time.time())
         self.metrics = IngressMetrics()
         self._models_tag, self._models_bodies = None, {}
@@ -199,12 +207,14 @@ class Ingress(AdapterRoutes):
         """The token ids a completion (prompt) or chat request (messages) would send."""
         caller = self.tenancy.identify(authorization)
         refuse_invalid_unicode(body)
-        if body.model is not None:
-            await self._resolve(body.model, caller)
+        info = None if body.model is None else await self._resolve_info(body.model, caller)
         if body.messages is not None:
-            chat = p.ChatCompletionRequest.model_construct(messages=body.messages)
-            ids = self._chat_prompt_ids(
-                chat.chat_messages(),
+            chat = p.ChatCompletionRequest.model_construct(
+                messages=body.messages, tools=body.tools, tool_choice=None
+            )
+            _, ids = self._chat_prompt(
+                self._template(info),
+                chat,
                 body.add_generation_prompt is not False,
                 body.chat_template_kwargs,
                 add_special_tokens=bool(body.add_special_tokens),
@@ -234,13 +244,21 @@ class Ingress(AdapterRoutes):
     def _text_prompt_ids(self, prompt: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def _chat_prompt_ids(
+    def _template(self, info: AdapterInfo | None) -> ChatTemplate:
+        """The chat template (and parsers) of the base model or an adapter version."""
+        if info is None:
+            return self.templates.base
+        return self.templates.of(info.name, info.version, info.path)
+
+    def _chat_prompt(
         self,
-        messages: list[dict[str, str]],
+        template: ChatTemplate,
+        chat: p.ChatCompletionRequest,
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None,
         add_special_tokens: bool = False,  # the template writes BOS itself
-    ) -> list[int]:
+    ) -> tuple[str, list[int]]:
+        """The rendered conversation (its tools included) and its token ids."""
         kwargs = dict(template_kwargs or {})
         if reserved := sorted(_TEMPLATE_PARAMETERS.intersection(kwargs)):
             raise BadRequestError(
@@ -248,12 +266,16 @@ class Ingress(AdapterRoutes):
                 "chat_template_kwargs",
             )
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            text = template.render(
+                self.tokenizer,
+                chat.chat_messages(),
+                chat.template_tools(),
+                add_generation_prompt,
+                kwargs,
             )
         except Exception as e:  # a template may reject a conversation (roles, order)
             raise BadRequestError(f"chat template: {e}", "messages") from None
-        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return text, self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     # -- adapters (vLLM's endpoints) -----------------------------------------------------------
 
@@ -266,6 +288,13 @@ class Ingress(AdapterRoutes):
         start = time.perf_counter()
         caller = self.tenancy.identify(authorization)
         refuse_invalid_unicode(body)
+        return await self._serve(
+            body, functools.partial(self._completion_prompts, body), False, start, caller
+        )
+
+    def _completion_prompts(
+        self, body: p.CompletionRequest, _: AdapterInfo | None
+    ) -> tuple[list[Prompt], None]:
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
@@ -276,7 +305,7 @@ class Ingress(AdapterRoutes):
             if body.echo:  # token prompts echo as their text
                 echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             prompts.append(Prompt(ids, echo))
-        return await self._serve(body, prompts, False, start, caller)
+        return prompts, None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -285,29 +314,70 @@ class Ingress(AdapterRoutes):
         start = time.perf_counter()
         caller = self.tenancy.identify(authorization)
         refuse_invalid_unicode(body)
-        prompt_ids = self._chat_prompt_ids(
-            body.chat_messages(), body.add_generation_prompt is not False, body.chat_template_kwargs
+        return await self._serve(
+            body, functools.partial(self._chat_prompts, body), True, start, caller
         )
-        return await self._serve(body, [Prompt(prompt_ids)], True, start, caller)
+
+    @app.post("/v1/responses")
+    async def create_response(
+        self, body: rq.ResponsesRequest, authorization: str | None = AUTHORIZATION
+    ) -> Any:
+        """OpenAI's Responses API, stateless: the chat path under another shape."""
+        start = time.perf_counter()
+        caller = self.tenancy.identify(authorization)
+        refuse_invalid_unicode(body)
+        try:
+            chat = rq.ResponsesRequest.chat_request(body)
+        except ValidationError as e:
+            errors = e.errors()
+            param = ".".join(str(part) for part in errors[0]["loc"]) if errors else None
+            raise BadRequestError(p.format_validation_errors(errors), param or None) from None
+        prepare = functools.partial(self._chat_prompts, chat)
+        return await self._serve(chat, prepare, True, start, caller, ra.ResponsesFront(body))
+
+    def _chat_prompts(
+        self, body: p.ChatCompletionRequest, info: AdapterInfo | None
+    ) -> tuple[list[Prompt], ChatAnswers]:
+        """The conversation's prompt through the model's (or adapter's) template, and
+        how its answers read (tool calls, thinking)."""
+        template = self._template(info)
+        mode = body.tool_mode()
+        if mode == "auto" and template.tool_parser is None:
+            raise BadRequestError(
+                f"tool_choice auto: {body.model!r}'s chat template ({template.source}) "
+                "writes no tool-call format we parse; set tool_parser in the config, or "
+                "use tool_choice required or a named function",
+                "tool_choice",
+            )
+        text, ids = self._chat_prompt(
+            template, body, body.add_generation_prompt is not False, body.chat_template_kwargs
+        )
+        named = body.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        free_text = body.response_format is None or body.response_format.type == "text"
+        strict = mode == "auto" and free_text
+        answers = ChatAnswers(
+            functools.partial(answer_parser, template, mode, named, text),
+            body.parallel_calls(),
+            template.special_tokens(mode),
+            template.strict_calls(body.tool_signatures()) if strict else None,
+        )
+        return [Prompt(ids)], answers
 
     async def _serve(
-        self, body: Any, prompts: list[Prompt], chat: bool, start: float, caller: Caller
+        self,
+        body: Any,
+        prepare: Callable[[AdapterInfo | None], tuple[list[Prompt], ChatAnswers | None]],
+        chat: bool,
+        start: float,
+        caller: Caller,
+        front: Any = responses,
     ) -> Any:
+        """`prepare(adapter)`: the request's prompts, and for chat how its answers read;
+        `front`: what shapes the answer (`response`) and its stream (`sse`): the chat and
+        completions APIs' (router.responses) or the Responses API's."""
         n = body.n or 1
         wants_logprobs = body.num_logprobs() is not None
-        output = RequestOutput(
-            self.tokenizer,
-            prompts,
-            n,
-            start,
-            TextOptions(
-                body.stop_strings(),
-                skip_special_tokens=body.skip_special_tokens is not False,
-                include_stop_str=bool(body.include_stop_str_in_output),
-                wants_prompt_logprobs=not chat and bool(body.echo) and wants_logprobs,
-                token_ids=bool(body.return_token_ids),
-            ),
-        )
+        output = RequestOutput(self.tokenizer, [], n, start)  # until the prompts are known
         logprobs = self.logprob_formatter if wants_logprobs else None
         # The replica enforces the deadline (and aborts the request); the ingress waits a
         # little longer, for requests that never reach a replica (queued at the handle).
@@ -317,13 +387,38 @@ class Ingress(AdapterRoutes):
         kind, model, outcome, streaming = "unknown", "unknown", "abort", False
         lease: Lease | None = None
         try:
-            adapter = await self._resolve(body.model, caller, backstop)
+            info = await self._resolve_info(body.model, caller, backstop)
+            adapter = None if info is None else AdapterKey(info.name, info.version)
             kind, model = ("base" if adapter is None else "adapter"), body.model
+            prompts, answers = prepare(info)
+            # a parser whose markers are special tokens reads the text with them kept (and
+            # without the EOS that ends it), unless the client said otherwise
+            keep_special = body.skip_special_tokens is None and bool(
+                answers and answers.special_tokens
+            )
+            hidden = frozenset(self.tokenizer.all_special_ids) if keep_special else frozenset()
+            output = RequestOutput(
+                self.tokenizer,
+                prompts,
+                n,
+                start,
+                TextOptions(
+                    body.stop_strings(),
+                    skip_special_tokens=not keep_special and body.skip_special_tokens is not False,
+                    include_stop_str=bool(body.include_stop_str_in_output),
+                    wants_prompt_logprobs=not chat and bool(body.echo) and wants_logprobs,
+                    token_ids=bool(body.return_token_ids),
+                    hidden_end_tokens=hidden,
+                ),
+            )
+            messages = None if answers is None else answers.assemblers(len(output.choices))
             if any(not prompt.ids for prompt in prompts):
                 raise BadRequestError("the prompt is empty", "prompt")
             # chat's default max_tokens is the rest of the context (None), as vLLM's
             default_max_tokens = None if chat else self.default_max_tokens
             sampling = _sampling(body, default_max_tokens, self.model_defaults)
+            if answers is not None and answers.constraint is not None:
+                sampling = sampling.model_copy(update={"structured_output": answers.constraint})
             charge = _token_charge(prompts, sampling, n, self.max_model_len)
             lease = await self.tenancy.admit(caller, charge)
             request_id = p.chat_completion_id() if chat else p.completion_id()
@@ -356,12 +451,12 @@ class Ingress(AdapterRoutes):
             streams = Streams([calls[0](), *(own_request_id(call) for call in calls[1:])])
             firsts = await streams.first(backstop)
             if body.stream:
-                chunks = responses.sse(
+                chunks = front.sse(
                     streams,
                     firsts,
                     output,
                     (model, request_id),
-                    chat,
+                    messages,
                     (body.include_usage(), body.continuous_usage()),
                     logprobs,
                     functools.partial(self._record, kind, model, output=output, lease=lease),
@@ -375,7 +470,7 @@ class Ingress(AdapterRoutes):
             async for i, message in streams.rest(output):
                 output.add(i, message)
             outcome = output.finish_reason
-            answer = responses.response(chat, request_id, model, output, logprobs)
+            answer = front.response(messages, request_id, model, output, logprobs)
             if not lease.headers:
                 return answer
             return Response(

@@ -7,6 +7,13 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.tools.registry import (
+    REASONING_PARSERS,
+    TOOL_PARSER_NAMES,
+    check_reasoning_parser,
+    check_tool_parser,
+)
+
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -70,6 +77,35 @@ class TenantConfig(BaseModel):
         return self.requests_per_minute is not None or self.tokens_per_minute is not None
 
 
+_TOOL_PARSER_HELP = (
+    f"Tool-call parser ({', '.join(TOOL_PARSER_NAMES)}, or none); unset: the one the chat "
+    "template implies."
+)
+_REASONING_PARSER_HELP = (
+    f"Reasoning parser ({', '.join(REASONING_PARSERS)}, or none); unset: the one the chat "
+    "template implies."
+)
+
+
+class ChatParsers(BaseModel):
+    """The parsers of a model's answers, where the chat template's own choice is wrong."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tool_parser: str | None = Field(None, description=_TOOL_PARSER_HELP)
+    reasoning_parser: str | None = Field(None, description=_REASONING_PARSER_HELP)
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str | None) -> str | None:
+        return check_tool_parser(name)
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        return check_reasoning_parser(name)
+
+
 class IngressOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -113,12 +149,30 @@ class IngressOptions(BaseModel):
         description="The window of requests_per_minute and tokens_per_minute (a bucket "
         "refills fully in this long); other than 60 only for tests.",
     )
+    tool_parser: str | None = Field(None, description=_TOOL_PARSER_HELP + " (base model)")
+    reasoning_parser: str | None = Field(None, description=_REASONING_PARSER_HELP + " (base model)")
+    adapter_parsers: dict[str, ChatParsers] = Field(
+        default_factory=dict,
+        description="Parsers per adapter: fnmatch glob of adapter names -> tool_parser, "
+        "reasoning_parser (the first glob that matches); otherwise an adapter's come from "
+        "its own chat template, else the base model's.",
+    )
     tenant_metric_labels: int = Field(
         20,
         ge=0,
         description="Tenants (the first this many of `tenants`) and adapters (the first this "
         "many seen) named in the per-tenant metrics' labels; the rest are 'other'.",
     )
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str | None) -> str | None:
+        return check_tool_parser(name)
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        return check_reasoning_parser(name)
 
     @field_validator("tenants")
     @classmethod

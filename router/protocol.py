@@ -1,7 +1,7 @@
 """The OpenAI HTTP API subset we serve, as pydantic models (vLLM-compatible field names).
 
-Requests refuse unknown fields, and known OpenAI features we do not implement (tools,
-audio, suffix, ...) accept only their "off" values, each with a message naming the field,
+Requests refuse unknown fields, and known OpenAI features we do not implement (audio,
+suffix, ...) accept only their "off" values, each with a message naming the field,
 rather than silently answering something else. Sampling fields take their types
 (bounds) and defaults from replica.wire.SamplingParams, which a request then builds directly.
 Responses are shaped so that the official `openai` SDK parses them. Plain Python: nothing
@@ -45,13 +45,16 @@ from replica.wire import (
     TopK,
     TopP,
 )
+from router.tools import forced
 
 MAX_STOP_STRINGS = 4
 LORA_NAME_RULE = "1-128 characters, each a letter, digit, '.', '_' or '-'"
 _LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 SSE_DONE = "data: [DONE]\n\n"
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def random_uuid() -> str:
@@ -348,6 +351,58 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=_FUNCTION_NAME, description="1-64 letters, digits, _ or -.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
+    strict: bool | None = Field(
+        None,
+        description="With tool_choice auto, a call of it follows the schema once begun "
+        "(forced choices always do).",
+    )
+
+
+class ChatTool(BaseModel):
+    """An entry of `tools`: a function the model may call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the function the model must call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message (the answer's, or one sent back in the history)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -355,6 +410,12 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, description="A participant's name, passed to the template.")
     tool_call_id: str | None = Field(None, description="A tool message's call id (template).")
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="An assistant message's calls, passed to the template."
+    )
+    reasoning_content: str | None = Field(
+        None, description="vLLM extension: an assistant message's thinking (template)."
+    )
 
     def text(self) -> str:
         """The content as one string: text parts joined by newlines (as vLLM does)."""
@@ -366,11 +427,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
-    # OpenAI's fields for what we do not serve (tools, audio, ...): their "off" values only
+    # OpenAI's fields for what we do not serve (audio, ...): their "off" values only
     _ACCEPTED = {
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-        "parallel_tool_calls": (None,),
         "functions": (None,),
         "function_call": (None, "none"),
         "audio": (None,),
@@ -405,9 +463,13 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = Field(
         None, description="vLLM extension: end the prompt with the assistant's turn (default)."
     )
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without."
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call per answer (default true)."
+    )
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -425,11 +487,63 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_retention: Any = None
     safety_identifier: Any = None
 
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, value: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [t.function.name for t in value or ()]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"function names must be unique: {', '.join(dupes)}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        if value in (None, "none", "auto"):
+            return value
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if not names:
+            raise ValueError("needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(
+                f"function {value.function.name!r} is not among tools ({', '.join(names)})"
+            )
+        return value
+
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
+        text_only = self.response_format is None or self.response_format.type == "text"
+        if self.forced_tool_choice() and not text_only:
+            raise ValueError("response_format: not with tool_choice required or named")
         return self
+
+    def tool_mode(self) -> str:
+        """none, auto, required or named: what the answer may or must hold."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def forced_tool_choice(self) -> bool:
+        return self.tool_mode() in ("required", "named")
+
+    def parallel_calls(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    def tool_signatures(self) -> list[tuple[str, dict[str, Any] | None, bool]]:
+        """(name, parameters, strict) of each tool."""
+        return [
+            (t.function.name, t.function.parameters, bool(t.function.strict))
+            for t in self.tools or ()
+        ]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (none with tool_choice none)."""
+        if self.tool_mode() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -440,19 +554,47 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def structured_output(self) -> StructuredOutput | None:
+        """response_format's constraint, or a forced tool choice's (forced.py)."""
+        mode = self.tool_mode()
+        if mode == "named":
+            name = self.tool_choice.function.name  # type: ignore[union-attr]
+            [tool] = [t for t in self.tools or () if t.function.name == name]
+            schema = forced.named_schema(tool.function.parameters)
+            return StructuredOutput(kind="json_schema", json_schema=schema)
+        if mode == "required":
+            tools = [(t.function.name, t.function.parameters) for t in self.tools or ()]
+            schema = forced.required_schema(tools, self.parallel_calls())
+            return StructuredOutput(kind="json_schema", json_schema=schema)
         return None if self.response_format is None else self.response_format.structured_output()
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the plain dicts a Hugging Face chat template expects."""
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as the plain dicts a Hugging Face chat template expects: a call's
+        arguments as an object (templates write it with tojson)."""
         out = []
         for m in self.messages:
-            message = {"role": m.role, "content": m.text()}
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 message["name"] = m.name
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                message["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             out.append(message)
         return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments  # as sent: the template shows what it can
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
 def _check_lora_name(name: str) -> str:
@@ -498,6 +640,11 @@ def format_validation_errors(errors: Sequence[Mapping[str, Any]]) -> str:
 
 # ---------------------------------------------------------------------------------------
 # responses
+
+
+def _unset(value: Any) -> bool:
+    """Fields left out of a body while None (only sent when they say something)."""
+    return value is None
 
 
 class PromptTokensDetails(BaseModel):
@@ -587,14 +734,16 @@ class CompletionStreamResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # vLLM's field: the thinking, split off
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # return_token_ids
 
@@ -609,18 +758,35 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None  # return_token_ids: the rendered chat's ids
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's piece in a stream: index, id, type and name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
-    """The first chunk of a chat stream carries role="assistant", later ones only content."""
+    """The first chunk of a chat stream carries role="assistant", later ones content,
+    reasoning_content or tool_calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=_unset)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=_unset)
 
 
 class ChatCompletionStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # return_token_ids: the chunk's new ids
 
@@ -644,6 +810,11 @@ class ModelCard(BaseModel):
     owned_by: str = "lorafleet"
     root: str | None = None
     parent: str | None = None
+    # /v1/models/{id}: the chat template the model's requests use (its file, or
+    # "tokenizer": the base's) and the parsers of its answers
+    chat_template: str | None = Field(None, exclude_if=_unset)
+    tool_parser: str | None = Field(None, exclude_if=_unset)
+    reasoning_parser: str | None = Field(None, exclude_if=_unset)
 
 
 class ModelList(BaseModel):

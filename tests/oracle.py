@@ -74,9 +74,12 @@ EXPERTS = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_p
 def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]:
     """Two peft adapters of a family's model: rank 8 on attention, rank 16 on everything
     (Phi-3's adapters target its fused qkv_proj and gate_up_proj; on a mixture of experts
-    "all" adds the experts' stacked parameters, layer 0's down at rank 4)."""
+    "all" adds the experts' stacked parameters, layer 0's down at rank 4; gpt-oss has
+    no dense MLP, so its "all" is attention and experts)."""
     targets = PHI3 if family.startswith("phi3") else {"attn": ATTENTION, "all": EVERYTHING}
-    experts = EXPERTS if family in ("mixtral", "qwen3moe") else {}
+    if family == "gptoss":  # no dense MLP: attention and the stacked experts
+        targets = {"attn": ATTENTION, "all": ATTENTION}
+    experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss") else {}
     return {
         "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),
         "all": peft_adapter(

@@ -56,6 +56,17 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                     "moe_intermediate_size": 32, "norm_topk_prob": False,
                                     "num_hidden_layers": 3, "mlp_only_layers": [1],
                                     "tie_word_embeddings": False}),
+    # top-2 of 4 experts with biases and the clamped SwiGLU (a limit that clamps, alpha ≠
+    # 1.702), attention biases and sinks, sliding (window 8) and full layers alternating,
+    # yarn over a 64-token original context; head_dim 24: heads × head_dim ≠ hidden
+    "gptoss": ("GptOssConfig", {"head_dim": 24, "intermediate_size": 64,
+                                "num_local_experts": 4, "num_experts_per_tok": 2,
+                                "sliding_window": 8, "swiglu_limit": 1.5, "swiglu_alpha": 1.5,
+                                "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                    "beta_fast": 32.0, "beta_slow": 1.0,
+                                                    "truncate": False, "rope_theta": 10000.0,
+                                                    "original_max_position_embeddings": 64},
+                                "tie_word_embeddings": False}),
 }  # fmt: skip
 # At demo size (the bench's models) the shapes and settings of the real checkpoints instead
 # of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
@@ -70,6 +81,14 @@ DEMO_QUIRKS: dict[str, dict[str, Any]] = {
     "mixtral": {"intermediate_size": 384},
     "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    # a small gpt-oss: 8 experts of 256 columns, top-2; gpt-oss-20b's head_dim 64, window
+    # 128, SwiGLU constants and yarn (gpt-oss-20b: 32 experts of 2880, top-4)
+    "gptoss": {"head_dim": 64, "intermediate_size": 256, "num_local_experts": 8,
+               "sliding_window": 128, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+               "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False,
+                                   "rope_theta": 150000.0,
+                                   "original_max_position_embeddings": 4096}},
 }  # fmt: skip
 
 
@@ -121,7 +140,22 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(_draw(name, tuple(p.shape), gen, gemma, fields["num_hidden_layers"]))
+            if cls_name == "GptOssConfig":
+                p.copy_(_gpt_oss_draw(name, p, gen))
     model.save_pretrained(out)
+
+
+def _gpt_oss_draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """gpt-oss's own parameters at scales that bite: sink logits near a 40-token row's
+    log-sum-exp (so a sink takes a real share of it), routers like _draw's, stacked
+    experts stored [E, in, out] drawn by their fan-in (dim 1)."""
+    if name.endswith("sinks"):
+        return 3.0 + torch.randn(p.shape, generator=gen)
+    if name.endswith("router.weight"):
+        return torch.randn(p.shape, generator=gen) * 4.0 / math.sqrt(p.shape[-1])
+    if name.endswith("experts.gate_up_proj"):
+        return torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+    return p
 
 
 def _draw(

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import ray
 
+from cluster.store.adapter_tokens import tokens_beyond_vocab
 from replica.adapters.packing import pack_adapter
 from replica.model.adapter_weights import (
     AdapterFormatError,
@@ -46,6 +47,7 @@ class Converted:
     nbytes: int
     weights: ray.ObjectRef  # the packed arrays (replica/adapters/packing.py)
     source: str | None  # the resolver that found it; None: loaded or preloaded
+    applied: Mapping[str, int]  # module -> layers it is applied on
 
     def info(self, version: int, created: int | None = None) -> AdapterInfo:
         """What the registry lists for it under `version` (`created`: now by default)."""
@@ -58,6 +60,7 @@ class Converted:
             nbytes=self.nbytes,
             created=int(time.time()) if created is None else created,
             source=self.source,
+            applied=self.applied,
         )
 
 
@@ -83,6 +86,12 @@ class Converter:
         if name in self.reserved:
             raise BadRequestError(f"adapter name {name!r} is reserved (the base model's name)")
         self._check_size(Path(path))
+        if added := tokens_beyond_vocab(path, self.spec.vocab_size):
+            shown = ", ".join(map(repr, added[:8])) + (", ..." if len(added) > 8 else "")
+            raise BadRequestError(
+                f"adapter {Path(path).name!r} adds tokens to the vocabulary ({shown}): the "
+                f"base model has {self.spec.vocab_size} token ids and no weights for these"
+            )
         try:
             weights = load_peft_adapter(
                 path, self.spec, self.max_lora_rank, name, self.lora_embeddings
@@ -97,6 +106,7 @@ class Converter:
             nbytes=weights.nbytes,
             weights=ray.put(pack_adapter(weights)),
             source=source,
+            applied=weights.applied(),
         )
 
     async def convert_async(

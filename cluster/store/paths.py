@@ -1,7 +1,8 @@
 """Where the store may read adapters from: the configured adapter roots, or a tenant's own.
 
-A path and every file the store will read from it (adapter_config.json, the weights) must
-lie inside a root, symlinks resolved: no traversal, no symlink out of the roots.
+A path and every file the store or the ingress will read from it (adapter_config.json, the
+weights, the tokenizer files and chat template) must lie inside a root, symlinks resolved:
+no traversal, no symlink out of the roots.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 from replica.model.adapter_weights import WEIGHTS_FILES
 from router.errors import BadRequestError
 
+# read by adapter_tokens.py (here) and for the adapter's chat template (the ingress)
+TOKENIZER_FILES = ("chat_template.jinja", "tokenizer_config.json", "added_tokens.json",
+                   "tokenizer.json")  # fmt: skip
 DISABLED = "loading adapters at runtime is disabled: no adapter_roots are configured"
 
 
@@ -30,7 +34,8 @@ class AdapterRoots:
             resolved = Path(path).resolve(strict=True)
         except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the path
             raise BadRequestError(f"adapter path {path!r} does not exist") from None
-        files = [resolved / "adapter_config.json", *(resolved / f for f in WEIGHTS_FILES)]
+        names = ["adapter_config.json", *WEIGHTS_FILES, *TOKENIZER_FILES]
+        files = [resolved / name for name in names]
         for p in [resolved, *(f.resolve() for f in files if f.exists())]:
             if not any(p.is_relative_to(root) for root in roots):
                 shown = ", ".join(str(r) for r in roots)

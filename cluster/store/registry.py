@@ -35,7 +35,7 @@ from cluster.store.checkpoint import VERSION_BLOCK, Checkpoint, CheckpointMeta, 
 from cluster.store.conversion import Converted, Converter
 from cluster.store.locks import NameLocks
 from cluster.store.paths import AdapterRoots
-from replica.wire import AdapterInfo, AdapterKey, AdapterWeightsRef, Listing
+from replica.wire import AdapterInfo, AdapterKey, AdapterWeightsRef, Listing, applied_text
 from router.errors import BadRequestError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,7 @@ class Registry:
         info = self._insert(converted, version)
         if self.checkpoint is not None:
             await self.checkpoint.save(info)
+        log.info("adapter %r v%d applies %s", info.name, version, applied_text(info.applied))
         return info
 
     def _insert(self, converted: Converted, version: int) -> AdapterInfo:

@@ -39,7 +39,7 @@ from replica.model.adapter_weights import LoRAAdapterWeights
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.sampler import Sampler
 from replica.model.spec import load_model_spec
-from replica.wire import GenerateRequest, SamplingParams, cache_scope
+from replica.wire import GenerateRequest, SamplingParams, applied_text, cache_scope
 
 __all__ = ["LLMEngine", "StepReplies"]
 
@@ -137,6 +137,7 @@ class LLMEngine:
         """Register a PEFT directory as `name` (validated and staged in host memory now)."""
         weights = self.adapters.register(name, path)
         self.cache_ids.retire(name)
+        log.info("adapter %r applies %s", name, applied_text(weights.applied()))
         return weights
 
     def unload_adapter(self, name: str) -> None:

@@ -1,4 +1,4 @@
-"""Structured output (response_format): JSON grammars through xgrammar, host-side.
+"""Structured output (response_format, tool calls): grammars through xgrammar, host-side.
 
 The tokenizer's info is read from the model directory at the first structured request
 (most engines never see one); grammars are compiled when a request arrives, so a bad
@@ -79,13 +79,16 @@ class StructuredOutputs:
                 '{"type": "object"}', any_whitespace=False, strict_mode=False
             )
         if spec.json_schema is None:
-            raise RequestError("structured output json_schema: no schema given")
+            raise RequestError(f"structured output {spec.kind}: no schema given")
         try:
             json.loads(spec.json_schema)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.json_schema)
             # one line, no free whitespace: a model cannot pad its output forever
             return compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
         except Exception as e:  # invalid JSON, or a schema xgrammar cannot compile
-            raise RequestError(f"invalid JSON schema: {_first_line(e)}") from None
+            what = "structural tag" if spec.kind == "structural_tag" else "JSON schema"
+            raise RequestError(f"invalid {what}: {_first_line(e)}") from None
 
     def _load_compiler(self) -> Any:
         if self._compiler is None:

@@ -128,6 +128,15 @@ class LoRAAdapterWeights:
             ranks[m] = max(ranks.get(m, 0), a.shape[-2])
         return ranks
 
+    def applied(self) -> dict[str, int]:
+        """Each module the adapter changes, with the number of layers it changes it on
+        (the vocabulary modules count one): what a load reports, so an adapter is never
+        silently partly applied."""
+        layers: dict[str, int] = {}
+        for _, module in self.weights:
+            layers[module] = layers.get(module, 0) + 1
+        return dict(sorted(layers.items()))
+
     def group_rank(self, modules: tuple[str, ...]) -> int:
         """The rank rows a projection group holds and computes with: its largest module's
         rank, over every layer (0 when the adapter targets none of `modules`)."""

@@ -45,9 +45,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend (scores scale·q·k, capped to
-    soft_cap·tanh(s/soft_cap) when given). Returns [T, H, hd]."""
+    soft_cap·tanh(s/soft_cap) when given; sinks join each head's softmax). Returns
+    [T, H, hd]."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
@@ -56,7 +58,7 @@ def paged_attention(
         kernels.paged_decode_attention(
             q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
             meta.block_size, scale, sliding_window, soft_cap=soft_cap, out=out[:d],
-            num_splits=meta.decode_splits,
+            num_splits=meta.decode_splits, sinks=sinks,
         )  # fmt: skip
     for start, n, slots in zip(meta.prefill_starts, meta.prefill_lens, meta.prefill_slots):
         rows = slice(start, start + n)
@@ -65,6 +67,7 @@ def paged_attention(
         else:
             keys, values = k_cache, v_cache
         kernels.prefill_attention(
-            q[rows], keys, values, scale, slots, sliding_window, soft_cap, out=out[rows]
-        )
+            q[rows], keys, values, scale, slots, sliding_window, soft_cap, out=out[rows],
+            sinks=sinks,
+        )  # fmt: skip
     return out

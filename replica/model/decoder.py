@@ -60,22 +60,31 @@ class RMSNorm:
         return self.weight * h.to(x.dtype)
 
 
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name == "gelu_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    return F.silu
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> MLP hidden
+
+
+def gated_activation(spec: ModelSpec) -> Glu:
+    """The MLP's (gate, up) -> hidden: act(gate) · up, or gpt-oss's clamped SwiGLU
+    (gate clamped to <= limit, up to [-limit, limit], then (up + 1) · gate ·
+    sigmoid(alpha · gate))."""
+    if spec.swiglu_limit is not None:
+        limit, alpha = spec.swiglu_limit, spec.swiglu_alpha
+
+        def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+        return clamped_swiglu
+    if spec.hidden_act == "gelu_tanh":
+        return lambda gate, up: F.gelu(gate, approximate="tanh") * up
+    return lambda gate, up: F.silu(gate) * up
 
 
 class DenseMLP:
-    """down(act(gate(x)) · up(x)), gate and up as one fused projection, each with LoRA."""
+    """down(glu(gate(x), up(x))), gate and up as one fused projection, each with LoRA."""
 
-    def __init__(
-        self,
-        gate_up: LoRALinear,
-        down: LoRALinear,
-        act: Callable[[torch.Tensor], torch.Tensor],
-    ) -> None:
-        self.gate_up_proj, self.down_proj, self.act = gate_up, down, act
+    def __init__(self, gate_up: LoRALinear, down: LoRALinear, glu: Glu) -> None:
+        self.gate_up_proj, self.down_proj, self.glu = gate_up, down, glu
 
     def weights(self) -> list[torch.Tensor]:
         return tensors_of(self.gate_up_proj.weight) + tensors_of(self.down_proj.weight)
@@ -84,7 +93,7 @@ class DenseMLP:
         self, x: torch.Tensor, lora: dict[str, SegmentInfo], ws: LoRAWorkspace | None
     ) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora["gate_up_proj"], ws).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up, lora["down_proj"], ws)
+        return self.down_proj(self.glu(gate, up), lora["down_proj"], ws)
 
 
 def _fused(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | PackedLinear:
@@ -128,14 +137,18 @@ class DecoderLayer:
         bufs = lora.layers[index] if lora is not None else {}
         self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
         o_w = _fused([proj("o_proj")])
+        o_b = proj("o_proj", "bias") if spec.o_bias else None
         if tp is None:
-            self.o_proj = LoRALinear(o_w, None, bufs.get("o_proj"))
+            self.o_proj = LoRALinear(o_w, o_b, bufs.get("o_proj"))
         else:  # input-split: partial outputs summed across ranks
-            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"))
-        act = _activation(spec.hidden_act)
+            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"), o_b)
+        self.sinks = None  # gpt-oss: each head's sink logit, fp32 as the softmax is
+        if spec.attn_sinks:
+            self.sinks = layout.sinks(index).to(device=device, dtype=torch.float32)
+        glu = gated_activation(spec)
         self.mlp: DenseMLP | SparseMoE
         if spec.is_sparse(index):
-            self.mlp = SparseMoE(spec, layout, index, bufs, act, device, dtype, tp)
+            self.mlp = SparseMoE(spec, layout, index, bufs, glu, device, dtype, tp)
         else:
             gate_up_w = _fused([proj("gate_proj"), proj("up_proj")])
             down_w = _fused([proj("down_proj")])
@@ -144,7 +157,7 @@ class DecoderLayer:
                 down = LoRALinear(down_w, None, bufs.get("down_proj"))
             else:
                 down = tp.row_linear(down_w, bufs.get("down_proj"))
-            self.mlp = DenseMLP(gate_up, down, act)
+            self.mlp = DenseMLP(gate_up, down, glu)
         h = spec.hidden_size
         self.input_norm = norm("input_layernorm.weight", h)
         self.q_norm = self.k_norm = self.post_attn_out_norm = self.post_mlp_norm = None
@@ -186,7 +199,7 @@ class DecoderLayer:
             q, k = rotation.rotate(q), rotation.rotate(k)
         attn = paged_attention(
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
-            s.scale, self.window, self.soft_cap,
+            s.scale, self.window, self.soft_cap, self.sinks,
         )  # fmt: skip
         out = self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"], ws)
         if self.post_attn_out_norm is not None:

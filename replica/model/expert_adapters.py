@@ -8,7 +8,9 @@
 - PEFT `target_parameters` on transformers 5's stacked experts (ParamWrapper, PEFT >=
   0.18): `…layers.L.mlp.experts[.base_layer]*.lora_A.weight` [E·r, in] and `lora_B`
   [out, E·r], one pair per targeted parameter (gate_up_proj: in hidden, out 2·I, gate
-  rows then up rows; down_proj: in I, out hidden), nested wrappers adding `.base_layer`.
+  rows then up rows, or on gpt-oss interleaved, gate j at row 2j and up j at 2j+1, as
+  its gate_up_proj's columns are; down_proj: in I, out hidden), nested wrappers adding
+  `.base_layer`.
   Expert e's A is rows [e·r, (e+1)·r) of lora_A; its B is columns e, e+E, e+2E, ... of
   lora_B (PEFT reshapes B to [out, r, E]). Which parameter a pair adapts is read from
   its shapes (gate_up and down cannot share both shapes), patterns match
@@ -140,11 +142,15 @@ def _from_3d(
     a_e = a.reshape(e, r, a.shape[1])  # expert-major rows
     b_e = b.reshape(b.shape[0], r, e)  # rank-major columns: expert e's are e, e+E, ...
     path = f"model.layers.{layer}.mlp.experts.{param}"
+    interleaved = spec.expert_layout == "gpt_oss"
     parts = []
     for expert in range(e):
         rows = b_e[:, :, expert]
-        for j, module in enumerate(modules):  # gate rows, then up rows
-            part = rows[j * i : (j + 1) * i] if len(modules) == 2 else rows
+        for j, module in enumerate(modules):  # gate rows, then up rows (or interleaved)
+            if len(modules) == 1:
+                part = rows
+            else:
+                part = rows[j::2] if interleaved else rows[j * i : (j + 1) * i]
             parts.append(ExpertPart(layer, module, expert, path, a_e[expert], part))
     return parts
 

@@ -54,6 +54,23 @@ CONFIG_DEFAULTS: dict[str, Config] = {
     "gemma3_text": GEMMA3_TEXT_DEFAULTS,
     "phi3": {"original_max_position_embeddings": 4096},
     "qwen3_moe": {"decoder_sparse_step": 1, "norm_topk_prob": False},
+    "gpt_oss": {  # GptOssConfig's defaults, which the Hub's config.json leaves out
+        "attention_bias": True,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": 128,
+        "rope_theta": 150_000.0,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },  # fmt: skip
 }
 # Where a multimodal Gemma 3 checkpoint keeps its language model: transformers 5 saves
 # model.language_model.*, the Hub's 4.x-era files hold language_model.model.*.
@@ -171,6 +188,29 @@ def _qwen3_moe(cfg: Config, source: str) -> FamilyFields:
             "dense_layers": dense}  # fmt: skip
 
 
+def _gpt_oss(cfg: Config, source: str) -> FamilyFields:
+    # every layer sparse: top-k of the router's logits (it has a bias), softmaxed over the
+    # k (= the renormalised top k of the full softmax); experts with biases and the clamped
+    # SwiGLU, stacked in the checkpoint; attention with biases on q/k/v/o and a sink per
+    # head; sliding and full layers alternate; yarn rope
+    bias = bool(cfg.get("attention_bias"))
+    fields = {
+        **_experts(cfg, source, "intermediate_size"),
+        **_layer_windows(cfg, [SLIDING if (i + 1) % 2 else FULL for i in _layers(cfg)]),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "attn_sinks": True,
+        "router_name": "router",
+        "moe_bias": True,
+        "swiglu_limit": _positive(cfg, "swiglu_limit", source, default=7.0),
+        "swiglu_alpha": _positive(cfg, "swiglu_alpha", source, default=1.702),
+        "expert_layout": "gpt_oss",
+    }
+    if not fields["num_experts"]:
+        raise ModelConfigError(f"{source}: gpt_oss needs num_local_experts >= 1")
+    return fields
+
+
 def _experts(cfg: Config, source: str, size_key: str) -> FamilyFields:
     # the Hub's Qwen3-MoE configs say num_experts, transformers 5 saves num_local_experts
     experts = cfg.get("num_local_experts", cfg.get("num_experts")) or 0
@@ -195,6 +235,7 @@ FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
     "phi3": _phi3,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "gpt_oss": _gpt_oss,
 }
 
 

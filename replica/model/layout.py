@@ -5,7 +5,11 @@ knows the checkpoint's prefix (model., or a multimodal checkpoint's language mod
 whether the module is stored alone or as rows of a fused tensor (Phi-3's qkv_proj and
 gate_up_proj), and under tensor parallelism reads only the rows or columns the rank holds.
 A sparse layer's router and experts are read from the Hub's per-expert keys
-(`<moe_block>.gate.weight`, `<moe_block>.experts.{e}.<gate|up|down>.weight`) and stacked.
+(`<moe_block>.gate.weight`, `<moe_block>.experts.{e}.<gate|up|down>.weight`) and stacked,
+or, for gpt-oss, from its stacked experts (`mlp.experts.gate_up_proj` [E, hidden, 2I]
+with gate and up columns interleaved, `down_proj` [E, I, hidden], their biases) or the
+Hub's MXFP4 form of them (`*_blocks`, `*_scales`, kernels.Mxfp4Weight), dequantized here
+at load: the decoder gets the same [E, out, in] stacks either way.
 Once the model is built, every checkpoint tensor it did not read must be one of
 KNOWN_UNREAD's, each with why it may go unread; any other is an error naming it (a
 module this server does not implement would otherwise be served silently without it).
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import QuantizedWeight, stack_experts
+from kernels import Mxfp4Weight, QuantizedWeight, dequantize, stack_experts
 from replica.model.quant_config import NF4, ModuleFormat
 from replica.model.quant_weights import read_packed
 from replica.model.spec import ModelSpec
@@ -93,11 +97,29 @@ class CheckpointLayout:
         """The checkpoint's path of a projection (its tensors' names less the suffix)."""
         return self.spec.module_path(layer, module, self.prefix)
 
-    def router(self, layer: int) -> torch.Tensor:
-        """The router of sparse layer `layer`: [num_experts, hidden], whole on every rank."""
+    def router(self, layer: int, kind: str = "weight") -> torch.Tensor:
+        """The router of sparse layer `layer`: [num_experts, hidden] (its bias
+        [num_experts]), whole on every rank."""
         s = self.spec
-        name = f"{self.prefix}layers.{layer}.{s.moe_block}.gate.weight"
-        return self.ckpt.get(name, (s.num_experts, s.hidden_size))
+        name = f"{self.prefix}layers.{layer}.{s.moe_block}.{s.router_name}.{kind}"
+        shape = (s.num_experts, s.hidden_size) if kind == "weight" else (s.num_experts,)
+        return self.ckpt.get(name, shape)
+
+    def sinks(self, layer: int) -> torch.Tensor:
+        """This rank's query heads' sink logits of `layer` (gpt-oss): [heads_rank]."""
+        name = f"{self.prefix}layers.{layer}.self_attn.sinks"
+        heads = self.spec.num_heads
+        lo, hi = (0, heads) if self.shard is None else self.shard.head_range
+        return self.ckpt.get(name, (heads,))[lo:hi]
+
+    def expert_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's expert biases of sparse layer `layer` (gpt-oss): gate and up
+        [E, 2·I_rank] (laid out as experts() lays out the rows), down [E, hidden]."""
+        s = self.spec
+        e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
+        where = f"{self.prefix}layers.{layer}.mlp.experts"
+        gate_up = self.ckpt.get(f"{where}.gate_up_proj_bias", (e, 2 * i))
+        return self._split_gate_up(gate_up), self.ckpt.get(f"{where}.down_proj_bias", (e, h))
 
     def experts(
         self, layer: int
@@ -107,6 +129,8 @@ class CheckpointLayout:
         [E, hidden, I_rank]; I_rank = this rank's columns of moe_intermediate_size.
         Quantized experts come packed and stacked as (gate, up, down), each [E, ...]."""
         s = self.spec
+        if s.expert_layout == "gpt_oss":
+            return self._gpt_oss_experts(layer)
         h, i = s.hidden_size, s.moe_intermediate_size
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
         where = f"{self.prefix}layers.{layer}.{s.moe_block}.experts"
@@ -141,6 +165,39 @@ class CheckpointLayout:
                 ws.append(read_packed(self.ckpt, name, fmt, shape, **part))
             stacked.append(stack_experts(ws))
         return tuple(stacked)
+
+    def _gpt_oss_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
+        where = f"{self.prefix}layers.{layer}.mlp.experts"
+        if self.ckpt.has(f"{where}.gate_up_proj"):  # transformers' [E, in, out] stacks
+            gate_up = self.ckpt.get(f"{where}.gate_up_proj", (e, h, 2 * i)).transpose(1, 2)
+            down = self.ckpt.get(f"{where}.down_proj", (e, i, h)).transpose(1, 2)
+        else:  # the Hub's MXFP4 stacks, [E, out, in / 32, 16] codes: dequantized here
+            gate_up = self._mxfp4(f"{where}.gate_up_proj", e, 2 * i, h)
+            down = self._mxfp4(f"{where}.down_proj", e, h, i)
+        lo, hi = (0, i) if self.shard is None else self.shard.expert_range
+        return self._split_gate_up(gate_up), down[:, :, lo:hi].contiguous()
+
+    def _split_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's interleaved gate / up rows (gate j at 2j, up j at 2j+1) of
+        [E, 2I, ...] -> this rank's gate rows then its up rows, [E, 2·I_rank, ...]."""
+        lo, hi = (0, gate_up.shape[1] // 2) if self.shard is None else self.shard.expert_range
+        gate, up = gate_up[:, 0::2][:, lo:hi], gate_up[:, 1::2][:, lo:hi]
+        return torch.cat([gate, up], dim=1)
+
+    def _mxfp4(self, name: str, experts: int, rows: int, cols: int) -> torch.Tensor:
+        """`name`_blocks [E, rows, cols/32, 16] and `name`_scales [E, rows, cols/32]
+        (uint8) dequantized: [E, rows, cols] float32."""
+        if cols % 32:
+            raise WeightLoadError(
+                f"{self.ckpt.dir}: {name}_blocks: MXFP4 needs its input dim ({cols}) to be a "
+                "multiple of 32"
+            )
+        groups = (experts, rows, cols // 32)
+        blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), (torch.uint8,))
+        scales = self.ckpt.get_packed(f"{name}_scales", groups, (torch.uint8,))
+        return dequantize(Mxfp4Weight(blocks, scales))
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""

@@ -18,6 +18,7 @@ One reader per quant_method (QUANT_METHODS, the dispatch); each returns a QuantS
   bitsandbytes        NF4 (QLoRA's `*-bnb-4bit` bases): `weight` bytes, `weight.absmax`
                       (double-quantized too), `weight.quant_map`, `weight.quant_state.*`
 
+gpt-oss's MXFP4 experts are dequantized at load by its family (DEQUANTIZED_AT_LOAD).
 Activations are not quantized (W8A16 / W4A16): activation scales a checkpoint ships are
 read and left unused, so outputs equal the dequantized model's. Anything else is refused in
 one line naming its quant_method and what is served.
@@ -36,6 +37,9 @@ from replica.model.hf_config import ModelConfigError
 # Where config.json declares a quantized checkpoint (transformers' quantization_config;
 # compressed-tensors' older compression_config).
 QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+# model_type -> the one quant_method its family reads as shipped and dequantizes at load
+# itself (model/layout.py): gpt-oss's MXFP4 experts. Such a family serves no other one.
+DEQUANTIZED_AT_LOAD = {"gpt_oss": "mxfp4"}
 FP8, INT4_PACKED, GPTQ, AWQ, NF4 = "fp8", "pack-quantized", "gptq", "awq", "nf4"
 
 
@@ -122,6 +126,14 @@ def quant_scheme(cfg: dict[str, Any], source: str) -> QuantScheme | None:
             if quant is None:
                 continue
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
+            own = DEQUANTIZED_AT_LOAD.get(cfg.get("model_type"))
+            if own is not None:
+                if method == own:
+                    return None
+                raise ModelConfigError(
+                    f"{source}: {key} with quant_method={method!r} is not served for "
+                    f"{cfg.get('model_type')} (its {own} is, dequantized at load)"
+                )
             reader = QUANT_METHODS.get(method)
             if reader is None:
                 raise ModelConfigError(

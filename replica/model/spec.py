@@ -1,11 +1,12 @@
 """The model's shape and its family's differences, read once from a Hugging Face config.json.
 
 One decoder (model/decoder.py) serves every family; what differs between Llama, Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE is data on ModelSpec, filled
-in by model/families.py from the config: norm style and count, q/k norms, attention scale
-and soft-caps, which layers slide and their rope, fused checkpoint projections, the MLP's
-activation, the embedding scale, and for mixtures of experts the experts, the router's
-rule and which layers are sparse.
+Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen3-MoE and gpt-oss is data on
+ModelSpec, filled in by model/families.py from the config: norm style and count, q/k
+norms, attention scale, soft-caps and sinks, which layers slide and their rope, fused
+checkpoint projections and biases, the MLP's activation, the embedding scale, and for
+mixtures of experts the experts, the router's rule, biases and checkpoint layout and
+which layers are sparse.
 """
 
 from __future__ import annotations
@@ -76,6 +77,19 @@ class ModelSpec:
     moe_block: str = "mlp"  # the checkpoint's module of router and experts (Mixtral's
     # block_sparse_moe) and one expert's gate, up and down (Mixtral's w1, w3, w2)
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # --- gpt-oss ---
+    o_bias: bool = False  # o_proj carries a bias too (gpt-oss's attention_bias)
+    attn_sinks: bool = False  # each head's learned sink logit joins its softmax
+    router_name: str = "gate"  # the router's module in moe_block (gpt-oss: "router")
+    moe_bias: bool = False  # the router and every expert projection carry biases
+    # the experts' clamped SwiGLU (gpt-oss): gate clamped to <= limit, up to [-limit,
+    # limit], hidden = (up + 1) · gate · sigmoid(alpha · gate); None: act(gate) · up
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # "per_expert": the Hub's <moe_block>.experts.{e}.<proj>.weight; "gpt_oss": stacked
+    # mlp.experts.gate_up_proj [E, hidden, 2I] (gate and up columns interleaved) and
+    # down_proj [E, I, hidden] with their biases, or their MXFP4 *_blocks / *_scales
+    expert_layout: str = "per_expert"
     # --- a quantized checkpoint (model/quant_config.py): how each projection is stored ---
     quant: QuantScheme | None = None
 

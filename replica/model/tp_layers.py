@@ -26,9 +26,12 @@ class TPRank:
     comm: TPComm
 
     def row_linear(
-        self, weight: torch.Tensor | PackedLinear, lora: LoRABuffers | None
+        self,
+        weight: torch.Tensor | PackedLinear,
+        lora: LoRABuffers | None,
+        bias: torch.Tensor | None = None,
     ) -> RowParallelLoRALinear:
-        return RowParallelLoRALinear(weight, lora, self)
+        return RowParallelLoRALinear(weight, lora, self, bias)
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its rows, zeros for the
@@ -51,12 +54,18 @@ class RowParallelLoRALinear:
     x Aᵀ over this rank's input columns is a partial sum of the [T, r] intermediate:
     it is all-reduced (the only communication LoRA adds), then each rank expands into
     its own output columns (its rows of B), and the base output's all-reduce sums the
-    ranks' partial outputs and their disjoint LoRA columns in one go."""
+    ranks' partial outputs and their disjoint LoRA columns in one go. A bias (whole on
+    every rank) is added once, after that all-reduce."""
 
     def __init__(
-        self, weight: torch.Tensor | PackedLinear, lora: LoRABuffers | None, tp: TPRank
+        self,
+        weight: torch.Tensor | PackedLinear,
+        lora: LoRABuffers | None,
+        tp: TPRank,
+        bias: torch.Tensor | None = None,  # [out]
     ) -> None:
         self.weight, self.lora, self.comm = weight, lora, tp.comm  # weight [out, in / N]
+        self.bias = bias
         self.cols = slice(*tp.shard.hidden_range)
 
     def __call__(
@@ -68,4 +77,5 @@ class RowParallelLoRALinear:
             inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.max_rank, out=out)
             self.comm.all_reduce(inter, "lora")
             kernels.lora_expand(y[:, self.cols], inter, self.lora.b, seg, self.lora.slice_offsets)
-        return self.comm.all_reduce(y, "layer")
+        y = self.comm.all_reduce(y, "layer")
+        return y if self.bias is None else y + self.bias

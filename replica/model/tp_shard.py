@@ -127,6 +127,11 @@ class TPShard:
         return self._split(self.spec.moe_intermediate_size)
 
     @property
+    def head_range(self) -> tuple[int, int]:
+        """The query heads this rank holds."""
+        return self._split(self.spec.num_heads)
+
+    @property
     def kv_heads(self) -> int:
         """KV heads on this rank: a share, or one replicated head when there are fewer."""
         return max(1, self.spec.num_kv_heads // self.size)

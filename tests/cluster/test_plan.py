@@ -32,8 +32,10 @@ def plan_json(capsys, *argv: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name, tp", [("Llama-3.1-8B", 1), ("Llama-3.1-70B", 4), ("Qwen3-32B", 4), ("Qwen3-30B-A3B", 1)]
-)
+    "name, tp",
+    [("Llama-3.1-8B", 1), ("Llama-3.1-70B", 4), ("Qwen3-32B", 4), ("Qwen3-30B-A3B", 1),
+     ("gpt-oss-20b", 1), ("gpt-oss-20b", 2)],
+)  # fmt: skip
 def test_plan_prints_the_memory_plan_as_json_last(capsys, name, tp):
     model = PUBLISHED / name
     got = plan_json(capsys, "--model", str(model), "--gpu-memory", "80GiB", "--tp", str(tp))

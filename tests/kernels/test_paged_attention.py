@@ -639,7 +639,8 @@ def test_paged_triton_on_cpu_without_interpreter_is_refused():
 def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
     """No GPU here: lower the kernels to sm_90 cubins (ptxas ships with triton) for each
     dtype at the demo model's shapes, single-pass and split (with the merge), and
-    soft-capped in bf16 (Gemma 2's dtype), to catch what the interpreter can't."""
+    soft-capped and with sinks in bf16 (Gemma 2's and gpt-oss's dtype), to catch what the
+    interpreter can't."""
     code = textwrap.dedent(
         """
         import torch
@@ -657,20 +658,23 @@ def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
             assert "mma" in kernel.asm["ptx"] or "fma" in kernel.asm["ptx"]
 
         for dtype, p in ptr.items():
-            shapes = [(64, 4, 16, False, False), (128, 8, 1, False, True)]
-            if dtype == torch.bfloat16:  # soft-capped (fp32 scores: one dtype is enough)
-                shapes += [(64, 4, 16, True, False), (256, 2, 16, True, True)]
-            for hd, group, block_size, cap, split in shapes:
+            shapes = [(64, 4, 16, False, False, False), (128, 8, 1, False, True, False)]
+            if dtype == torch.bfloat16:  # soft-capped, sinks (fp32 scores: one dtype)
+                shapes += [(64, 4, 16, True, False, False), (256, 2, 16, True, True, False),
+                           (64, 8, 16, False, False, True), (64, 8, 16, False, True, True)]
+            for hd, group, block_size, cap, split, sinks in shapes:
                 cfg = pa.decode_config(hd, group, dtype)
                 cfg |= {"GROUP": group, "BLOCK_SIZE": block_size, "SOFT_CAP": cap,
-                        "SPLIT": split}
+                        "SPLIT": split, "SINKS": sinks}
                 dest = "*fp32" if split else p
                 lower(pa._paged_decode_kernel, cfg, {
                     "q_ptr": p, "k_ptr": p, "v_ptr": p, "out_ptr": dest, "lse_ptr": dest,
-                    "tables_ptr": "*i32", "lens_ptr": "*i32", "qk_scale": "fp32",
-                    "cap_scale": "fp32"})
-            lower(pa._merge_splits_kernel, {"BLOCK_S": 32, "BLOCK_D": 128},
-                  {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": p})
+                    "sinks_ptr": "*fp32", "tables_ptr": "*i32", "lens_ptr": "*i32",
+                    "qk_scale": "fp32", "cap_scale": "fp32"})
+            for sinks in (False, True):
+                lower(pa._merge_splits_kernel, {"BLOCK_S": 32, "BLOCK_D": 128, "SINKS": sinks},
+                      {"part_ptr": "*fp32", "lse_ptr": "*fp32", "sinks_ptr": "*fp32",
+                       "out_ptr": p})
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

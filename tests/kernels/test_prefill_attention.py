@@ -389,7 +389,7 @@ def test_prefill_triton_flash_is_asked_only_on_cuda():
 @needs_triton
 def test_prefill_triton_kernel_compiles_for_cuda(tmp_path):
     """No GPU here: lower the prefill kernel to sm_90 cubins for each dtype, with and
-    without slots and cap, at head dims 64, 128 and 256 (Gemma 2's, in bf16)."""
+    without slots, cap and sinks, at head dims 64, 128 and 256 (Gemma 2's, in bf16)."""
     code = textwrap.dedent(
         """
         import torch
@@ -400,15 +400,18 @@ def test_prefill_triton_kernel_compiles_for_cuda(tmp_path):
         target = GPUTarget("cuda", 90, 32)
         ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
         fn = pa._prefill_kernel
-        shapes = [(torch.bfloat16, 64, 4, False, False), (torch.bfloat16, 128, 8, True, False),
-                  (torch.bfloat16, 256, 2, True, True), (torch.float16, 128, 8, True, False),
-                  (torch.float32, 64, 4, False, True)]
-        for dtype, hd, group, slots, cap in shapes:
+        shapes = [(torch.bfloat16, 64, 4, False, False, False),
+                  (torch.bfloat16, 128, 8, True, False, False),
+                  (torch.bfloat16, 256, 2, True, True, False),
+                  (torch.float16, 128, 8, True, False, False),
+                  (torch.float32, 64, 4, False, True, False),
+                  (torch.bfloat16, 64, 8, True, False, True)]  # gpt-oss: sinks
+        for dtype, hd, group, slots, cap, sinks in shapes:
             p = ptr[dtype]
             cfg = pa.prefill_config(hd, dtype)
             opts = {"num_warps": cfg.pop("num_warps")}
-            cfg |= {"GROUP": group, "HAS_SLOTS": slots, "SOFT_CAP": cap}
-            ptrs = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "out_ptr": p,
+            cfg |= {"GROUP": group, "HAS_SLOTS": slots, "SOFT_CAP": cap, "SINKS": sinks}
+            ptrs = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "out_ptr": p, "sinks_ptr": "*fp32",
                     "slots_ptr": "*i64", "qk_scale": "fp32", "cap_scale": "fp32"}
             sig = {n: "constexpr" if n in cfg else ptrs.get(n, "i32") for n in fn.arg_names}
             kernel = compile(ASTSource(fn, sig, constexprs=cfg), target=target, options=opts)

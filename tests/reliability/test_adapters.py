@@ -9,10 +9,12 @@ import json
 import shutil
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import safetensors
 from safetensors.torch import load_file, save_file
 
 from tests.reliability.conftest import (
@@ -105,7 +107,14 @@ def test_concurrent_loads_and_unloads_of_one_name_are_serialized(cluster, assets
 
 
 def test_unload_lets_requests_in_flight_finish_and_refuses_new_ones(cluster, assets):
-    assert load(cluster, "leaving", assets.adapters["adapter-05"]).status_code == 200
+    loaded = load(cluster, "leaving", assets.adapters["adapter-05"])
+    assert loaded.status_code == 200
+    # the load says what it applies: each module's layer count, as its file holds them
+    keys = safetensors.safe_open(
+        str(assets.adapters["adapter-05"] / "adapter_model.safetensors"), "pt"
+    ).keys()
+    modules = Counter(k.split(".")[-3] for k in keys if k.endswith("lora_A.weight"))
+    assert loaded.json()["applied"] == dict(sorted(modules.items()))
     body = {"model": "leaving", "prompt": "tell me", "max_tokens": 200, "ignore_eos": True}
     body["stream"] = True
     with httpx.stream("POST", cluster["url"] + "/v1/completions", json=body, timeout=60) as r:

@@ -332,7 +332,7 @@ def test_cross_field_sampling_errors_are_400_not_500(client):
     [
         ("/v1/completions", {**COMPLETION, "suffix": "x"}, "suffix"),
         ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, "best_of"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
         ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
         ("/v1/chat/completions", {**CHAT, "best_of": 2}, "best_of"),
@@ -525,6 +525,8 @@ def test_detokenize_refuses_unknown_ids(client, tokenizer, bad):
 def test_model_cards(client, model_dir):
     base = client.get(f"/v1/models/{BASE}").json()
     assert base["id"] == BASE and base["root"] == model_dir and base["parent"] is None
+    # the card of one model also says which chat template and parsers it uses
+    assert base.pop("chat_template") == "tokenizer"
     assert base == client.get("/v1/models").json()["data"][0]
     adapter = client.get("/v1/models/ad-1").json()
     assert adapter == {
@@ -534,6 +536,7 @@ def test_model_cards(client, model_dir):
         "owned_by": "lorafleet",
         "root": "/adapters/ad-1",
         "parent": BASE,
+        "chat_template": "tokenizer",  # the adapter ships none: the base's
     }
 
 

@@ -109,8 +109,9 @@ def test_completion_refuses(fields, message):
         ({"n": 17}, "n"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"stop": ["1", "2", "3", "4", "5"]}, "at most 4 stop strings"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools: tools is not"),
-        ({"tool_choice": "required"}, "tool_choice: tool_choice is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools.0.function.name"),
+        ({"tool_choice": "required"}, "tool_choice: needs tools"),
+        ({"functions": [{"name": "f"}]}, "functions: functions is not supported"),
         ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"echo": True}, "echo: Extra inputs are not permitted"),
@@ -218,7 +219,7 @@ def test_the_http_models_and_sampling_params_share_bounds():
 
 
 # a value that turns each refused field on (the others take any JSON)
-REFUSED_VALUES = {"suffix": "tail", "tools": [{"type": "function", "function": {"name": "f"}}]}
+REFUSED_VALUES = {"suffix": "tail"}
 
 
 def _openai_fields(params_type) -> set[str]:

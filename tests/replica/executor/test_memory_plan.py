@@ -48,7 +48,8 @@ def held_bytes(model: CausalLM) -> int:
     """Bytes of every distinct tensor the model holds."""
     tensors = {id(t): t for t in (model.embed, model.lm_head, model.norm.weight)}
     for layer in model.layers:
-        extra = [layer.rope.cos, layer.rope.sin, layer.qkv_proj.bias]
+        extra = [layer.rope.cos, layer.rope.sin, layer.qkv_proj.bias, layer.o_proj.bias,
+                 layer.sinks]  # fmt: skip
         tensors |= {id(t): t for t in [*layer.weights(), *extra] if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

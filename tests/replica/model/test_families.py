@@ -54,8 +54,9 @@ def engine_for(model_dir, adapters: dict, **kw) -> LLMEngine:
 
 # The paths past the forward (prefix-cache hits, the static decode step) on the families
 # whose layers differ most: windows and soft-caps, local rope and q/k norms, fused
-# checkpoints and partial rotary (Qwen3's differences are all in the forward above).
-DECODE_PATH_FAMILIES = ["gemma2", "gemma3-mm", "phi3"]
+# checkpoints and partial rotary, sinks and experts (Qwen3's differences are all in the
+# forward above).
+DECODE_PATH_FAMILIES = ["gemma2", "gemma3-mm", "phi3", "gptoss"]
 
 
 def _family(name: str, tmp_path_factory):

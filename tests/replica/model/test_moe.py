@@ -51,7 +51,7 @@ def router_margin(model, prompt: list[int], k: int) -> float:
         gaps.append((logits[:, k - 1] - logits[:, k]).min().item())
 
     handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
-               if n.endswith("mlp.gate") and hasattr(m, "top_k")]  # fmt: skip
+               if n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "top_k")]  # fmt: skip
     try:
         hf_logits(model, prompt)
     finally:
