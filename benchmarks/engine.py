@@ -258,9 +258,9 @@ def _llama_bench(args: argparse.Namespace, report: dict) -> list[str]:
     }
     base_cfg = dict(model=str(assets.model_dir), device="auto", max_num_seqs=args.concurrency,
                     kv_cache_bytes=_kv_bytes(args), max_model_len=_max_model_len(args),
-                    max_loras_per_batch=args.adapters,
                     tp_size=args.tp)  # fmt: skip
-    fits = dict(base_cfg, num_slots=args.adapters + 1)
+    residency = {"num_slots": args.adapters + 1, "max_loras_per_batch": args.adapters}
+    fits = dict(base_cfg, adapters=residency)
     pressure = _ChurnMemory(assets, base_cfg, args)
     report["churn"] = {
         "memory_share": args.memory_share,
@@ -325,7 +325,7 @@ class _ChurnMemory:
     of them target q_proj and v_proj; the other groups' arenas, as large, hold fewer of
     them), in whole blocks
     of max_lora_rank (the unit replica/adapters/memory.py sizes the arenas in) and less
-    than the whole when a block can be spared, given as engine.adapter_memory_bytes."""
+    than the whole when a block can be spared, given as engine.adapters.adapter_memory_bytes."""
 
     def __init__(self, assets, base_cfg: dict, args: argparse.Namespace) -> None:
         self.base_cfg, self.args = base_cfg, args
@@ -350,10 +350,11 @@ class _ChurnMemory:
         rows = self.rows(wl) + extra_rows
         return Churn(rows, self.working_set(wl), rows * self.row_bytes, self.args.load_delay_ms)
 
-    def config(self, wl: Workload, extra_rows: int = 0, **overrides) -> dict:
+    def config(self, wl: Workload, extra_rows: int = 0, **residency) -> dict:
+        """EngineConfig values for `wl` under churn; `residency`: more engine.adapters keys."""
         memory = self.churn(wl, extra_rows).memory_bytes
-        return dict(self.base_cfg, adapter_memory_bytes=memory,
-                    max_loras_per_batch=self.args.slots, **overrides)  # fmt: skip
+        adapters = {"adapter_memory_bytes": memory, "max_loras_per_batch": self.args.slots}
+        return dict(self.base_cfg, adapters=adapters | residency)
 
 
 def _adapter_rank(path: Path) -> int:
@@ -373,8 +374,8 @@ def _ablations(
     max-rank block for prefetch (with and without overlapped loading)."""
     distinct, mixed = scenarios["distinct"], scenarios["mixed"]
 
-    def churn_run(wl: Workload, extra_rows: int = 0, **overrides) -> EngineRun:
-        cfg = EngineConfig(**pressure.config(wl, extra_rows, **overrides))
+    def churn_run(wl: Workload, extra_rows: int = 0, **residency) -> EngineRun:
+        cfg = EngineConfig(**pressure.config(wl, extra_rows, **residency))
         return run_workload(cfg, assets, wl, pressure.churn(wl, extra_rows))
 
     results["all_resident_uniform"] = run_workload(
@@ -626,10 +627,11 @@ def _batch_engine(
     """An engine whose one batch holds `n_adapters` sequences, each on its own adapter: the
     first `n_adapters` of `assets`, loaded (their names returned). The caller shuts it down."""
     names = list(assets.adapters)[:n_adapters]
-    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
-                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=kv_bytes, max_model_len=_max_model_len(args),
-                       tp_size=args.tp, **overrides)  # fmt: skip
+    residency = {"num_slots": n_adapters + 1, "max_loras_per_batch": n_adapters}
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", adapters=residency,
+                       max_num_seqs=n_adapters, kv_cache_bytes=kv_bytes,
+                       max_model_len=_max_model_len(args), tp_size=args.tp,
+                       **overrides)  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         for name in names:
@@ -866,10 +868,10 @@ def _tp_comm(assets, n_adapters: int, args: argparse.Namespace) -> dict:
     all-reduces [T, hidden] after o_proj and down_proj, and LoRA adds the [T, R] all-reduce
     of those two row-parallel layers' shrink (R = max_lora_rank, fp32)."""
     names = list(assets.adapters)[:n_adapters]
-    cfg = EngineConfig(model=str(assets.model_dir), device="auto", num_slots=n_adapters + 1,
-                       max_loras_per_batch=n_adapters, max_num_seqs=n_adapters,
-                       kv_cache_bytes=_kv_bytes(args), max_model_len=_max_model_len(args),
-                       tp_size=args.tp)  # fmt: skip
+    residency = {"num_slots": n_adapters + 1, "max_loras_per_batch": n_adapters}
+    cfg = EngineConfig(model=str(assets.model_dir), device="auto", adapters=residency,
+                       max_num_seqs=n_adapters, kv_cache_bytes=_kv_bytes(args),
+                       max_model_len=_max_model_len(args), tp_size=args.tp)  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         for name in names:

@@ -171,15 +171,17 @@ class Plan:
             "device": device,
             "load_format": "dummy",
             "max_lora_rank": self.rank,
-            "num_slots": self.adapters + 1,
-            "max_loras_per_batch": self.adapters,
             "max_num_seqs": max(self.batches),
             "max_num_batched_tokens": self.prefill_chunk,
             "max_model_len": self.max_model_len,
             "kv_cache_bytes": self.kv_cache_bytes(),
-            "host_cache_bytes": 2 * self.adapters * self.adapter_bytes() + (64 << 20),
             "enable_prefix_caching": False,  # every TTFT computes its whole prompt
             "cuda_graphs": True,
+            "adapters": {
+                "num_slots": self.adapters + 1,
+                "max_loras_per_batch": self.adapters,
+                "host_cache_bytes": 2 * self.adapters * self.adapter_bytes() + (64 << 20),
+            },
         }
 
     def memory(self) -> dict[str, int]:

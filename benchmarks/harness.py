@@ -418,11 +418,11 @@ def demo_serve_config(sizes: Sizes, port: int, settings: Sequence[str] = ()) -> 
 
     everything = [
         "engine.model=demo",
-        "adapters=demo",
-        f"demo_adapters={sizes.adapters}",
-        *([f"engine.num_slots={sizes.slots}"] if sizes.slots is not None else []),
+        "store.adapters=demo",
+        f"store.demo_adapters={sizes.adapters}",
+        *([f"engine.adapters.num_slots={sizes.slots}"] if sizes.slots is not None else []),
         f"engine.kv_cache_bytes={sizes.kv_cache_bytes}",
-        "routing_stats_period_s=0.5",
+        "routing.stats_period_s=0.5",
         *settings,
     ]
     base = serving.load_config(serving.DEFAULT_CONFIG)

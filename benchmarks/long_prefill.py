@@ -109,7 +109,7 @@ def _our_prefill(model_dir: Path, spec, tokens: int, step_tokens: int):
             model=str(model_dir), device="cpu", dtype="float32",
             kv_cache_bytes=blocks * BLOCK * _kv_bytes(spec, 1), block_size=BLOCK,
             max_num_batched_tokens=step_tokens, max_model_len=tokens + BLOCK,
-            enable_prefix_caching=False, num_slots=2,
+            enable_prefix_caching=False, adapters={"num_slots": 2},
         )
     )  # fmt: skip
     greedy = SamplingParams(max_tokens=1, temperature=0.0)

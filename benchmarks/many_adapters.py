@@ -229,15 +229,16 @@ def serve_config(adapters: dict[str, Path], port: int, resolve: bool = False) ->
         loras={first: str(adapters[first])},
         replicas=2,
         port=port,
-        settings=["engine.model=demo", *(["adapter_resolvers=[local]"] if resolve else [])],
+        settings=["engine.model=demo", *(["store.resolvers=[local]"] if resolve else [])],
     )
 
 
 def resolvers_available() -> bool:
     """Whether this build's app config has adapter resolvers (older ones measure without)."""
-    from cluster.config import AppConfig
+    from cluster import config
 
-    return "adapter_resolvers" in AppConfig.model_fields
+    store = getattr(config, "StoreConfig", None)  # the nested app config's store section
+    return store is not None and "resolvers" in store.model_fields
 
 
 async def sweep(

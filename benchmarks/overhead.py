@@ -86,9 +86,9 @@ def measure(sizes: Sizes, cpus: int, port: int, seed: int = 0) -> dict:
 def _engine_tok_per_s(sizes: Sizes, cpus: int, assets, prompts, adapters) -> float:
     w = sizes.warmup
     config = EngineConfig(
-        model=str(assets.model_dir), device="cpu", num_slots=sizes.adapters + 1,
-        max_loras_per_batch=sizes.adapters, max_num_seqs=sizes.concurrency,
+        model=str(assets.model_dir), device="cpu", max_num_seqs=sizes.concurrency,
         kv_cache_bytes=sizes.kv_cache_bytes,
+        adapters={"num_slots": sizes.adapters + 1, "max_loras_per_batch": sizes.adapters},
     )  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(cpus)
@@ -106,7 +106,7 @@ def _engine_tok_per_s(sizes: Sizes, cpus: int, assets, prompts, adapters) -> flo
 def _http_tok_per_s(sizes: Sizes, cpus: int, port: int, prompts, adapters) -> float:
     sizes = replace(sizes, slots=sizes.adapters + 1)
     config = harness.demo_serve_config(
-        sizes, port, settings=[f"engine.max_loras_per_batch={sizes.adapters}"]
+        sizes, port, settings=[f"engine.adapters.max_loras_per_batch={sizes.adapters}"]
     )
     with harness.local_ray(cpus):
         serving.deploy(config)

@@ -59,13 +59,19 @@ VARIANTS = (
         ALL_SCENARIOS,
         rates=True,
     ),
-    Variant("default-routing", ("routing=default",), "Serve's power-of-two routing", rates=True),
+    Variant(
+        "default-routing", ("routing.policy=default",), "Serve's power-of-two routing", rates=True
+    ),
     Variant(
         "no-prefetch",
-        ("engine.adapter_loading=sync",),
+        ("engine.adapters.adapter_loading=sync",),
         "adapters load on admission, blocking the step",
     ),
-    Variant("unpinned-base", ("engine.pin_base_slot=false",), "the base model competes for slots"),
+    Variant(
+        "unpinned-base",
+        ("engine.adapters.pin_base_slot=false",),
+        "the base model competes for slots",
+    ),
 )
 
 

@@ -136,8 +136,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                    help="Tensor-parallel ranks per replica (engine.tp_size): each replica "
                         "reserves N placement-group bundles (devices).")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="Override an app setting (AppConfig), e.g. routing=default, "
-                        "engine.num_slots=4, demo_adapters=32 (repeatable).")  # fmt: skip
+                   help="Override an app setting (AppConfig), e.g. routing.policy=default, "
+                        "engine.adapters.num_slots=4, store.demo_adapters=32 "
+                        "(repeatable).")  # fmt: skip
     p.add_argument("--host", default=None, help="HTTP bind address (default: the config's).")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's).")
     p.add_argument("--address", default=None, help="Join this Ray cluster ('auto': the local one).")
@@ -283,7 +284,7 @@ def _generate(args: argparse.Namespace) -> int:
     # a slot per adapter named (a small allocation) unless the flags size the slots
     sized = getattr(args, "engine_adapter_memory_bytes", None) is not None
     slots = {} if sized else {"num_slots": max(2, len(loras) + 1)}
-    config = engine_config_from_args(args, model=args.model, **slots)
+    config = engine_config_from_args(args, model=args.model, adapters=slots)
     gen = OfflineGenerator(config, loras)
     try:
         requests = [GenerateRequest(p, a, sampling) for p, a in zip(args.prompt, adapters)]
@@ -306,7 +307,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     assets = demo_training.demo_assets()
     prompt = args.prompt or demo_training.SHOWCASE_PROMPT
-    config = EngineConfig(model=str(assets.model_dir), num_slots=len(assets.adapters) + 1)
+    config = EngineConfig(
+        model=str(assets.model_dir), adapters={"num_slots": len(assets.adapters) + 1}
+    )
     gen = OfflineGenerator(config, {n: str(p) for n, p in assets.adapters.items()})
     names = [None, *assets.adapters]
     try:
@@ -447,7 +450,7 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
         notes = {"demo-base": demo_training.BASE_TASK[0]}
         notes |= {name: what for name, (what, *_) in demo_training.TASKS.items()}
     key = serving.client_api_key(config)
-    if key is None and config["applications"][0]["args"].get("tenants"):
+    if key is None and (config["applications"][0]["args"].get("ingress") or {}).get("tenants"):
         # every request needs a tenant's key, and a key is never in the config (digests)
         print("tenants are configured and no admin key: no showcase; call it with a "
               "tenant's key (docs/serving/tenants.md)", flush=True)  # fmt: skip
@@ -465,6 +468,8 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
     import yaml
 
+    from cluster.config import upgrade_setting
+    from cluster.serving import set_path
     from replica.config import EngineConfig
     from replica.device import resolve_dtype
     from replica.executor.memory_plan import gib, plan_memory
@@ -477,7 +482,8 @@ def _plan(args: argparse.Namespace) -> int:
         key, sep, value = setting.partition("=")
         if not sep or not key.startswith("engine.") or key == "engine.model":
             raise UsageError(f"--set {setting!r}: expected engine.KEY=VALUE (an engine setting)")
-        values[key.removeprefix("engine.")] = yaml.safe_load(value)
+        value = yaml.safe_load(value)
+        set_path(values, upgrade_setting(key, value).removeprefix("engine."), value, setting)
     config = EngineConfig(**values)
     spec = load_model_spec(args.model)
     dtype = resolve_dtype(config.dtype, torch.device("cuda"))

@@ -155,9 +155,9 @@ def _check_files(app: AppConfig, where: str) -> None:
 
     from replica.model.peft_config import AdapterFormatError, check_config, read_config
 
-    assert isinstance(app.adapters, dict)  # resolved()
-    for name, path in app.adapters.items():  # what needs no torch first: fast
-        at = f"{where}.args.adapters.{name}"
+    assert isinstance(app.store.adapters, dict)  # resolved()
+    for name, path in app.store.adapters.items():  # what needs no torch first: fast
+        at = f"{where}.args.store.adapters.{name}"
         if name == app.served_model_name:
             raise ServeConfigError(f"{at}: the base model's name (served_model_name)")
         if not Path(path).is_dir():
@@ -175,12 +175,12 @@ def _check_files(app: AppConfig, where: str) -> None:
             Checkpoint(model)
     except WeightLoadError as e:
         raise ServeConfigError(f"{where}.args.engine.model: {_one_line(e)}") from None
-    for name, path in app.adapters.items():
-        at = f"{where}.args.adapters.{name}"
+    for name, path in app.store.adapters.items():
+        at = f"{where}.args.store.adapters.{name}"
         weights = adapter_weights_file(path)
-        if weights is not None and weights.stat().st_size > app.max_adapter_bytes:
+        if weights is not None and weights.stat().st_size > app.store.max_adapter_bytes:
             raise ServeConfigError(
-                f"{at}: {weights} is larger than max_adapter_bytes ({app.max_adapter_bytes})"
+                f"{at}: {weights} is larger than max_adapter_bytes ({app.store.max_adapter_bytes})"
             )
         try:
             load_peft_adapter(path, spec, app.engine.max_lora_rank, name)

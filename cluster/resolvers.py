@@ -139,7 +139,7 @@ def build_resolvers(
     hf_cache_dir: str | None = None,
     hf_allow_download: bool = False,
 ) -> list[AdapterResolver]:
-    """The resolvers named in `kinds`, in that order (AppConfig.adapter_resolvers)."""
+    """The resolvers named in `kinds`, in that order (AppConfig.store.resolvers)."""
     resolvers: list[AdapterResolver] = []
     for kind in kinds:
         if kind == "local":

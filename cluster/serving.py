@@ -20,7 +20,7 @@ from typing import Any
 import ray
 import yaml
 
-from cluster.config import DEMOS
+from cluster.config import DEMOS, upgrade_args, upgrade_setting
 from cluster.errors import ServeConfigError
 from cluster.ports import claim_port, proxy_here, release_port
 
@@ -42,14 +42,27 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ServeConfigError(f"{path}: invalid YAML ({e})") from None
     if not isinstance(config, dict) or not config.get("applications"):
         raise ServeConfigError(f"{path}: not a Serve config (no 'applications' list)")
+    for app in config["applications"]:
+        if isinstance(app, dict) and app.get("import_path") == IMPORT_PATH:
+            app["args"] = _upgraded(app.get("args") or {}, f"{path}: {app.get('name')}")
     return config
+
+
+def _upgraded(args: dict[str, Any], where: str) -> dict[str, Any]:
+    """`args` in the nested shape (flat keys of the previous release moved, each logged)."""
+    if not isinstance(args, dict):  # not an AppConfig at all: preflight names the problem
+        return args
+    try:
+        return upgrade_args(args)
+    except ValueError as e:
+        raise ServeConfigError(f"{where}: {e}") from None
 
 
 # Settings that size one thing two ways (AppConfig accepts one): --set of one drops the
 # other from the file.
 SIZED_BY_EITHER = {
-    "engine.num_slots": "engine.adapter_memory_bytes",
-    "engine.adapter_memory_bytes": "engine.num_slots",
+    "engine.adapters.num_slots": "engine.adapters.adapter_memory_bytes",
+    "engine.adapters.adapter_memory_bytes": "engine.adapters.num_slots",
 }
 
 
@@ -66,31 +79,30 @@ def apply_overrides(
 ) -> dict[str, Any]:
     """The config with the command line's values in place of the file's (first app).
     `settings` are KEY=VALUE strings on the app's args (AppConfig), dotted keys for nested
-    fields, YAML values: "routing=default", "engine.num_slots=4", "demo_adapters=32"."""
+    fields, YAML values: "routing.policy=default", "engine.adapters.num_slots=4",
+    "store.demo_adapters=32". The previous release's flat keys ("routing=default",
+    "engine.num_slots=4") are read too, each with a deprecation line naming its path now."""
     config = copy.deepcopy(config)
     app = config["applications"][0]
-    args = app.setdefault("args", {})
+    args = app["args"] = _upgraded(app.get("args") or {}, "the config")
     for setting in settings:
-        key, sep, value = setting.partition("=")
+        key, sep, text = setting.partition("=")
         if not sep or not key:
             raise ServeConfigError(f"--set {setting!r}: expected KEY=VALUE")
-        *parents, leaf = key.split(".")
-        node = args
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ServeConfigError(f"--set {setting!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(value)
+        value = yaml.safe_load(text)
+        key = upgrade_setting(key, value)
+        node = set_path(args, key, value, setting)
         if key in SIZED_BY_EITHER:  # the file's other way of sizing them gives way
             node.pop(SIZED_BY_EITHER[key].rpartition(".")[2], None)
     if model is not None:
         args.setdefault("engine", {})["model"] = str(Path(model).resolve())
-        if loras is None and args.get("adapters") in DEMOS:
-            args["adapters"] = {}  # demo adapters only fit the demo model
+        if loras is None and (args.get("store") or {}).get("adapters") in DEMOS:
+            args["store"]["adapters"] = {}  # demo adapters only fit the demo model
     if loras is not None:
-        args["adapters"] = {n: str(Path(p).resolve()) for n, p in loras.items()}
+        store = args["store"] = args.get("store") or {}
+        store["adapters"] = {n: str(Path(p).resolve()) for n, p in loras.items()}
         roots = {str(Path(p).resolve().parent) for p in loras.values()}
-        args["adapter_roots"] = sorted(set(args.get("adapter_roots") or []) | roots)
+        store["adapter_roots"] = sorted(set(store.get("adapter_roots") or []) | roots)
     if replicas is not None:
         deployment = _deployment(app, REPLICA_DEPLOYMENT)
         deployment.pop("autoscaling_config", None)
@@ -103,6 +115,20 @@ def apply_overrides(
     if host is not None:
         http["host"] = host
     return config
+
+
+def set_path(root: dict[str, Any], key: str, value: Any, setting: str) -> dict[str, Any]:
+    """Sets dotted path `key` ("engine.adapters.num_slots") of `root` to `value`, making
+    the sections on the way; returns the innermost. `setting`: what the user wrote."""
+    *parents, leaf = key.split(".")
+    node = root
+    for part in parents:
+        node[part] = node.get(part) or {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise ServeConfigError(f"--set {setting!r}: {part} is not a section")
+    node[leaf] = value
+    return node
 
 
 def deploy(
@@ -203,9 +229,9 @@ def client_api_key(config: dict[str, Any]) -> str | None:
     config's api_key, else its api_key_env variable from the app's runtime_env, else from
     this process's environment (a Ray started here passes it on to the Ingress)."""
     app = config["applications"][0]
-    args = app.get("args") or {}
-    if args.get("api_key"):
-        return str(args["api_key"])
+    ingress = (app.get("args") or {}).get("ingress") or {}
+    if ingress.get("api_key"):
+        return str(ingress["api_key"])
     env = api_key_env(config)
     runtime = (app.get("runtime_env") or {}).get("env_vars") or {}
     return runtime.get(env) or os.environ.get(env) or None
@@ -224,8 +250,8 @@ def key_for_commands(config: dict[str, Any]) -> tuple[str | None, bool]:
 
 def api_key_env(config: dict[str, Any]) -> str:
     """The environment variable the first application's Ingress reads its key from."""
-    args = config["applications"][0].get("args") or {}
-    return args.get("api_key_env") or "LORAFLEET_API_KEY"
+    ingress = (config["applications"][0].get("args") or {}).get("ingress") or {}
+    return ingress.get("api_key_env") or "LORAFLEET_API_KEY"
 
 
 def running_http_address() -> tuple[str, int] | None:

@@ -49,7 +49,7 @@ from router.tenancy import Caller, Lease, Tenancy
 from router.tools.message import ChatAnswers
 from router.tools.template import ChatTemplate, Templates, answer_parser
 
-__all__ = ["Ingress", "app"]
+__all__ = ["Ingress", "ServedIngress", "app"]
 
 # The replica owns a request's deadline; the ingress's waits (for the store to find an
 # adapter, for a replica to take the call) trail it by this much.
@@ -121,8 +121,6 @@ def _token_charge(prompts: list[Prompt], sampling: Any, n: int, max_model_len: i
     return total
 
 
-@serve.deployment(name="Ingress")
-@serve.ingress(app)
 class Ingress(AdapterRoutes):
     def __init__(
         self,
@@ -132,15 +130,18 @@ class Ingress(AdapterRoutes):
         served_model_name: str,
         options: IngressOptions | None = None,
         ledger: Any = None,
+        listing_period_s: float = 1.0,
     ) -> None:
         """`replicas`, `store` and `ledger` are DeploymentHandles (LoRAReplica,
-        AdapterStore, TenantLedger; without a ledger, tenants get one of this process)."""
+        AdapterStore, TenantLedger; without a ledger, tenants get one of this process).
+        `listing_period_s`: how often the store's listing is refreshed (the routing stats
+        period, at which replicas report what they hold)."""
         self.replicas = replicas.options(stream=True)
         self.store = store
         self.model_dir = model_dir
         self.model_name = served_model_name
         self.options = options = options or IngressOptions()
-        self.catalog = Catalog(store, options.routing_stats_period_s)
+        self.catalog = Catalog(store, listing_period_s)
         self.default_max_tokens = options.default_max_tokens
         self.model_defaults = sampling_defaults(model_dir)  # generation_config.json
         key = options.api_key or os.environ.get(options.api_key_env) or None
@@ -500,3 +501,9 @@ class Ingress(AdapterRoutes):
         if lease is None:
             return None
         return self.tenancy.finish(lease, model, output.usage())
+
+
+# Ingress with the app's routes bound to the Serve replica's Ingress object; build_app makes
+# it a deployment. Made at import, not in build_app: the replica unpickles the routes by
+# reference to this module, and its import must make them the same class-based views.
+ServedIngress = serve.ingress(app)(Ingress)

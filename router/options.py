@@ -1,5 +1,5 @@
-"""The ingress's settings: part of the application config (cluster/config.py's AppConfig
-inherits these fields, so a Serve config sets them at the top of its `args:`)."""
+"""The ingress's settings: the `ingress:` section of the application config
+(cluster/config.py's AppConfig), handed whole to the Ingress."""
 
 from __future__ import annotations
 
@@ -107,6 +107,8 @@ class ChatParsers(BaseModel):
 
 
 class IngressOptions(BaseModel):
+    """The HTTP face's knobs: defaults of requests, timeout, API keys, tenants."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     default_max_tokens: int = Field(
@@ -136,12 +138,6 @@ class IngressOptions(BaseModel):
         default_factory=list,
         description="Customers, each with its keys and adapter scope; with any, every "
         "endpoint but /health and /metrics needs a tenant's key or the admin key.",
-    )
-    routing_stats_period_s: float = Field(
-        1.0,
-        gt=0,
-        description="How often replicas publish residency and load to the router; the "
-        "ingress refreshes its list of adapters as often.",
     )
     rate_limit_window_s: float = Field(
         60.0,

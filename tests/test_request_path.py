@@ -98,7 +98,7 @@ def traced() -> dict[str, set[str]]:
     tiny = tiny_assets("llama")
     engine = LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu"))
     engine.load_adapter(str(AdapterKey("adapter-00", 1)), tiny.adapters["adapter-00"])
-    replica = LoRAReplica.func_or_class.__new__(LoRAReplica.func_or_class)
+    replica = LoRAReplica.__new__(LoRAReplica)
     replica.engine, replica.aengine = engine, AsyncLLMEngine(engine)
     replica.source, replica.store, replica._fetching = engine.adapters.source, NoStore(), {}
     store = FakeStore({"adapter-00": registered("adapter-00", 1, "/adapters/adapter-00")})

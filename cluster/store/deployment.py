@@ -43,6 +43,7 @@ class AdapterStore:
 
     def __init__(
         self,
+        *,
         model: str,
         max_lora_rank: int,
         adapter_roots: list[str],

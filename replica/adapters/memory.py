@@ -4,7 +4,7 @@ Adapters live in arenas of rank rows (LoRASlotBuffers), one per projection group
 adapter at its own rank in each group: every group's arenas have the same rows,
 slot_bytes(spec, 1, ...) is what one rank row costs in all of them, and an adapter of
 rank r in a group holds block_rows(r) of that group's rows, the next power of two (none
-in a group it does not target). The budget is engine.adapter_memory_bytes, by default a
+in a group it does not target). The budget is engine.adapters.adapter_memory_bytes, by default a
 share of what the memory plan's budget leaves after weights, activations and CUDA graphs
 (CUDA, executor/memory_plan.py) or a set size (CPU); it is kept as num_slots, the arenas
 holding num_slots - 1 adapters of max_lora_rank in every group (and 8x as many of rank 8
@@ -62,9 +62,9 @@ def size_adapter_slots(
     per_block = slot_bytes(
         spec, block_rows(config.max_lora_rank), dtype, config.tp_size, config.lora_embeddings
     )
-    num_slots = config.num_slots
+    num_slots = config.adapters.num_slots
     if num_slots is None:
-        budget = config.adapter_memory_bytes
+        budget = config.adapters.adapter_memory_bytes
         if budget is None:
             budget = default_budget
             num_slots = 1 + min(budget // per_block, MAX_DEFAULT_SLOTS - 1)
@@ -74,10 +74,11 @@ def size_adapter_slots(
             raise ValueError(
                 f"adapter memory {budget} bytes is less than one adapter of max_lora_rank "
                 f"{config.max_lora_rank} ({per_block} bytes in {dtype}). Raise "
-                "engine.adapter_memory_bytes or lower engine.max_lora_rank."
+                "engine.adapters.adapter_memory_bytes or lower engine.max_lora_rank."
             )
-    max_loras = config.max_loras_per_batch
+    max_loras = config.adapters.max_loras_per_batch
     if max_loras is None:
         max_loras = min(num_slots - 1, config.max_num_seqs)
-    update = {"num_slots": num_slots, "max_loras_per_batch": max_loras}
-    return config.model_copy(update=update | {"adapter_memory_bytes": None})
+    return config.with_adapters(
+        num_slots=num_slots, max_loras_per_batch=max_loras, adapter_memory_bytes=None
+    )

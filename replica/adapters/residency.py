@@ -57,12 +57,12 @@ class AdapterResidency:
     ) -> None:
         """`buffers`: rank 0's slot buffers (their host ranks and scalings describe every
         rank's); `stage`: the executor's adapter_staging."""
-        c = config
+        c = config.adapters
         self.source, self.buffers, self.device = source, buffers, device
         self.staged, slots = stage(_WithBase(source))
         self.host_cache = HostCache(self.staged, c.host_cache_bytes)
         self.pool = AdapterSlotPool(
-            c.num_slots, make_policy(c.eviction_policy), c.max_lora_rank, buffers.groups
+            c.num_slots, make_policy(c.eviction_policy), config.max_lora_rank, buffers.groups
         )
         self.sync = c.adapter_loading == "sync"
         self.loader = InlineLoader(device) if self.sync else SideStreamLoader(device)

@@ -68,8 +68,8 @@ class LLMEngine:
             c.block_size,
             c.max_num_seqs,
             c.max_num_batched_tokens,
-            c.max_loras_per_batch,
-            c.aging_steps,
+            c.adapters.max_loras_per_batch,
+            c.adapters.aging_steps,
             c.enable_prefix_caching,
             make_policy(c.scheduling),
         )
@@ -101,11 +101,15 @@ class LLMEngine:
         self.plan = plan = plan_memory(
             self.spec, config, self.dtype, total, in_use_bytes=total - free
         )
-        update = {"num_slots": plan.num_slots, "max_loras_per_batch": plan.max_loras_per_batch,
-                  "adapter_memory_bytes": None}  # fmt: skip
+        config = config.with_adapters(
+            num_slots=plan.num_slots,
+            max_loras_per_batch=plan.max_loras_per_batch,
+            adapter_memory_bytes=None,
+        )
         if config.tp_size > 1 and config.kv_cache_bytes is None:
-            update |= {"kv_cache_bytes": plan.kv_cache_bytes, "max_model_len": plan.max_model_len}
-        return config.model_copy(update=update)
+            update = {"kv_cache_bytes": plan.kv_cache_bytes, "max_model_len": plan.max_model_len}
+            config = config.model_copy(update=update)
+        return config
 
     def _start_line(self) -> str:
         """The memory of this replica in one line: the plan on CUDA (KV tokens and blocks,
@@ -121,14 +125,15 @@ class LLMEngine:
                 f"KV cache: {blocks * c.block_size:,} tokens in {blocks:,} blocks of "
                 f"{c.block_size}, {blocks / per_seq:.2f} sequences of max_model_len "
                 f"{self.max_model_len:,} at once; adapter arenas: "
-                f"{arena_rows(c.num_slots, c.max_lora_rank)} rank rows per projection group"
+                f"{arena_rows(c.adapters.num_slots, c.max_lora_rank)} rank rows per "
+                "projection group"
             )
         row = slot_bytes(self.spec, 1, self.dtype, c.tp_size, c.lora_embeddings)
-        rows = arena_rows(c.num_slots, c.max_lora_rank)
+        rows = arena_rows(c.adapters.num_slots, c.max_lora_rank)
         return (
-            f"{memory}; {row:,} bytes a rank row in every group: {c.num_slots - 1} "
+            f"{memory}; {row:,} bytes a rank row in every group: {c.adapters.num_slots - 1} "
             f"adapters at rank {c.max_lora_rank} ({rows // block_rows(8)} at rank 8), up to "
-            f"{c.max_loras_per_batch} per batch"
+            f"{c.adapters.max_loras_per_batch} per batch"
         )
 
     # -- adapters and telemetry ----------------------------------------------------------------
@@ -184,7 +189,8 @@ class LLMEngine:
         adapter = None if request.adapter is None else str(request.adapter)
         self.limits.check(request, adapter)
         arrival = next(self._arrivals)
-        key = adapter if adapter is not None else (None if self.config.pin_base_slot else BASE_KEY)
+        pinned = self.config.adapters.pin_base_slot
+        key = adapter if adapter is not None else (None if pinned else BASE_KEY)
         cache_id = self.cache_ids.of(adapter)
         scope = cache_scope(request.tenant, request.cache_salt)
         seqs = [
@@ -222,7 +228,7 @@ class LLMEngine:
         outputs: StepReplies = {}
         self._fail_broken_loads(outputs)
         self.adapters.prefetch(self._waiting_keys())
-        if self.config.adapter_loading == "sync":
+        if self.config.adapters.adapter_loading == "sync":
             self._fail_broken_loads(outputs)  # inline loads finished inside prefetch()
         loaded = time.perf_counter()
         stats.prefetch_seconds += loaded - started

@@ -20,10 +20,10 @@ context, other processes), is the budget; in vLLM's order it holds
                  largest first into one pool, so the smaller buckets reuse its blocks):
                  step_bytes at max_num_seqs tokens, no context gathered (the decode kernel
                  reads the cache in place)
-  adapter arenas engine.num_slots or adapter_memory_bytes when set; else ADAPTER_SHARE of
-                 what the budget leaves after the three above (never a share of the whole
-                 device), at least one and at most MAX_DEFAULT_SLOTS - 1 adapters of
-                 max_lora_rank
+  adapter arenas engine.adapters.num_slots or adapter_memory_bytes when set; else
+                 ADAPTER_SHARE of what the budget leaves after the three above (never a
+                 share of the whole device), at least one and at most MAX_DEFAULT_SLOTS - 1
+                 adapters of max_lora_rank
   KV cache       the rest (one block of it the static decode path's scratch block), or
                  engine.kv_cache_bytes when set.
 
@@ -327,7 +327,7 @@ def _adapter_arenas(
     from `rest`, what the budget leaves them and the KV cache: by default ADAPTER_SHARE of
     it, and room for one adapter of max_lora_rank at least."""
     one = slot_bytes(spec, block_rows(c.max_lora_rank), dtype, c.tp_size, c.lora_embeddings)
-    if c.num_slots is None and c.adapter_memory_bytes is None and rest < one:
+    if c.adapters.num_slots is None and c.adapters.adapter_memory_bytes is None and rest < one:
         raise MemoryPlanError(
             f"one adapter of max_lora_rank {c.max_lora_rank} takes {gib(one)}; {where} "
             f"leaves {gib(rest)} after weights, activations and CUDA graphs: short by "
@@ -337,11 +337,11 @@ def _adapter_arenas(
         sized = size_adapter_slots(c, spec, dtype, max(int(rest * ADAPTER_SHARE), one))
     except ValueError as e:
         raise MemoryPlanError(f"{e} ({where})") from None
-    rows = arena_rows(sized.num_slots, c.max_lora_rank)
+    rows = arena_rows(sized.adapters.num_slots, c.max_lora_rank)
     adapters = slot_bytes(spec, rows, dtype, c.tp_size, c.lora_embeddings)
     if adapters > rest:
         raise MemoryPlanError(
-            f"adapter arenas of {sized.num_slots - 1} adapters of rank {c.max_lora_rank} "
+            f"adapter arenas of {sized.adapters.num_slots - 1} adapters of rank {c.max_lora_rank} "
             f"({gib(adapters)}) exceed what {where} leaves them and the KV cache "
             f"({gib(rest)}) by {gib(adapters - rest)}"
         )
@@ -420,9 +420,9 @@ def plan_memory(
         activation_source="profiled" if measured else "estimated",
         graph_bytes=graphs,
         adapter_memory_bytes=adapters,
-        num_slots=sized.num_slots,
+        num_slots=sized.adapters.num_slots,
         adapter_rows=rows,
-        max_loras_per_batch=sized.max_loras_per_batch or 0,
+        max_loras_per_batch=sized.adapters.max_loras_per_batch or 0,
         kv_cache_bytes=kv,
         kv_block_bytes=block,
         block_size=c.block_size,

@@ -86,7 +86,8 @@ class TPWorker:
         self.tp = TPRank(shard, TPComm(rank, size, device))
         self.runner = ModelRunner(c, shard.spec, device, resolve_dtype(c.dtype, device), self.tp)
         self.locators = LocatorRegistry()
-        self.host_cache = HostCache(ShardedSource(self.locators, shard), c.host_cache_bytes)
+        source = ShardedSource(self.locators, shard)
+        self.host_cache = HostCache(source, c.adapters.host_cache_bytes)
         self.loader = SideStreamLoader(device)
         self.clock = StepClock(device)  # the steps issued, for hand-over writes
         self._warmed = threading.Event()

@@ -53,7 +53,6 @@ STORE_TIMEOUT_S = 10.0
 REMOVED_MEMORY_S = 180.0
 
 
-@serve.deployment(name="LoRAReplica")
 class LoRAReplica:
     def __init__(self, engine_config: dict[str, Any], store: DeploymentHandle) -> None:
         """`store` is a DeploymentHandle to the AdapterStore."""

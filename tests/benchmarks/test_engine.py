@@ -120,8 +120,8 @@ def test_churn_memory_is_half_the_working_set_and_loads_are_delayed(tiny):
     small = Workload("small", prompts, [names[i % 2] for i in range(8)], 2, 4)
     assert pressure.working_set(small) == 24 and pressure.rows(small) == 64  # one block least
     config = EngineConfig(**pressure.config(wl, adapter_loading="sync"))
-    assert config.adapter_memory_bytes == pressure.churn(wl).memory_bytes
-    assert config.max_loras_per_batch == 2
+    assert config.adapters.adapter_memory_bytes == pressure.churn(wl).memory_bytes
+    assert config.adapters.max_loras_per_batch == 2
     r = run_workload(config, tiny, wl, pressure.churn(wl))
     assert r.evictions > 0 and r.adapter_loads > 4  # loaded again after eviction
     assert r.load_wait_s >= r.adapter_loads * 0.020  # each sync load slept in the step

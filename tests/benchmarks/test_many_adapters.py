@@ -72,8 +72,9 @@ def test_the_app_is_the_demo_with_default_settings_and_one_adapter(tmp_path):
     paths = {n: tmp_path / n for n in adapter_names(3)}
     config = serve_config(paths, port=8123)
     app = config["applications"][0]
-    assert app["args"]["adapters"] == {"many-00000": str(paths["many-00000"])}
-    assert str(tmp_path) in app["args"]["adapter_roots"]  # every adapter may be loaded
+    store = app["args"]["store"]
+    assert store["adapters"] == {"many-00000": str(paths["many-00000"])}
+    assert str(tmp_path) in store["adapter_roots"]  # every adapter may be loaded
     from cluster import serving
 
     default = serving.load_config(serving.DEFAULT_CONFIG)["applications"][0]["args"]["engine"]
@@ -81,7 +82,7 @@ def test_the_app_is_the_demo_with_default_settings_and_one_adapter(tmp_path):
     replica = next(d for d in app["deployments"] if d["name"] == "LoRAReplica")
     assert replica["num_replicas"] == 2 and "autoscaling_config" not in replica
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
-    assert "adapter_resolvers" not in app["args"]
+    assert "resolvers" not in store
 
 
 def test_with_resolvers_the_local_one_looks_in_the_adapters_directory(tmp_path):
@@ -91,7 +92,8 @@ def test_with_resolvers_the_local_one_looks_in_the_adapters_directory(tmp_path):
         pytest.skip("this build has no adapter resolvers")
     paths = {n: tmp_path / n for n in adapter_names(3)}
     args = serve_config(paths, port=8123, resolve=True)["applications"][0]["args"]
-    assert args["adapter_resolvers"] == ["local"] and str(tmp_path) in args["adapter_roots"]
+    store = args["store"]
+    assert store["resolvers"] == ["local"] and str(tmp_path) in store["adapter_roots"]
     AppConfig.model_validate(args)  # a config the app accepts
 
 

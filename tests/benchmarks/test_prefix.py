@@ -48,8 +48,8 @@ def test_setups_are_cache_on_off_and_two_replicas():
         app = config["applications"][0]
         engine = app["args"]["engine"]
         assert engine["enable_prefix_caching"] is setup.cache
-        assert engine["model"] == "demo" and app["args"]["adapters"] == "demo"
-        assert engine["num_slots"] == FULL.adapters + 1  # every adapter resident
+        assert engine["model"] == "demo" and app["args"]["store"]["adapters"] == "demo"
+        assert engine["adapters"]["num_slots"] == FULL.adapters + 1  # every adapter resident
         replica = next(d for d in app["deployments"] if d["name"] == "LoRAReplica")
         assert replica["num_replicas"] == setup.replicas and "autoscaling_config" not in replica
         assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}

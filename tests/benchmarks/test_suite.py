@@ -89,8 +89,8 @@ def test_every_variant_config_builds_with_its_settings():
         assert all(d["graceful_shutdown_wait_loop_s"] == STOP_POLL_S for d in deployments)
         args = config["applications"][0]["args"]
         app_config = AppConfig.model_validate(args)
-        assert app_config.demo_adapters == QUICK.adapters
-        assert app_config.engine.num_slots == QUICK.slots
+        assert app_config.store.demo_adapters == QUICK.adapters
+        assert app_config.engine.adapters.num_slots == QUICK.slots
         for setting in v.settings:
             key, _, value = setting.partition("=")
             node = app_config

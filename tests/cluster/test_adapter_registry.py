@@ -62,7 +62,9 @@ def checkpoint(monkeypatch, local_ray) -> str:
 def make_store(tiny, root: Path, local_ray=None, **kwargs) -> AdapterStore:
     kwargs.setdefault("reserved_names", (BASE,))
     kwargs.setdefault("preload", {})
-    return AdapterStore(str(tiny.model_dir), 64, [str(root)], **kwargs)
+    return AdapterStore(
+        model=str(tiny.model_dir), max_lora_rank=64, adapter_roots=[str(root)], **kwargs
+    )
 
 
 def local_store(tiny, root: Path, **kwargs) -> AdapterStore:

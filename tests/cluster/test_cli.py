@@ -219,14 +219,19 @@ def test_a_misspelt_key_is_one_line_naming_its_path(tmp_path, capsys, nothing_st
     path, not Serve's build retried three times and a traceback."""
 
     def misspell(args):
-        args["adaptors"] = args.pop("adapters")
+        args["store"]["adaptors"] = args["store"].pop("adapters")
 
     line = _refused(capsys, "up", "--config", _config_file(tmp_path, misspell))
-    assert line.endswith("applications[0].args.adaptors: unknown field (did you mean 'adapters'?)")
+    assert line.endswith(
+        "applications[0].args.store.adaptors: unknown field (did you mean 'adapters'?)"
+    )
     line = _refused(capsys, "up", "--set", "adaptors=demo")
     assert "applications[0].args.adaptors: unknown field" in line
-    line = _refused(capsys, "up", "--set", "engine.num_slot=4")
-    assert "applications[0].args.engine.num_slot: unknown field (did you mean 'num_slots'?)" in line
+    line = _refused(capsys, "up", "--set", "engine.adapters.num_slot=4")
+    assert (
+        "applications[0].args.engine.adapters.num_slot: unknown field (did you mean 'num_slots'?)"
+        in line
+    )
 
 
 def test_every_bad_field_gets_its_own_line(tmp_path, capsys, nothing_starts):
@@ -275,23 +280,25 @@ def test_an_unsupported_model_is_one_line_naming_the_cause(tiny, tmp_path, capsy
 
 def test_a_missing_or_bad_adapter_is_one_line_naming_it(tiny, tmp_path, capsys, nothing_starts):
     def missing(args):
-        args["adapters"] = {"support": str(tmp_path / "no-such-adapter")}
+        args["store"]["adapters"] = {"support": str(tmp_path / "no-such-adapter")}
 
     line = _refused(capsys, "up", "--model", str(tiny.model_dir), "--config",
                     _config_file(tmp_path, missing))  # fmt: skip
-    assert line.endswith(f"applications[0].args.adapters.support: {tmp_path}/no-such-adapter "
+    assert line.endswith(f"applications[0].args.store.adapters.support: {tmp_path}/no-such-adapter "
                          "is not a directory")  # fmt: skip
     assert "is not a directory" in _refused(capsys, "up", "--lora", f"x={tmp_path}/none")
     empty = tmp_path / "empty"
     empty.mkdir()
     line = _refused(capsys, "up", "--model", str(tiny.model_dir), "--lora", f"x={empty}")
-    assert line.endswith(f"applications[0].args.adapters.x: {empty}: missing adapter_config.json")
+    assert line.endswith(
+        f"applications[0].args.store.adapters.x: {empty}: missing adapter_config.json"
+    )
     other = tiny_assets("llama", hidden_size=32, num_heads=2, num_kv_heads=1, num_adapters=1)
     line = _refused(
         capsys, "up", "--model", str(tiny.model_dir),
         "--lora", f"wrong={other.adapters['adapter-00']}",
     )  # fmt: skip
-    assert "applications[0].args.adapters.wrong:" in line and "for this base model" in line
+    assert "applications[0].args.store.adapters.wrong:" in line and "for this base model" in line
 
 
 def _listening() -> socket.socket:
@@ -379,7 +386,8 @@ def test_up_with_tenants_and_no_admin_key_skips_the_showcase(capsys, monkeypatch
 
     monkeypatch.delenv("LORAFLEET_API_KEY", raising=False)
     tenant = {"name": "t", "key_sha256": ["0" * 64], "adapters": ["*"]}
-    config = {"applications": [{"args": {"engine": {"model": "m"}, "tenants": [tenant]}}]}
+    args = {"engine": {"model": "m"}, "ingress": {"tenants": [tenant]}}
+    config = {"applications": [{"args": args}]}
     cli._announce(config, Namespace(verbose=True, no_demo_requests=False))
     out = capsys.readouterr().out
     assert "serving at http://127.0.0.1:8000" in out and "no showcase" in out

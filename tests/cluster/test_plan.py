@@ -65,9 +65,13 @@ def test_plan_takes_engine_settings_and_sizes(capsys):
     base = plan_json(capsys, "--model", llama, "--gpu-memory", "80GiB")
     lower = plan_json(capsys, "--model", llama, "--gpu-memory", "80GiB",
                       "--set", "engine.gpu_memory_utilization=0.5",
-                      "--set", "engine.num_slots=9")  # fmt: skip
+                      "--set", "engine.adapters.num_slots=9")  # fmt: skip
     assert lower["budget_bytes"] == int(0.5 * 80 * GiB) - 512 * 2**20
     assert lower["num_slots"] == 9 and lower["kv_cache_bytes"] < base["kv_cache_bytes"]
+    old = plan_json(capsys, "--model", llama, "--gpu-memory", "80GiB",
+                    "--set", "engine.gpu_memory_utilization=0.5",
+                    "--set", "engine.num_slots=9")  # fmt: skip
+    assert old == lower  # the previous release's path, read for one more
     h200 = plan_json(capsys, "--model", llama, "--gpu-memory", "141GB", "--dtype", "float16")
     assert h200["device_bytes"] == 141 * 10**9
     assert "expected engine.KEY=VALUE" in _refused(

@@ -188,14 +188,16 @@ def test_app_config_checks_the_resolver_settings(tmp_path):
     from cluster.config import AppConfig
 
     base = {"engine": {"model": str(tmp_path)}}
-    config = AppConfig.model_validate(
-        {**base, "adapter_roots": [str(tmp_path)], "adapter_resolvers": ["local", "hf_cache"]}
-    )
+
+    def store(**values):
+        return AppConfig.model_validate({**base, "store": values}).store
+
+    config = store(adapter_roots=[str(tmp_path)], resolvers=["local", "hf_cache"])
     assert config.resolve_allow == ["*"] and not config.hf_allow_download
-    assert AppConfig.model_validate(base).adapter_resolvers == []  # nothing resolves
+    assert AppConfig.model_validate(base).store.resolvers == []  # nothing resolves
     with pytest.raises(ValueError, match="'local' needs adapter_roots"):
-        AppConfig.model_validate({**base, "adapter_resolvers": ["local"]})
+        store(resolvers=["local"])
     with pytest.raises(ValueError, match="each resolver at most once"):
-        AppConfig.model_validate({**base, "adapter_resolvers": ["hf_cache", "hf_cache"]})
-    with pytest.raises(ValueError, match="adapter_resolvers"):
-        AppConfig.model_validate({**base, "adapter_resolvers": ["s3"]})
+        store(resolvers=["hf_cache", "hf_cache"])
+    with pytest.raises(ValueError, match="store.resolvers"):
+        store(resolvers=["s3"])

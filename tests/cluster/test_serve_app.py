@@ -60,14 +60,16 @@ def _config(assets, port: int, max_replicas: int = 2, target: int = 8) -> dict:
                     "engine": {
                         "model": str(assets.model_dir),
                         "device": "cpu",
-                        "num_slots": 4,
                         "max_lora_rank": MAX_RANK,
                         "kv_cache_bytes": 32 * 2**20,
+                        "adapters": {"num_slots": 4},
                     },
                     "served_model_name": "tiny-base",
-                    "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
-                    "adapter_roots": [str(assets.root / "adapters")],
-                    "routing_stats_period_s": 0.5,
+                    "store": {
+                        "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                        "adapter_roots": [str(assets.root / "adapters")],
+                    },
+                    "routing": {"stats_period_s": 0.5},
                 },
                 "deployments": [
                     {
@@ -695,7 +697,7 @@ def _joined_config(assets, port: int) -> dict:
     config = _config(assets, port)
     app = config["applications"][0]
     app.update(name="joined", route_prefix="/joined")
-    app["args"]["adapters"] = {}
+    app["args"]["store"]["adapters"] = {}
     replica = {"name": "LoRAReplica", "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}
     app["deployments"] = [{**replica, **QUICK_STOP}, *app["deployments"][1:]]  # store, ingress
     return config

@@ -48,7 +48,7 @@ def cluster(assets):
     ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
     port = _free_port()
     engine = {"model": str(assets.model_dir), "device": "cpu", "tp_size": 2,
-              "num_slots": 3, "kv_cache_bytes": 16 * 2**20}  # fmt: skip
+              "adapters": {"num_slots": 3}, "kv_cache_bytes": 16 * 2**20}  # fmt: skip
     deployment = {"name": "LoRAReplica", "num_replicas": 1, "health_check_period_s": 1,
                   "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 2,
                   **QUICK_STOP}  # fmt: skip
@@ -58,7 +58,7 @@ def cluster(assets):
         "applications": [{
             "name": "lorafleet", "route_prefix": "/", "import_path": "cluster.app:build_app",
             "args": {"engine": engine, "served_model_name": "tiny-base",
-                     "adapters": {n: str(assets.adapters[n]) for n in ADAPTERS}},
+                     "store": {"adapters": {n: str(assets.adapters[n]) for n in ADAPTERS}}},
             "deployments": [deployment, {"name": "AdapterStore", **QUICK_STOP},
                             {"name": "Ingress", **QUICK_STOP}],
         }],

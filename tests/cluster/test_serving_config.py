@@ -65,15 +65,19 @@ def test_overrides_replace_the_files_values(tmp_path):
         replicas=3,
         port=9123,
         host="127.0.0.2",
-        settings=["routing=default", "engine.num_slots=5", "load_bound_epsilon=0.5"],
+        settings=[
+            "routing.policy=default",
+            "engine.adapters.num_slots=5",
+            "routing.load_bound_epsilon=0.5",
+        ],
     )
     args = config["applications"][0]["args"]
     assert args["engine"]["model"] == str(tmp_path / "model")
-    assert args["engine"]["num_slots"] == 5
-    assert "adapter_memory_bytes" not in args["engine"]  # the file's sizing gives way
-    assert args["adapters"] == {"support": str(lora)}
-    assert str(tmp_path / "adapters") in args["adapter_roots"]
-    assert args["routing"] == "default" and args["load_bound_epsilon"] == 0.5
+    assert args["engine"]["adapters"]["num_slots"] == 5
+    assert "adapter_memory_bytes" not in args["engine"]["adapters"]  # the file's sizing gives way
+    assert args["store"]["adapters"] == {"support": str(lora)}
+    assert str(tmp_path / "adapters") in args["store"]["adapter_roots"]
+    assert args["routing"] == {"policy": "default", "load_bound_epsilon": 0.5}
     replica = config["applications"][0]["deployments"][0]
     assert replica["num_replicas"] == 3 and "autoscaling_config" not in replica
     assert config["http_options"] == {"host": "127.0.0.2", "port": 9123}
@@ -82,7 +86,7 @@ def test_overrides_replace_the_files_values(tmp_path):
 
 def test_own_model_drops_the_demo_adapters(tmp_path):
     config = serving.apply_overrides(serving.load_config(serving.DEFAULT_CONFIG), model="m")
-    assert config["applications"][0]["args"]["adapters"] == {}
+    assert config["applications"][0]["args"]["store"]["adapters"] == {}
 
 
 @pytest.mark.parametrize("setting", ["novalue", "=3", "engine.model.x=1"])
@@ -110,10 +114,11 @@ def test_app_config_refuses_unknown_and_invalid_settings(tiny):
 
 
 def test_demo_resolves_to_built_assets(demo):
-    config = AppConfig.model_validate({"engine": {"model": "demo"}, "adapters": "demo"}).resolved()
+    args = {"engine": {"model": "demo"}, "store": {"adapters": "demo"}}
+    config = AppConfig.model_validate(args).resolved()
     assert config.engine.model == str(demo.model_dir)
-    assert config.adapters == {n: str(p) for n, p in demo.adapters.items()}
-    assert str(demo.root / "adapters") in config.adapter_roots
+    assert config.store.adapters == {n: str(p) for n, p in demo.adapters.items()}
+    assert str(demo.root / "adapters") in config.store.adapter_roots
     assert config.served_model_name == "demo-base"
 
 
@@ -124,8 +129,8 @@ def test_trained_demo_resolves_to_the_committed_assets():
     app = AppConfig.model_validate(config["applications"][0]["args"]).resolved()
     assets = demo_training.demo_assets()
     assert app.engine.model == str(assets.model_dir)
-    assert app.adapters == {n: str(p) for n, p in assets.adapters.items()}
-    assert str(assets.root / "adapters") in app.adapter_roots
+    assert app.store.adapters == {n: str(p) for n, p in assets.adapters.items()}
+    assert str(assets.root / "adapters") in app.store.adapter_roots
     assert app.served_model_name == "demo-base"
 
 
@@ -153,7 +158,7 @@ def _router_class(app) -> str:
 
 @pytest.mark.parametrize("routing", ["affinity", "default"])
 def test_routing_switch_selects_the_request_router(tiny, routing):
-    app = build_app({"engine": {"model": str(tiny.model_dir)}, "routing": routing})
+    app = build_app({"engine": {"model": str(tiny.model_dir)}, "routing": {"policy": routing}})
     router = _router_class(app)
     name = router if isinstance(router, str) else f"{router.__module__}.{router.__qualname__}"
     assert ("AdapterAffinityRouter" in name) == (routing == "affinity")
@@ -167,10 +172,10 @@ def test_printed_commands_say_where_the_key_must_come_from(monkeypatch):
 
     monkeypatch.delenv("LORAFLEET_API_KEY", raising=False)
     config = serving.load_config(serving.DEFAULT_CONFIG)
-    args = config["applications"][0]["args"]
-    args.pop("api_key", None)
+    ingress = config["applications"][0]["args"]["ingress"]
+    ingress.pop("api_key", None)
     assert serving.key_for_commands(config) == (None, True)
-    args["api_key"] = "in-the-config"
+    ingress["api_key"] = "in-the-config"
     assert serving.key_for_commands(config) == ("LORAFLEET_API_KEY", False)
     monkeypatch.setenv("LORAFLEET_API_KEY", "in-the-config")
     assert serving.key_for_commands(config) == ("LORAFLEET_API_KEY", True)

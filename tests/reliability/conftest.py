@@ -70,22 +70,22 @@ def app_config(assets, port: int, adapter_limit: int) -> dict[str, Any]:
                     "engine": {
                         "model": str(assets.model_dir),
                         "device": "cpu",
-                        "num_slots": 3,
                         "max_lora_rank": 64,
                         "kv_cache_bytes": 16 * 2**20,
                         "max_model_len": MAX_MODEL_LEN,
+                        "adapters": {"num_slots": 3},
                     },
                     "served_model_name": "tiny-base",
-                    "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
-                    "adapter_roots": [str(assets.root / "adapters")],
-                    # names no other test uses: test_adapters.py's resolution tests
-                    "adapter_resolvers": ["local"],
-                    "resolve_allow": [f"{RESOLVABLE}*"],
-                    "routing_stats_period_s": 0.25,
-                    "request_timeout_s": 60,
-                    "max_queued_requests": MAX_QUEUED,
-                    "max_adapter_bytes": adapter_limit,
-                    "api_key_env": KEY_ENV,
+                    "store": {
+                        "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                        "adapter_roots": [str(assets.root / "adapters")],
+                        # names no other test uses: test_adapters.py's resolution tests
+                        "resolvers": ["local"],
+                        "resolve_allow": [f"{RESOLVABLE}*"],
+                        "max_adapter_bytes": adapter_limit,
+                    },
+                    "routing": {"stats_period_s": 0.25, "max_queued_requests": MAX_QUEUED},
+                    "ingress": {"request_timeout_s": 60, "api_key_env": KEY_ENV},
                 },
                 "deployments": [
                     {
@@ -128,12 +128,15 @@ def cluster(assets) -> Iterator[dict[str, Any]]:
         ray.shutdown()
 
 
-def redeploy(cluster, timeout_s: float = 120.0, **args) -> None:
-    """Deploy the suite's app with these settings changed (none: put it back), and wait
+def redeploy(cluster, timeout_s: float = 120.0, **sections: dict) -> None:
+    """Deploy the suite's app with these config sections' keys changed (ingress={...};
+    none: put it back), and wait
     until the replicas of the previous version are gone: a stopping Ingress replica still
     answers with the old settings (a 1 s deadline leaked 504s into the next test)."""
     config = copy.deepcopy(cluster["config"])
-    config["applications"][0]["args"].update(args)
+    args = config["applications"][0]["args"]
+    for section, changes in sections.items():
+        args[section] = {**args.get(section, {}), **changes}
     serving.deploy(config, timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -79,7 +79,7 @@ def test_malformed_adapters_are_refused(cluster, assets, scratch):
 
 def test_oversized_adapter_is_refused_before_it_is_read(cluster, assets, scratch):
     big = _copy(assets, scratch)
-    limit = cluster["config"]["applications"][0]["args"]["max_adapter_bytes"]
+    limit = cluster["config"]["applications"][0]["args"]["store"]["max_adapter_bytes"]
     with open(big / "adapter_model.safetensors", "ab") as f:
         f.write(b"\x00" * (limit + 1))
     assert "max_adapter_bytes" in _refused(cluster, "big", big)

@@ -61,10 +61,12 @@ def _config(assets, port: int) -> dict[str, Any]:
                         "kv_cache_bytes": 16 * 2**20,
                     },
                     "served_model_name": "tiny-base",
-                    "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
-                    "adapter_roots": [str(assets.root / "adapters")],
-                    "routing_stats_period_s": 0.25,
-                    "request_timeout_s": REQUEST_TIMEOUT_S,
+                    "store": {
+                        "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                        "adapter_roots": [str(assets.root / "adapters")],
+                    },
+                    "routing": {"stats_period_s": 0.25},
+                    "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S},
                 },
                 "deployments": [
                     {

@@ -39,7 +39,7 @@ CONFIG_KEY = "config-key-9876543210"
 KEYED = {"Authorization": f"Bearer {CONFIG_KEY}"}
 TENANT_KEY = "tenant-key-1357924680"
 TENANT = {"Authorization": f"Bearer {TENANT_KEY}"}
-SETTINGS = {
+SETTINGS = {  # of the app's ingress section
     "request_timeout_s": 1.0,
     "api_key": CONFIG_KEY,
     "api_key_for_inference": True,
@@ -62,7 +62,7 @@ def deploy_settings(cluster) -> Iterator[Callable[[], None]]:
 
     def deploy() -> None:
         deployed.append(True)
-        redeploy(cluster, timeout_s=240, **SETTINGS)  # all four replicas start again
+        redeploy(cluster, timeout_s=240, ingress=SETTINGS)  # all four replicas start again
         wait_healthy(cluster, headers=KEYED)
 
     yield deploy
@@ -85,8 +85,8 @@ def _settings_deployed() -> bool:
     from ray.serve.context import _get_global_client
 
     details = _get_global_client().get_serve_details()["applications"]["lorafleet"]
-    args = details["deployed_app_config"]["args"]
-    return all(args.get(k) == v for k, v in SETTINGS.items())
+    ingress = details["deployed_app_config"]["args"]["ingress"]
+    return all(ingress.get(k) == v for k, v in SETTINGS.items())
 
 
 # -- /health: no replica, then replicas back (with SETTINGS) -----------------------------------

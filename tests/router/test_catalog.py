@@ -34,7 +34,7 @@ async def settle() -> None:
 def test_a_request_on_a_listed_adapter_makes_no_store_call(model_dir):
     store = FakeStore({"ad-1": registered("ad-1", 3, "/adapters/ad-1")})
     body = {**COMPLETION, "model": "ad-1"}
-    with ingress_client(model_dir, store, routing_stats_period_s=3600) as (client, _):
+    with ingress_client(model_dir, store, listing_period_s=3600) as (client, _):
         assert client.post("/v1/completions", json=body).status_code == 200
         assert store.calls["resolve"] == 1  # a cold catalog: asked, and a listing started
         for _ in range(5):
@@ -120,7 +120,7 @@ def test_an_unload_through_this_ingress_is_a_404_at_once(model_dir):
     store = FakeStore({"ad-1": registered("ad-1", 3, "/adapters/ad-1")})
     store._unregister = lambda name: store.adapters.pop(name)
     body = {**COMPLETION, "model": "ad-1"}
-    with ingress_client(model_dir, store, routing_stats_period_s=3600) as (client, _):
+    with ingress_client(model_dir, store, listing_period_s=3600) as (client, _):
         assert client.post("/v1/completions", json=body).status_code == 200
         r = client.post("/v1/unload_lora_adapter", json={"lora_name": "ad-1"})
         assert r.status_code == 200

@@ -161,30 +161,27 @@ class FakeReplicas:
         return SimpleNamespace(remote=start)  # type: ignore[return-value]
 
 
-def ingress_class() -> type:
-    """The Ingress class as written (serve.deployment wraps it in a Deployment)."""
-    mro = ingress.Ingress.func_or_class.__mro__
-    return next(c for c in mro if "completions" in vars(c))
-
-
 @contextlib.contextmanager
 def ingress_client(
     model_dir: str,
     store: FakeStore | None = None,
     replicas: FakeReplicas | None = None,
     ledger: Any = None,
+    listing_period_s: float = 1.0,
     **options: Any,
 ) -> Iterator[tuple[TestClient, Any]]:
     """A TestClient on the ingress's app, its routes bound to a fresh Ingress object (as
-    Serve binds them to the replica's), and that object. `ledger`: a TenantLedger handle
-    to share (default: the Ingress makes its own when tenants are configured)."""
-    obj = ingress_class()(
+    Serve binds them to the replica's: its replica context's servable object), and that
+    object. `ledger`: a TenantLedger handle to share (default: the Ingress makes its own
+    when tenants are configured)."""
+    obj = ingress.Ingress(
         replicas or FakeReplicas(),
         store or FakeStore(),
         model_dir,
         BASE,
         IngressOptions(**options),
         ledger,
+        listing_period_s=listing_period_s,
     )
     context = SimpleNamespace(servable_object=obj)
     with pytest.MonkeyPatch.context() as mp:

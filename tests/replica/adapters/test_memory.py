@@ -53,29 +53,31 @@ def test_budget_sets_the_slot_count_and_the_batch_limit(tiny):
     per_slot = slot_bytes(spec, 64, torch.float32)
     base = EngineConfig(model=str(tiny.model_dir), device="cpu")
     sized = size_adapter_slots(
-        base.model_copy(update={"adapter_memory_bytes": 5 * per_slot + per_slot // 2}),
+        base.with_adapters(adapter_memory_bytes=5 * per_slot + per_slot // 2),
         spec, torch.float32, CPU_BUDGET_BYTES,
     )  # fmt: skip
     # 5 adapters of max_lora_rank (slot 0, the base, holds no memory)
-    assert (sized.num_slots, sized.max_loras_per_batch) == (6, 5)
-    assert sized.adapter_memory_bytes is None  # what ranks are built from: a count
+    assert (sized.adapters.num_slots, sized.adapters.max_loras_per_batch) == (6, 5)
+    assert sized.adapters.adapter_memory_bytes is None  # what ranks are built from: a count
     EngineConfig(**sized.model_dump())  # and it validates again (TP workers rebuild it)
-    capped = base.model_copy(update={"adapter_memory_bytes": 40 * per_slot, "max_num_seqs": 8})
+    capped = base.model_copy(update={"max_num_seqs": 8}).with_adapters(
+        adapter_memory_bytes=40 * per_slot
+    )
 
     def size(cfg: EngineConfig) -> EngineConfig:
         return size_adapter_slots(cfg, spec, torch.float32, CPU_BUDGET_BYTES)
 
-    assert size(capped).max_loras_per_batch == 8
-    chosen = capped.model_copy(update={"max_loras_per_batch": 3})
-    assert size(chosen).max_loras_per_batch == 3
-    fixed = base.model_copy(update={"num_slots": 4})
-    assert size(fixed).num_slots == 4
+    assert size(capped).adapters.max_loras_per_batch == 8
+    chosen = capped.with_adapters(max_loras_per_batch=3)
+    assert size(chosen).adapters.max_loras_per_batch == 3
+    fixed = base.with_adapters(num_slots=4)
+    assert size(fixed).adapters.num_slots == 4
     # the default budget: 1 GiB on CPU, which holds thousands of tiny slots: capped
     default = size(base)
-    assert (1 << 30) // per_slot > MAX_DEFAULT_SLOTS == default.num_slots
+    assert (1 << 30) // per_slot > MAX_DEFAULT_SLOTS == default.adapters.num_slots
     # a set budget is taken as it is, past the default's cap
-    many = base.model_copy(update={"adapter_memory_bytes": (MAX_DEFAULT_SLOTS + 9) * per_slot})
-    assert size(many).num_slots == MAX_DEFAULT_SLOTS + 10
+    many = base.with_adapters(adapter_memory_bytes=(MAX_DEFAULT_SLOTS + 9) * per_slot)
+    assert size(many).adapters.num_slots == MAX_DEFAULT_SLOTS + 10
 
 
 def test_num_parameters_counts_the_checkpoint(tiny):
@@ -116,7 +118,7 @@ def test_more_adapters_than_the_old_seven_run_in_one_batch_like_peft(tiny):
         adapter_memory_bytes=budget, adapter_loading="sync", max_loads_in_flight=10,
     )  # fmt: skip
     eng = LLMEngine(cfg)
-    assert (eng.config.num_slots, eng.config.max_loras_per_batch) == (12, 11)
+    assert (eng.config.adapters.num_slots, eng.config.adapters.max_loras_per_batch) == (12, 11)
     dirs = list(tiny.adapters.values())
     one_batch_equals_peft(eng, tiny, {f"copy{i}": dirs[i % len(dirs)] for i in range(10)})
 

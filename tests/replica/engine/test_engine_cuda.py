@@ -91,7 +91,8 @@ def test_churn_through_the_side_stream_matches_the_cpu_engine(tiny):
         cpu.load_adapter(name, path)
     want = [s.output_ids for s in cpu.generate(requests)]
     assert [s.output_ids for s in seqs] == want
-    assert gpu.adapters.prefetcher.loads_started >= len(names) > gpu.config.num_slots - 1  # churned
+    slots = gpu.config.adapters.num_slots
+    assert gpu.adapters.prefetcher.loads_started >= len(names) > slots - 1  # churned
     # loads ordered behind a step (its layers, or its graph replay) by CUDA events
     assert gpu.adapters.prefetcher.handovers > 0
     assert gpu.graph_stats()["eager_decode_steps"] == 0  # hand-over steps replay too

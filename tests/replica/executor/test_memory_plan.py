@@ -326,7 +326,7 @@ def test_a_cuda_engine_sizes_from_the_device_before_loading_weights(monkeypatch)
     engine = engine_on_fake_cuda(config)
     sized = engine._size_memory(config)
     plan = plan_memory(spec, config, BF16, 80 * GiB, in_use_bytes=GiB)
-    assert (sized.num_slots, sized.max_loras_per_batch) == (plan.num_slots, 13)
+    assert (sized.adapters.num_slots, sized.adapters.max_loras_per_batch) == (plan.num_slots, 13)
     assert (sized.kv_cache_bytes, sized.max_model_len) == (plan.kv_cache_bytes, 131072)
     single = config.model_copy(update={"tp_size": 1})
     with pytest.raises(MemoryPlanError, match="does not fit"):

@@ -94,5 +94,5 @@ def test_vocab_lora_memory_is_counted():
     budget = 8 << 20
     plain = engine(model_dir("llama"), {}, adapter_memory_bytes=budget, lora_embeddings=False)
     vocab = engine(model_dir("llama"), {}, adapter_memory_bytes=budget)
-    assert vocab.config.num_slots < plain.config.num_slots
+    assert vocab.config.adapters.num_slots < plain.config.adapters.num_slots
     assert vocab.executor.lora.nbytes() <= budget

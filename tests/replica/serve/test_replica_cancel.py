@@ -19,7 +19,7 @@ LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
 
 
 def replica(engine: LLMEngine | None = None) -> Any:
-    r = LoRAReplica.func_or_class.__new__(LoRAReplica.func_or_class)
+    r = LoRAReplica.__new__(LoRAReplica)
     if engine is not None:
         r.engine, r.aengine, r.source = engine, AsyncLLMEngine(engine), engine.adapters.source
     return r

@@ -20,7 +20,7 @@ PROMPT = tokens(3, 33)  # eight full blocks of 4
 def replica(tiny) -> Any:
     config = EngineConfig(model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20,
                           block_size=4, scheduling="vtc")  # fmt: skip
-    r = LoRAReplica.func_or_class.__new__(LoRAReplica.func_or_class)
+    r = LoRAReplica.__new__(LoRAReplica)
     r.engine = LLMEngine(config)
     r.aengine = AsyncLLMEngine(r.engine)
     return r

@@ -68,7 +68,7 @@ class AsyncEngine:
 
 
 def replica(store: Store, held: list[str]) -> Any:
-    r = LoRAReplica.func_or_class.__new__(LoRAReplica.func_or_class)
+    r = LoRAReplica.__new__(LoRAReplica)
     r.source = ObjectStoreSource()
     for key in held:
         r.source.add(stored(AdapterKey.parse(key)))
