@@ -165,38 +165,22 @@ def test_a_float8_weight_without_a_quantization_config_is_refused_by_name(model_
         CausalLM(model_copy)
 
 
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": [128, 128]}  # fmt: skip
-
-
-def write_block_fp8_qwen3(out) -> None:
-    """The tiny Qwen3 in Qwen's block-FP8 layout (Qwen3-*-FP8): every projection stored as
-    float8_e4m3fn with a float32 weight_scale_inv per 128x128 block, the embedding, head
-    and norms kept, quantization_config saying so."""
+def write_gguf_labelled_qwen3(out) -> None:
+    """The tiny Qwen3 whose config.json declares a quant_method this server does not serve
+    (gguf): whatever its tensors, it must be refused by name, never read as plain."""
     from cluster.demo.families import family_model_dir
 
-    src = family_model_dir("qwen3")
-    shutil.copytree(src, out)
-    tensors = load_file(out / "model.safetensors")
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        w = tensors[name].float()
-        blocks = [-(-d // 128) for d in w.shape]
-        scale = w.abs().amax().clamp(min=1e-12) / 448.0  # e4m3's largest value
-        tensors[name] = (w / scale).to(torch.float8_e4m3fn)
-        tensors[name.replace(".weight", ".weight_scale_inv")] = torch.full(blocks, scale.item())
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    edit_config(out, quantization_config=FP8_CONFIG)
+    shutil.copytree(family_model_dir("qwen3"), out)
+    edit_config(out, quantization_config={"quant_method": "gguf"})
 
 
-def test_a_block_fp8_checkpoint_is_refused_naming_its_quant_method(tmp_path):
-    """Loaded as plain weights its projections would be float8 values without their
-    scales: garbage. The spec, the model and the engine refuse it by quant_method."""
+def test_an_unserved_quant_method_is_refused_by_the_spec_the_model_and_the_engine(tmp_path):
     from replica.config import EngineConfig
     from replica.engine.engine import LLMEngine
 
-    model_dir = tmp_path / "qwen3-fp8"
-    write_block_fp8_qwen3(model_dir)
-    refusal = "quantization_config with quant_method='fp8': quantized checkpoints are not served"
+    model_dir = tmp_path / "qwen3-gguf"
+    write_gguf_labelled_qwen3(model_dir)
+    refusal = "quantization_config with quant_method='gguf' is not served"
     with pytest.raises(ModelConfigError, match=refusal):
         load_model_spec(model_dir)
     with pytest.raises(ModelConfigError, match=refusal):
@@ -204,10 +188,19 @@ def test_a_block_fp8_checkpoint_is_refused_naming_its_quant_method(tmp_path):
     with pytest.raises(ModelConfigError, match=refusal):
         LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_slots=2))
     # a multimodal checkpoint may declare it in its text_config
-    awq = {"quantization_config": {"quant_method": "awq"}}
-    with pytest.raises(ModelConfigError, match="quant_method='awq'"):
-        spec_from_dict({"model_type": "gemma3", "text_config": awq})
-    # with its quantization_config stripped, the float8 weights are refused by name
+    eetq = {"quantization_config": {"quant_method": "eetq"}}
+    with pytest.raises(ModelConfigError, match="quant_method='eetq'"):
+        spec_from_dict({"model_type": "gemma3", "text_config": eetq})
+
+
+def test_float8_weights_whose_config_is_stripped_are_refused_by_name(tmp_path):
+    """A block-FP8 checkpoint whose quantization_config was lost: its float8 codes are not
+    read as weights without their scales."""
+    from cluster.demo.families import family_model_dir
+    from tests.quant_checkpoints import quantize_dir
+
+    model_dir = tmp_path / "qwen3-fp8"
+    quantize_dir(family_model_dir("qwen3"), model_dir, "fp8-block")
     cfg = json.loads((model_dir / "config.json").read_text())
     del cfg["quantization_config"]
     (model_dir / "config.json").write_text(json.dumps(cfg))
