@@ -21,6 +21,9 @@ experts (qwen3moe, mixtral, gptoss) every adapter is an expert adapter: its MLP 
 expert's gate/up/down (per-expert keys), and the family also reports prefill and decode
 tok/s, base and LoRA.
 
+`--quant FORMAT,...` runs instead the decode step of the demo model held packed in each
+format against the same model dense (benchmarks/quant_engine.py).
+
     python -m benchmarks engine --json engine.json   # ~8 minutes on 2 CPU cores
     python -m benchmarks engine --quick              # a smoke run
 """
@@ -41,7 +44,7 @@ from pathlib import Path
 import ray
 import torch
 
-from benchmarks import harness
+from benchmarks import harness, quant_engine
 from benchmarks.adapters import AdapterPlan, write_adapters
 from cluster.bench.stats import ms, percentile
 from cluster.demo.assets import DemoAssets, DemoSpec, adapter_plans, cached_demo_assets
@@ -182,6 +185,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without the ablations, the transformers + PEFT baseline and the "
                         "headline figures (which need every scenario); the --tp "
                         "section still runs.")  # fmt: skip
+    p.add_argument("--quant", type=harness.subset_of(quant_engine.FORMATS), default=(),
+                   metavar="FORMAT,...",
+                   help=f"Only the decode step of the demo model held packed in these of "
+                        f"{', '.join(quant_engine.FORMATS)} (dummy weights), against it "
+                        "dense: weight bytes, batch-1 and batch steps, LoRA overhead.")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="A few-second smoke run.")
     p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
     p.add_argument("--seed", type=int, default=0)
@@ -207,6 +215,10 @@ def _bench(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     report: dict = {**harness.run_meta(args), "args": _jsonable(vars(args))}
     failures: list[str] = []
+    if args.quant:
+        report["quant"] = quant_engine.run(args, _decode_step, _base_decode_step)
+        harness.write_json(args.json, report)
+        return 0
     if "llama" in args.family:
         failures = _llama_bench(args, report)
     if args.family != ("llama",):
@@ -557,11 +569,11 @@ def _ceiling(baseline: dict, wl: Workload, batch_step_s: float) -> float:
     return len(wl.prompts) * baseline["s_per_request"] / ideal
 
 
-def _base_decode_step(assets, args: argparse.Namespace) -> float:
+def _base_decode_step(assets, args: argparse.Namespace, **overrides) -> float:
     """Median base-only decode step with `concurrency` sequences in the batch."""
     cfg = EngineConfig(model=str(assets.model_dir), device="auto", tp_size=args.tp,
                        max_num_seqs=args.concurrency, kv_cache_bytes=_kv_bytes(args),
-                       max_model_len=_max_model_len(args))  # fmt: skip
+                       max_model_len=_max_model_len(args), **overrides)  # fmt: skip
     eng = LLMEngine(cfg)
     try:
         rng = random.Random(2)
@@ -581,10 +593,10 @@ DECODE_ROUNDS = 3
 
 
 def _decode_step(
-    assets, n_adapters: int, args: argparse.Namespace, kv_bytes: int | None = None
+    assets, n_adapters: int, args: argparse.Namespace, kv_bytes: int | None = None, **overrides
 ) -> dict:
     kv_bytes = _kv_bytes(args) if kv_bytes is None else kv_bytes
-    eng, names = _batch_engine(assets, n_adapters, args, kv_bytes)
+    eng, names = _batch_engine(assets, n_adapters, args, kv_bytes, **overrides)
     try:
         prompts = _prompts(names, args, seed=1)
         base_runs, lora_runs = [], []
@@ -605,6 +617,7 @@ def _decode_step(
         "decode_bytes_ratio_16_adapters_vs_base": bytes_ratio,
         "decode_step_overhead_vs_bytes": step_ratio / bytes_ratio,
         "decode_batch": len(names),
+        "decode_weight_bytes": base_bytes,
     }
 
 

@@ -497,6 +497,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"{c.gpu_memory_utilization:g} of {gib(plan.device_bytes)}, less "
         f"{gib(plan.in_use_bytes)} for the CUDA context",
         "weights": f"{gib(plan.weights_bytes_per_gpu)} per GPU"
+        + ("" if spec.quant is None else f", projections packed ({spec.quant.method})")
         + ("" if stored is None else f" (the checkpoint's index: {gib(stored)} in all)"),
         "activations": f"{gib(plan.activation_bytes)}, estimated for the largest step "
         f"({min(c.max_num_batched_tokens, plan.max_model_len):,} tokens at context "

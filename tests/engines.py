@@ -1,4 +1,5 @@
-"""The one factory of the tests' engines, and the prompts they feed them."""
+"""The one factory of the tests' engines, the prompts they feed them, and the bytes a
+built model holds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from cluster.demo.assets import DemoAssets
 from replica.adapters.sources import AdapterSource
 from replica.config import AdapterResidencyConfig, EngineConfig
 from replica.engine.engine import LLMEngine
+from replica.model.decoder import CausalLM
 
 ALL = None  # make_engine's adapters: every adapter of the assets
 RESIDENCY_KEYS = frozenset(AdapterResidencyConfig.model_fields)
@@ -54,3 +56,13 @@ def make_engine(
 def tokens(seed: int, n: int, vocab: int = 300) -> list[int]:
     """Return `n` token ids drawn from [3, vocab) by a generator seeded with `seed`."""
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def held_bytes(model: CausalLM) -> int:
+    """Return the bytes of every distinct tensor `model` holds."""
+    tensors = {id(t): t for t in (model.embed, model.lm_head, model.norm.weight)}
+    for layer in model.layers:
+        extra = [layer.rope.cos, layer.rope.sin, layer.qkv_proj.bias, layer.o_proj.bias,
+                 layer.sinks]  # fmt: skip
+        tensors |= {id(t): t for t in [*layer.weights(), *extra] if t is not None}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

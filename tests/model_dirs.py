@@ -1,14 +1,12 @@
 """Model directories the tests write or read without building a model: the published
-configs, a weightless copy, an edited config.json, a checkpoint in a quantized layout."""
+configs, a weightless copy, an edited config.json, a checkpoint labelled with a quant method
+we do not serve."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
 
 PUBLISHED = Path(__file__).resolve().parent / "published_configs"
 
@@ -32,24 +30,11 @@ def edit_config(model_dir, **changes) -> None:
     (model_dir / "config.json").write_text(json.dumps(cfg))
 
 
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": [128, 128]}  # fmt: skip
-
-
-def write_block_fp8_qwen3(out) -> None:
-    """Writes into `out` the tiny Qwen3 in Qwen's block-FP8 layout (Qwen3-*-FP8): every
-    projection stored as float8_e4m3fn with a float32 weight_scale_inv per 128x128 block,
-    the embedding, head and norms kept, quantization_config saying so."""
+def write_gguf_labelled_qwen3(out) -> None:
+    """Writes into `out` the tiny Qwen3 whose config.json declares a quant_method this
+    server does not serve (gguf): whatever its tensors, it must be refused by name, never
+    read as plain."""
     from cluster.demo.families import family_model_dir
 
-    src = family_model_dir("qwen3")
-    shutil.copytree(src, out)
-    tensors = load_file(out / "model.safetensors")
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        w = tensors[name].float()
-        blocks = [-(-d // 128) for d in w.shape]
-        scale = w.abs().amax().clamp(min=1e-12) / 448.0  # e4m3's largest value
-        tensors[name] = (w / scale).to(torch.float8_e4m3fn)
-        tensors[name.replace(".weight", ".weight_scale_inv")] = torch.full(blocks, scale.item())
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    edit_config(out, quantization_config=FP8_CONFIG)
+    shutil.copytree(family_model_dir("qwen3"), out)
+    edit_config(out, quantization_config={"quant_method": "gguf"})

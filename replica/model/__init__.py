@@ -9,6 +9,8 @@ rope.py             rotary embeddings (linear, llama3, yarn, longrope; partial r
 spec.py             ModelSpec: the shapes and the family's differences
 hf_config.py        config.json values several modules read (rope parameters, layer types)
 weights.py          safetensors checkpoints (what was read), or seeded dummy weights
+quant_config.py     quantization_config -> each projection's packed format, or a refusal
+quant_weights.py    packed projections read as stored, cut for a rank, multiplied packed
 kv_cache.py         the paged KV cache's tensors
 lora.py             LoRA-aware projections (base GEMM, shrink, expand) and their buffers
 lora_slots.py       the slot-stacked A/B buffers of every layer, and copies into them

@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import SegmentInfo
+from kernels import QuantizedWeight, SegmentInfo
 from replica.model.attention import AttentionMetadata, paged_attention
 from replica.model.kv_cache import KVCache
 from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.moe import SparseMoE
+from replica.model.quant_weights import PackedLinear, tensors_of, to_device
 from replica.model.rope import RotaryEmbedding, Rotation
 from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
 from replica.model.tp_layers import TPRank
@@ -86,13 +87,21 @@ class DenseMLP:
         self.gate_up_proj, self.down_proj, self.glu = gate_up, down, glu
 
     def weights(self) -> list[torch.Tensor]:
-        return [self.gate_up_proj.weight, self.down_proj.weight]
+        return tensors_of(self.gate_up_proj.weight) + tensors_of(self.down_proj.weight)
 
     def __call__(
         self, x: torch.Tensor, lora: dict[str, SegmentInfo], ws: LoRAWorkspace | None
     ) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora["gate_up_proj"], ws).chunk(2, dim=-1)
         return self.down_proj(self.glu(gate, up), lora["down_proj"], ws)
+
+
+def _fused(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | PackedLinear:
+    """The base weight of a projection group: one dense tensor when every part is dense,
+    else the parts held as they are (packed ones stay packed)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return PackedLinear(parts)
 
 
 class DecoderLayer:
@@ -110,21 +119,25 @@ class DecoderLayer:
         self.spec, self.index, self.rope = spec, index, rope
         self.window, self.soft_cap = spec.window(index), spec.attn_soft_cap
 
-        def proj(module: str, kind: str = "weight") -> torch.Tensor:
-            return layout.projection(index, module, kind).to(device=device, dtype=dtype)
+        def proj(module: str, kind: str = "weight") -> torch.Tensor | QuantizedWeight:
+            w = layout.projection(index, module, kind)
+            if isinstance(w, torch.Tensor):
+                return w.to(device=device, dtype=dtype)
+            return to_device(w, device)  # packed, as stored
 
         def norm(name: str, size: int) -> RMSNorm:
             w = layout.norm(index, name, size).to(device=device, dtype=dtype)
             return RMSNorm(w, spec.rms_norm_eps, spec.gemma_norm)
 
-        qkv_w = torch.cat([proj("q_proj"), proj("k_proj"), proj("v_proj")])
+        qkv_w = _fused([proj("q_proj"), proj("k_proj"), proj("v_proj")])
         qkv_b = None
         if spec.qkv_bias:
             qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
                                proj("v_proj", "bias")])  # fmt: skip
         bufs = lora.layers[index] if lora is not None else {}
         self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
-        o_w, o_b = proj("o_proj"), proj("o_proj", "bias") if spec.o_bias else None
+        o_w = _fused([proj("o_proj")])
+        o_b = proj("o_proj", "bias") if spec.o_bias else None
         if tp is None:
             self.o_proj = LoRALinear(o_w, o_b, bufs.get("o_proj"))
         else:  # input-split: partial outputs summed across ranks
@@ -137,7 +150,8 @@ class DecoderLayer:
         if spec.is_sparse(index):
             self.mlp = SparseMoE(spec, layout, index, bufs, glu, device, dtype, tp)
         else:
-            gate_up_w, down_w = torch.cat([proj("gate_proj"), proj("up_proj")]), proj("down_proj")
+            gate_up_w = _fused([proj("gate_proj"), proj("up_proj")])
+            down_w = _fused([proj("down_proj")])
             gate_up = LoRALinear(gate_up_w, None, bufs.get("gate_up_proj"))
             if tp is None:
                 down = LoRALinear(down_w, None, bufs.get("down_proj"))
@@ -161,8 +175,8 @@ class DecoderLayer:
         """Every tensor a step reads in full (bench: bytes per decode step)."""
         norms = (self.input_norm, self.q_norm, self.k_norm, self.post_attn_out_norm,
                  self.pre_mlp_norm, self.post_mlp_norm)  # fmt: skip
-        return ([self.qkv_proj.weight, self.o_proj.weight] + self.mlp.weights()
-                + [n.weight for n in norms if n is not None])  # fmt: skip
+        return (tensors_of(self.qkv_proj.weight) + tensors_of(self.o_proj.weight)
+                + self.mlp.weights() + [n.weight for n in norms if n is not None])  # fmt: skip
 
     def __call__(
         self,

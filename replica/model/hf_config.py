@@ -1,6 +1,6 @@
 """Values of a Hugging Face config.json that several modules read: rope parameters (in
-either the transformers 4 or 5 spelling), layer types, the refusal of quantized
-checkpoints, and the error that names what cannot be served."""
+either the transformers 4 or 5 spelling), layer types, and the error that names what
+cannot be served."""
 
 from __future__ import annotations
 
@@ -19,33 +19,6 @@ class ModelConfigError(ValueError):
 class RopeSpec:
     theta: float
     scaling: dict[str, Any] | None  # None: default rope; else rope_type and its parameters
-
-
-# Where config.json declares a quantized checkpoint (transformers' quantization_config;
-# compressed-tensors' older compression_config).
-QUANTIZATION_KEYS = ("quantization_config", "compression_config")
-# (model_type, quant_method) of the quantized checkpoints a family reads as shipped and
-# dequantizes at load (model/layout.py): gpt-oss's MXFP4 experts
-DEQUANTIZED_AT_LOAD = {("gpt_oss", "mxfp4")}
-
-
-def refuse_quantized(cfg: dict[str, Any], source: str) -> None:
-    """Raise ModelConfigError naming the quant_method when config.json (or a multimodal
-    checkpoint's text_config) declares a quantized checkpoint other than one of
-    DEQUANTIZED_AT_LOAD's: its packed weights and scales would otherwise load as garbage."""
-    for where in (cfg, cfg.get("text_config") or {}):
-        for key in QUANTIZATION_KEYS:
-            quant = where.get(key) if isinstance(where, dict) else None
-            if quant is None:
-                continue
-            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
-            if (cfg.get("model_type"), method) in DEQUANTIZED_AT_LOAD:
-                continue
-            raise ModelConfigError(
-                f"{source}: {key} with quant_method={method!r}: quantized checkpoints are "
-                "not served yet (their packed weights and scales would be read as plain "
-                "weights); serve the unquantized model"
-            )
 
 
 def rope_params(cfg: dict[str, Any], layer_type: str = FULL) -> dict[str, Any]:

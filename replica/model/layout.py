@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import Mxfp4Weight, dequantize
+from kernels import Mxfp4Weight, QuantizedWeight, dequantize, stack_experts
+from replica.model.quant_config import NF4, ModuleFormat
+from replica.model.quant_weights import read_packed
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
 from replica.model.weights import Checkpoint, DummyCheckpoint, WeightLoadError
 
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,11 @@ class CheckpointLayout:
         self._fused = {part: (name, parts) for name, parts in spec.fused_modules().items()
                        for part in parts}  # fmt: skip
 
-    def projection(self, layer: int, module: str, kind: str = "weight") -> torch.Tensor:
-        """This rank's part of `module`'s weight [out, in] (or bias [out]) in `layer`."""
+    def projection(
+        self, layer: int, module: str, kind: str = "weight"
+    ) -> torch.Tensor | QuantizedWeight:
+        """This rank's part of `module`'s weight [out, in] (or bias [out]) in `layer`: a
+        tensor, or the packed weight (kernels.quant_formats) of a quantized checkpoint."""
         whole = self.spec.module_shapes()
         in_f, out_f = whole[module]
         rows, cols = (0, out_f), (0, in_f)
@@ -70,9 +74,12 @@ class CheckpointLayout:
             fused, parts = self._fused[module]
             offset = sum(whole[p][1] for p in parts[: parts.index(module)])
             total = sum(whole[p][1] for p in parts)
-            name = self._name(layer, fused, kind)
-            shape = (total, in_f) if kind == "weight" else (total,)
-            return self.ckpt.get_part(name, shape, 0, offset + rows[0], offset + rows[1])
+            rows = (offset + rows[0], offset + rows[1])
+            module, out_f = fused, total
+        fmt = self.format_of(layer, module)
+        if kind == "weight" and fmt is not None:
+            name = self.module_path(layer, module)
+            return read_packed(self.ckpt, name, fmt, (out_f, in_f), rows, cols)
         name = self._name(layer, module, kind)
         shape = (out_f, in_f) if kind == "weight" else (out_f,)
         if rows != (0, out_f):
@@ -80,6 +87,15 @@ class CheckpointLayout:
         if kind == "weight" and cols != (0, in_f):
             return self.ckpt.get_part(name, shape, 1, *cols)
         return self.ckpt.get(name, shape)
+
+    def format_of(self, layer: int, module: str) -> ModuleFormat | None:
+        """How `module` of `layer` is stored: its quantization format, None when dense."""
+        quant = self.spec.quant
+        return None if quant is None else quant.format_of(self.module_path(layer, module))
+
+    def module_path(self, layer: int, module: str) -> str:
+        """The checkpoint's path of a projection (its tensors' names less the suffix)."""
+        return self.spec.module_path(layer, module, self.prefix)
 
     def router(self, layer: int, kind: str = "weight") -> torch.Tensor:
         """The router of sparse layer `layer`: [num_experts, hidden] (its bias
@@ -105,10 +121,13 @@ class CheckpointLayout:
         gate_up = self.ckpt.get(f"{where}.gate_up_proj_bias", (e, 2 * i))
         return self._split_gate_up(gate_up), self.ckpt.get(f"{where}.down_proj_bias", (e, h))
 
-    def experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def experts(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedWeight, ...]:
         """This rank's experts of sparse layer `layer`, stacked: gate and up rows
         [E, 2·I_rank, hidden] (each expert's gate rows, then its up rows), down
-        [E, hidden, I_rank]; I_rank = this rank's columns of moe_intermediate_size."""
+        [E, hidden, I_rank]; I_rank = this rank's columns of moe_intermediate_size.
+        Quantized experts come packed and stacked as (gate, up, down), each [E, ...]."""
         s = self.spec
         if s.expert_layout == "gpt_oss":
             return self._gpt_oss_experts(layer)
@@ -116,6 +135,9 @@ class CheckpointLayout:
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
         where = f"{self.prefix}layers.{layer}.{s.moe_block}.experts"
         gate, up, down = s.expert_names
+        quant = s.quant
+        if quant is not None and quant.format_of(f"{where}.0.{gate}") is not None:
+            return self._packed_experts(where, (lo, hi))
         gate_up, downs = [], []
         for e in range(s.num_experts):
             parts = [self.ckpt.get_part(f"{where}.{e}.{m}.weight", (i, h), 0, lo, hi)
@@ -123,6 +145,26 @@ class CheckpointLayout:
             gate_up.append(torch.cat(parts))
             downs.append(self.ckpt.get_part(f"{where}.{e}.{down}.weight", (h, i), 1, lo, hi))
         return torch.stack(gate_up), torch.stack(downs)
+
+    def _packed_experts(self, where: str, cols: tuple[int, int]) -> tuple[QuantizedWeight, ...]:
+        s = self.spec
+        h, i = s.hidden_size, s.moe_intermediate_size
+        stacked = []
+        for m, shape in zip(s.expert_names, ((i, h), (i, h), (h, i))):
+            ws = []
+            for e in range(s.num_experts):
+                name = f"{where}.{e}.{m}"
+                fmt = s.quant.format_of(name)
+                if fmt is None or fmt.kind == NF4:
+                    raise WeightLoadError(
+                        f"{self.ckpt.dir}: expert {name!r} is "
+                        f"{'dense beside quantized experts' if fmt is None else 'in NF4'}: "
+                        "refused (experts are served in one packed format per layer, not NF4)"
+                    )
+                part = {"rows": cols} if shape == (i, h) else {"cols": cols}
+                ws.append(read_packed(self.ckpt, name, fmt, shape, **part))
+            stacked.append(stack_experts(ws))
+        return tuple(stacked)
 
     def _gpt_oss_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -153,8 +195,8 @@ class CheckpointLayout:
                 "multiple of 32"
             )
         groups = (experts, rows, cols // 32)
-        blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), "U8")
-        scales = self.ckpt.get_packed(f"{name}_scales", groups, "U8")
+        blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), (torch.uint8,))
+        scales = self.ckpt.get_packed(f"{name}_scales", groups, (torch.uint8,))
         return dequantize(Mxfp4Weight(blocks, scales))
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
@@ -200,8 +242,7 @@ class CheckpointLayout:
         )
 
     def _name(self, layer: int, module: str, kind: str) -> str:
-        group = "self_attn" if module in ATTENTION else "mlp"
-        return f"{self.prefix}layers.{layer}.{group}.{module}.{kind}"
+        return f"{self.module_path(layer, module)}.{kind}"
 
 
 def _find_prefix(ckpt: Checkpoint | DummyCheckpoint, spec: ModelSpec) -> str:

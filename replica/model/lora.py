@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from kernels import SegmentInfo
+from replica.model.quant_weights import PackedLinear, linear
 from replica.model.spec import ModelSpec
 
 # Fused projection groups of one decoder layer, in the order their outputs are laid out.
@@ -94,11 +94,13 @@ class LoRAWorkspace:
 
 
 class LoRALinear:
-    """y = x Wᵀ (+ bias) + per-segment scaling · (x Aᵀ) Bᵀ."""
+    """y = x Wᵀ (+ bias) + per-segment scaling · (x Aᵀ) Bᵀ. W dense, or packed
+    (model/quant_weights.py): the adapter then runs on the unquantized x and adds to the
+    quantized base's output, exact on every base format."""
 
     def __init__(
         self,
-        weight: torch.Tensor,  # [out_total, in]
+        weight: torch.Tensor | PackedLinear,  # [out_total, in]
         bias: torch.Tensor | None,  # [out_total]
         lora: LoRABuffers | None,
     ) -> None:
@@ -107,7 +109,7 @@ class LoRALinear:
     def __call__(
         self, x: torch.Tensor, seg: SegmentInfo, workspace: LoRAWorkspace | None = None
     ) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if self.lora is not None and seg.has_lora:
             out = None if workspace is None else workspace.region(self.lora)
             inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.max_rank, out=out)

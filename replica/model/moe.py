@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import ExpertPlan, SegmentInfo
+from kernels import ExpertPlan, QuantizedWeight, SegmentInfo
 from replica.model.layout import CheckpointLayout
 from replica.model.lora import EXPERT_GROUPS, LoRABuffers, LoRAWorkspace
+from replica.model.quant_weights import tensors_of, to_device
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import TPRank
 
@@ -54,9 +55,13 @@ class SparseMoE:
         self.num_experts, self.k = spec.num_experts, spec.num_experts_per_tok
         self.renormalise, self.glu = spec.norm_topk_prob, glu
         self.router = layout.router(index).to(device=device, dtype=dtype)  # [E, H]
-        gate_up, down = layout.experts(index)
-        self.gate_up = gate_up.to(device=device, dtype=dtype)  # [E, 2I, H]
-        self.down = down.to(device=device, dtype=dtype)  # [E, H, I]
+        experts = layout.experts(index)
+        self.packed: tuple[QuantizedWeight, ...] = ()
+        if isinstance(experts[0], torch.Tensor):
+            self.gate_up = experts[0].to(device=device, dtype=dtype)  # [E, 2I, H]
+            self.down = experts[1].to(device=device, dtype=dtype)  # [E, H, I]
+        else:  # packed gate [E, I, H], up [E, I, H], down [E, H, I]: quant_moe_gemm
+            self.packed = tuple(to_device(w, device) for w in experts)
         # gpt-oss: the router's [E] bias, each expert's gate/up [E, 2I] and down [E, H] ones
         self.router_bias = self.gate_up_bias = self.down_bias = None
         if spec.moe_bias:
@@ -70,8 +75,10 @@ class SparseMoE:
         self.cols = slice(None) if tp is None else slice(*tp.shard.hidden_range)
 
     def weights(self) -> list[torch.Tensor]:
-        biases = (self.router_bias, self.gate_up_bias, self.down_bias)
-        return [self.router, self.gate_up, self.down] + [b for b in biases if b is not None]
+        biases = [b for b in (self.router_bias, self.gate_up_bias, self.down_bias) if b is not None]
+        if self.packed:
+            return [self.router] + [t for w in self.packed for t in tensors_of(w)] + biases
+        return [self.router, self.gate_up, self.down] + biases
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, k] weights in x's dtype, [T, k] int64 expert ids) of each token."""
@@ -92,13 +99,16 @@ class SparseMoE:
         seg = lora.get("experts_gate_up", lora["qkv_proj"])  # the step's segments
         plan = kernels.make_expert_plan(ids, self.num_experts, seg)
         xs = x.index_select(0, plan.tokens)  # [P, H]: each pair's input, sorted
-        gate_up = kernels.moe_grouped_gemm(xs, self.gate_up, plan)  # [P, 2I]
+        gate_up = self._gate_up(xs, plan)  # [P, 2I]
         if self.gate_up_bias is not None:
             gate_up += self.gate_up_bias.index_select(0, plan.experts)
         self._add_lora("experts_gate_up", xs, gate_up, lora, plan)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = self.glu(gate, up)  # [P, I]
-        out = kernels.moe_grouped_gemm(hidden, self.down, plan)  # [P, H]
+        if self.packed:
+            out = kernels.quant_moe_gemm(hidden, self.packed[2], plan)  # [P, H]
+        else:
+            out = kernels.moe_grouped_gemm(hidden, self.down, plan)  # [P, H]
         if self.down_bias is not None:
             out += self.down_bias.index_select(0, plan.experts)
         self._add_lora("experts_down", hidden, out, lora, plan)
@@ -106,6 +116,12 @@ class SparseMoE:
         y = torch.empty_like(out).index_copy_(0, plan.order, out)  # back to (token, j) order
         y = y.view(t, self.k, h).sum(dim=1)
         return y if self.comm is None else self.comm.all_reduce(y, "layer")
+
+    def _gate_up(self, xs: torch.Tensor, plan: ExpertPlan) -> torch.Tensor:  # [P, 2I]
+        if not self.packed:
+            return kernels.moe_grouped_gemm(xs, self.gate_up, plan)
+        gate, up = (kernels.quant_moe_gemm(xs, w, plan) for w in self.packed[:2])
+        return torch.cat([gate, up], dim=-1)
 
     def _add_lora(
         self,

@@ -21,14 +21,15 @@ from replica.model.hf_config import (
     SLIDING,
     ModelConfigError,
     RopeSpec,
-    refuse_quantized,
     rope_scaling,
     rope_theta,
 )
+from replica.model.quant_config import QuantScheme, quant_scheme
 
 __all__ = ["ModelConfigError", "ModelSpec", "RopeSpec", "load_model_spec", "spec_from_dict"]
 
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class ModelSpec:
     # mlp.experts.gate_up_proj [E, hidden, 2I] (gate and up columns interleaved) and
     # down_proj [E, I, hidden] with their biases, or their MXFP4 *_blocks / *_scales
     expert_layout: str = "per_expert"
+    # --- a quantized checkpoint (model/quant_config.py): how each projection is stored ---
+    quant: QuantScheme | None = None
 
     @property
     def q_size(self) -> int:
@@ -150,6 +153,13 @@ class ModelSpec:
             return {}
         h, i = self.hidden_size, self.moe_intermediate_size
         return {"expert_gate_proj": (h, i), "expert_up_proj": (h, i), "expert_down_proj": (i, h)}
+
+    def module_path(self, layer: int, module: str, prefix: str | None = None) -> str:
+        """Where a checkpoint keeps projection `module` of `layer` (its tensors' names less
+        the .weight / .qweight suffix); `prefix`: the checkpoint's, else the first one."""
+        group = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        prefix = self.weight_prefixes[0] if prefix is None else prefix
+        return f"{prefix}layers.{layer}.{group}.{module}"
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""
@@ -222,9 +232,9 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
 
 def spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
     """The spec of a config.json's contents; ModelConfigError names what cannot be served."""
-    refuse_quantized(cfg, source)
+    quant = quant_scheme(cfg, source)
     cfg, family = family_config(cfg, source)
-    return base_spec(cfg, source, **family)
+    return replace(base_spec(cfg, source, **family), quant=quant)
 
 
 def base_spec(cfg: dict[str, Any], source: str, **family: Any) -> ModelSpec:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import SegmentInfo
 from replica.model.lora import LoRABuffers, LoRAWorkspace
+from replica.model.quant_weights import PackedLinear, linear
 from replica.model.tp_comm import TPComm
 from replica.model.tp_shard import TPShard
 
@@ -25,7 +26,10 @@ class TPRank:
     comm: TPComm
 
     def row_linear(
-        self, weight: torch.Tensor, lora: LoRABuffers | None, bias: torch.Tensor | None = None
+        self,
+        weight: torch.Tensor | PackedLinear,
+        lora: LoRABuffers | None,
+        bias: torch.Tensor | None = None,
     ) -> RowParallelLoRALinear:
         return RowParallelLoRALinear(weight, lora, self, bias)
 
@@ -55,7 +59,7 @@ class RowParallelLoRALinear:
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | PackedLinear,
         lora: LoRABuffers | None,
         tp: TPRank,
         bias: torch.Tensor | None = None,  # [out]
@@ -67,7 +71,7 @@ class RowParallelLoRALinear:
     def __call__(
         self, x: torch.Tensor, seg: SegmentInfo, workspace: LoRAWorkspace | None = None
     ) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [T, out]: this rank's partial sum
+        y = linear(x, self.weight)  # [T, out]: this rank's partial sum
         if self.lora is not None and seg.has_lora:
             out = None if workspace is None else workspace.region(self.lora)
             inter = kernels.lora_shrink(x, self.lora.a, seg, self.lora.max_rank, out=out)

@@ -21,6 +21,13 @@ LOAD_FORMATS = ("auto", "dummy")
 # Weights are served in the engine's dtype: a stored dtype outside these is a packed or
 # quantized format whose values a cast would turn into garbage.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# safetensors' names of the dtypes a quantized checkpoint's packed tensors are stored in
+STORED_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.int64: "I64",
+                 torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16",
+                 torch.bfloat16: "BF16"}  # fmt: skip
+
+
+DUMMY_SCALE = 2e-3  # every scale of a dummy quantized checkpoint
 
 
 class WeightLoadError(ValueError):
@@ -45,12 +52,6 @@ class Checkpoint:
         self._slice(name, shape)
         return self._handles[self._files[name]].get_tensor(name)
 
-    def get_packed(self, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-        """The tensor `name` stored as exactly `dtype` (safetensors' name, e.g. "U8"): a
-        packed format's bytes, which the caller decodes (gpt-oss's MXFP4 experts)."""
-        self._slice(name, shape, (dtype,))
-        return self._handles[self._files[name]].get_tensor(name)
-
     def get_part(
         self, name: str, shape: tuple[int, ...], dim: int, start: int, stop: int
     ) -> torch.Tensor:
@@ -58,6 +59,20 @@ class Checkpoint:
         the whole tensor's shape is checked against `shape`."""
         part = self._slice(name, shape)
         return part[start:stop] if dim == 0 else part[:, start:stop]
+
+    def get_packed(
+        self, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+    ) -> torch.Tensor:
+        """The tensor `name` of a quantized projection (codes, scales, zero points) as
+        stored, checked against `shape` and the `dtypes` its format allows."""
+        self._slice(name, shape, tuple(STORED_DTYPES[d] for d in dtypes))
+        return self._handles[self._files[name]].get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of `name` (nothing read)."""
+        if name not in self._files:
+            raise WeightLoadError(f"{self.dir}: missing weight {name!r}")
+        return tuple(self._open(name).get_slice(name).get_shape())
 
     def names(self) -> list[str]:
         """Every tensor the checkpoint holds."""
@@ -67,15 +82,18 @@ class Checkpoint:
         """The tensors nothing has read (yet)."""
         return sorted(set(self._files) - self._read)
 
+    def _open(self, name: str) -> Any:
+        f = self._files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return self._handles[f]
+
     def _slice(
         self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = FLOAT_DTYPES
     ) -> Any:
         if name not in self._files:
             raise WeightLoadError(f"{self.dir}: missing weight {name!r} (expected shape {shape})")
-        f = self._files[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt")
-        part = self._handles[f].get_slice(name)
+        part = self._open(name).get_slice(name)
         found = tuple(part.get_shape())
         if found != tuple(shape):
             raise WeightLoadError(
@@ -84,8 +102,8 @@ class Checkpoint:
             )
         if part.get_dtype() not in dtypes and dtypes != FLOAT_DTYPES:
             raise WeightLoadError(
-                f"{self.dir}: weight {name!r} is stored as {part.get_dtype()}, expected "
-                f"{', '.join(dtypes)}"
+                f"{self.dir}: weight {name!r} is stored as {part.get_dtype()}; its "
+                f"quantization format stores it as {' or '.join(dtypes)}"
             )
         if part.get_dtype() not in dtypes:
             raise WeightLoadError(
@@ -137,6 +155,27 @@ class DummyCheckpoint:
     ) -> torch.Tensor:
         whole = self.get(name, shape)
         return whole[start:stop] if dim == 0 else whole[:, start:stop]
+
+    def get_packed(
+        self, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+    ) -> torch.Tensor:
+        """Random packed tensors of the format's first dtype (empty on the meta device):
+        codes of any value (fp8 ones normal of std 10), scales DUMMY_SCALE: weights of
+        std ~0.01-0.02, enough for a bench's forward to stay finite."""
+        dtype = dtypes[0]
+        if self.device.type == "meta":
+            return torch.empty(shape, device=self.device, dtype=dtype)
+        gen = torch.Generator(self.device).manual_seed(self.seed + zlib.crc32(name.encode()))
+        if dtype == torch.float8_e4m3fn:
+            t = torch.randn(shape, generator=gen, device=self.device) * 10
+            return t.clamp(-448, 448).to(dtype)
+        if not dtype.is_floating_point:
+            bits = torch.randint(0, 1 << 16, shape, generator=gen, device=self.device)
+            return (bits | (bits << 16)).to(dtype)
+        return torch.full(shape, DUMMY_SCALE, device=self.device, dtype=dtype)
+
+    def shape(self, name: str) -> None:
+        return None  # shapes come from config.json alone
 
     def names(self) -> list[str]:
         return []

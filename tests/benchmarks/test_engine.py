@@ -179,3 +179,25 @@ def test_mixed_sampling_scenario_reports_both_arms(tiny):
     assert section["ratio"] == pytest.approx(
         section["mixed_tok_per_s"] / section["plain_tok_per_s"]
     )
+
+
+@pytest.mark.slow
+def test_quick_quant_run_compares_packed_formats_with_the_dense_model(tmp_path, capsys):
+    """--quant: the tiny Llama dense and held packed in each format asked for (dummy
+    weights): the bytes a decode step reads shrink as the format says, every step is
+    timed, and the table is printed."""
+    out = tmp_path / "engine-quant.json"
+    assert main(["engine", "--quick", "--quant", "fp8,w4a16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["quant"]
+    assert list(report) == ["dense", "fp8", "w4a16"]
+    assert report["dense"]["weight_bytes_vs_dense"] == 1
+    # the embedding and head stay dense (fp32 on this CPU): most of the tiny model's bytes
+    assert 0.5 < report["fp8"]["weight_bytes_vs_dense"] < 0.85
+    assert report["w4a16"]["weight_bytes_vs_dense"] < report["fp8"]["weight_bytes_vs_dense"]
+    for figures in report.values():
+        for key in ("decode_step_batch1_s", "decode_step_base_s", "decode_step_16_adapters_s"):
+            assert figures[key] > 0
+    printed = capsys.readouterr().out
+    assert "quantized bases" in printed and "\nw4a16 " in printed
+    with pytest.raises(SystemExit):
+        main(["engine", "--quant", "gguf"])

@@ -1,5 +1,6 @@
 """`lorafleet plan`: a replica's GPU memory from config.json alone, on this CPU machine; and
-the refusals of quantized checkpoints on every command's start path."""
+quantized checkpoints counted packed; the refusals of unserved quantized checkpoints on
+every command's start path."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from replica.config import EngineConfig
 from replica.executor.memory_plan import plan_memory
 from replica.model.spec import load_model_spec
 from tests.cluster.cli_runs import refused, run_cli
-from tests.model_dirs import PUBLISHED, config_only, write_block_fp8_qwen3
+from tests.model_dirs import PUBLISHED, config_only, write_gguf_labelled_qwen3
 
 GiB = 2**30
 KEYS = ("weights_bytes_per_gpu", "activation_bytes", "graph_bytes", "adapter_memory_bytes",
@@ -100,10 +101,54 @@ def test_plan_covers_every_family_of_the_repo(capsys):
         assert got["kv_cache_tokens"] >= got["max_model_len"] > 0, family
 
 
-def test_a_quantized_checkpoint_is_refused_on_every_command(capsys, tmp_path, nothing_starts):
-    model = tmp_path / "qwen3-fp8"
-    write_block_fp8_qwen3(model)
-    named = "quantization_config with quant_method='fp8'"
+def quantized_copy(tmp_path, name: str, quant: dict):
+    model = tmp_path / name
+    shutil.copytree(PUBLISHED / name, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"quantization_config": quant}))
+    return model
+
+
+def test_plan_counts_block_fp8_weights_packed_and_refuses_a_split_inside_a_block(capsys, tmp_path):
+    """Qwen3-32B-FP8 (Qwen's 128x128 blocks): every projection at a byte a weight plus an
+    fp32 scale per block, the embedding and head in bf16. 16 ranks would split each
+    MLP's 25600 columns at 1600, inside a block: refused naming the layer."""
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    model = quantized_copy(tmp_path, "Qwen3-32B", fp8)
+    got = plan_json(capsys, "--model", str(model), "--gpu-memory", "80GiB",
+                    "--max-model-len", "8192")  # fmt: skip
+    dense = plan_json(capsys, "--model", str(PUBLISHED / "Qwen3-32B"), "--gpu-memory", "80GiB",
+                      "--max-model-len", "8192")  # fmt: skip
+    h, q, kv, i = 5120, 64 * 128, 8 * 128, 25600
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]  # (out, in)
+    packed = sum(n * k + -(-n // 128) * -(-k // 128) * 4 for n, k in shapes)
+    saved = 64 * (sum(n * k * 2 for n, k in shapes) - packed)
+    assert got["weights_bytes_per_gpu"] == dense["weights_bytes_per_gpu"] - saved
+    assert got["kv_cache_bytes"] > dense["kv_cache_bytes"]
+    line = refused(capsys, "plan", "--model", str(model), "--gpu-memory", "80GiB", "--tp", "16")
+    assert "tp_size=16 cannot split the quantized model: model.layers.0.mlp.gate_proj" in line
+    assert "cut its scale blocks of 128" in line
+
+
+def test_plan_fits_llama_70b_in_w4a16_on_the_gpu_bf16_does_not(capsys, tmp_path):
+    w4a16 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                 "group_size": 128}}}, "ignore": ["lm_head"]}  # fmt: skip
+    model = quantized_copy(tmp_path, "Llama-3.1-70B", w4a16)
+    got = plan_json(capsys, "--model", str(model), "--gpu-memory", "80GiB",
+                    "--max-model-len", "8192")  # fmt: skip
+    assert 36 * GiB < got["weights_bytes_per_gpu"] < 37 * GiB  # 131.48 GiB in bf16
+
+
+def test_an_unserved_quantized_checkpoint_is_refused_on_every_command(
+    capsys,
+    tmp_path,
+    nothing_starts,  # noqa: F811
+):
+    model = tmp_path / "qwen3-gguf"
+    write_gguf_labelled_qwen3(model)
+    named = "quantization_config with quant_method='gguf' is not served"
     assert named in refused(capsys, "plan", "--model", str(model), "--gpu-memory", "80GiB")
     assert named in refused(capsys, "generate", "--model", str(model), "--prompt", "hi")
     line = refused(capsys, "up", "--model", str(model))

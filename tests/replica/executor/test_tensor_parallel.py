@@ -399,3 +399,45 @@ def test_embedding_and_head_lora_equal_tp1(tmp_path):
     finally:
         two.shutdown()
         one.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [("qwen3", "ct-fp8-channel"), ("qwen3", "ct-w4a16-g16"), ("qwen3moe", "ct-w4a16-g16")],
+)
+def test_quantized_bases_equal_tp1(family, fmt, tmp_path):
+    """Packed bases on 2 ranks, each holding its rows (q/k/v, gate/up, expert gate/up) or
+    columns (o, down, expert down) of the packed tensors cut along whole groups: logits and
+    a staggered mixed batch with adapters equal TP=1 (itself checked against transformers
+    in tests/replica/model/test_quantized.py)."""
+    from cluster.demo.families import family_model_dir
+    from tests.oracle import family_adapters
+    from tests.quant_checkpoints import quantize_dir
+
+    src = family_model_dir(family)
+    model_dir = tmp_path / fmt
+    quantize_dir(src, model_dir, fmt)
+    adapters = family_adapters(family, src, tmp_path)
+
+    def build(tp_size: int) -> LLMEngine:
+        cfg = EngineConfig(model=str(model_dir), device="cpu", tp_size=tp_size,
+                           kv_cache_bytes=16 << 20, block_size=4)  # fmt: skip
+        eng = LLMEngine(cfg)
+        for name, path in adapters.items():
+            eng.load_adapter(name, path)
+        return eng
+
+    one = build(1)
+    two = build(2)
+    try:
+        ps = prompts(one.spec.vocab_size, (5, 23))
+        for adapter in (None, *adapters):
+            for p in ps:
+                diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
+                assert diff < LOGIT_ATOL, f"{fmt} {adapter}: max |TP2 - TP1 logit| {diff}"
+        names = [None, *adapters, None]
+        reqs = [(p, GREEDY, a) for p, a in zip(prompts(one.spec.vocab_size, (3, 17, 30, 9)), names)]
+        assert staggered(two, reqs) == staggered(one, reqs)
+    finally:
+        two.shutdown()
+        one.shutdown()

@@ -14,7 +14,7 @@ from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
 from replica.model.decoder import CausalLM
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
 from replica.model.weights import WeightLoadError
-from tests.model_dirs import edit_config, write_block_fp8_qwen3
+from tests.model_dirs import edit_config, write_gguf_labelled_qwen3
 
 
 @pytest.fixture
@@ -160,15 +160,13 @@ def test_a_float8_weight_without_a_quantization_config_is_refused_by_name(model_
         CausalLM(model_copy)
 
 
-def test_a_block_fp8_checkpoint_is_refused_naming_its_quant_method(tmp_path):
-    """Loaded as plain weights its projections would be float8 values without their
-    scales: garbage. The spec, the model and the engine refuse it by quant_method."""
+def test_an_unserved_quant_method_is_refused_by_the_spec_the_model_and_the_engine(tmp_path):
     from replica.config import EngineConfig
     from replica.engine.engine import LLMEngine
 
-    model_dir = tmp_path / "qwen3-fp8"
-    write_block_fp8_qwen3(model_dir)
-    refusal = "quantization_config with quant_method='fp8': quantized checkpoints are not served"
+    model_dir = tmp_path / "qwen3-gguf"
+    write_gguf_labelled_qwen3(model_dir)
+    refusal = "quantization_config with quant_method='gguf' is not served"
     with pytest.raises(ModelConfigError, match=refusal):
         load_model_spec(model_dir)
     with pytest.raises(ModelConfigError, match=refusal):
@@ -176,10 +174,19 @@ def test_a_block_fp8_checkpoint_is_refused_naming_its_quant_method(tmp_path):
     with pytest.raises(ModelConfigError, match=refusal):
         LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_slots=2))
     # a multimodal checkpoint may declare it in its text_config
-    awq = {"quantization_config": {"quant_method": "awq"}}
-    with pytest.raises(ModelConfigError, match="quant_method='awq'"):
-        spec_from_dict({"model_type": "gemma3", "text_config": awq})
-    # with its quantization_config stripped, the float8 weights are refused by name
+    eetq = {"quantization_config": {"quant_method": "eetq"}}
+    with pytest.raises(ModelConfigError, match="quant_method='eetq'"):
+        spec_from_dict({"model_type": "gemma3", "text_config": eetq})
+
+
+def test_float8_weights_whose_config_is_stripped_are_refused_by_name(tmp_path):
+    """A block-FP8 checkpoint whose quantization_config was lost: its float8 codes are not
+    read as weights without their scales."""
+    from cluster.demo.families import family_model_dir
+    from tests.quant_checkpoints import quantize_dir
+
+    model_dir = tmp_path / "qwen3-fp8"
+    quantize_dir(family_model_dir("qwen3"), model_dir, "fp8-block")
     cfg = json.loads((model_dir / "config.json").read_text())
     del cfg["quantization_config"]
     (model_dir / "config.json").write_text(json.dumps(cfg))

@@ -1,0 +1,208 @@
+"""Quantized copies of a dense Hugging Face model directory, written in the layouts the Hub
+and llm-compressor publish (config.json's quantization_config and every tensor's name,
+dtype and shape), with kernels.quant_pack's packers (each checked against the format's own
+tooling by tests/kernels/test_quant_formats.py), and the dense directory of the same
+weights dequantized: the oracle transformers loads where its quantizer needs a GPU or a
+library not installed here.
+
+FORMATS names each layout; `quantize_dir(src, out, fmt, dense=...)` writes it, the modules
+listed in `dense` left unquantized and named in the config's ignore list.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels import dequantize
+from kernels.quant_pack import (
+    nf4_absmax,
+    pack_awq,
+    pack_gptq,
+    pack_quantized,
+    quantize_fp8,
+    quantize_int4,
+    quantize_nf4,
+)
+
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}  # fmt: skip
+
+
+def _ct_config(fmt: str, weights: dict, dense: list[str], activations: dict | None) -> dict:
+    return {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": activations}},
+        "ignore": ["lm_head", *dense], "kv_cache_scheme": None,
+    }  # fmt: skip
+
+
+def _ct_fp8(strategy: str, static: bool):
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
+               "dynamic": False, "group_size": None, "actorder": None}  # fmt: skip
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+            "strategy": "tensor" if static else "token"}  # fmt: skip
+    block = (1, None) if strategy == "channel" else None
+
+    def write(name: str, w: torch.Tensor, out: dict, dense: list[str]):
+        n, k = w.shape
+        q = quantize_fp8(w, None if block is None else (1, k))
+        out[f"{name}.weight"] = q.weight
+        scale = q.scale.to(torch.bfloat16)  # llm-compressor keeps scales in the model's dtype
+        out[f"{name}.weight_scale"] = scale if strategy == "channel" else scale.reshape(1)
+        if static:
+            out[f"{name}.input_scale"] = torch.tensor([0.02], dtype=torch.bfloat16)
+        return type(q)(q.weight, scale.float().reshape(q.scale.shape), q.block)
+
+    return write, lambda dense: _ct_config("float-quantized", weights, dense, acts)
+
+
+def _ct_int4(group: int | None, symmetric: bool):
+    strategy = "channel" if group is None else "group"
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": strategy,
+               "group_size": group, "dynamic": False, "actorder": None}  # fmt: skip
+
+    def write(name: str, w: torch.Tensor, out: dict, dense: list[str]):
+        n, k = w.shape
+        g = group or k
+        groups = torch.arange(k) // g
+        codes, scales, zeros = quantize_int4(w, groups, -(-k // g), symmetric)
+        q = pack_quantized(codes, scales, None if symmetric else zeros, g)
+        out[f"{name}.weight_packed"] = q.weight_packed
+        out[f"{name}.weight_scale"] = q.weight_scale
+        out[f"{name}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        if not symmetric:
+            out[f"{name}.weight_zero_point"] = q.weight_zero_point
+        return q
+
+    return write, lambda dense: _ct_config("pack-quantized", weights, dense, None)
+
+
+def _gptq(group: int, desc_act: bool):
+    def write(name: str, w: torch.Tensor, out: dict, dense: list[str]):
+        n, k = w.shape
+        groups = torch.arange(k) // group
+        if desc_act:  # act-order: columns quantized in a permuted order, g_idx maps them
+            perm = torch.randperm(k, generator=torch.Generator().manual_seed(len(name)))
+            groups = groups[torch.argsort(perm)]
+        codes, scales, zeros = quantize_int4(w, groups, -(-k // group), symmetric=True)
+        q = pack_gptq(codes, scales, zeros, group, groups if desc_act else None)
+        out |= {f"{name}.qweight": q.qweight, f"{name}.qzeros": q.qzeros,
+                f"{name}.scales": q.scales, f"{name}.g_idx": groups.to(torch.int32)}  # fmt: skip
+        return q
+
+    def config(dense: list[str]) -> dict:
+        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+                "sym": True, "checkpoint_format": "gptq", "damp_percent": 0.01,
+                "modules_to_not_convert": dense or None}  # fmt: skip
+
+    return write, config
+
+
+def _awq(group: int):
+    def write(name: str, w: torch.Tensor, out: dict, dense: list[str]):
+        k = w.shape[1]
+        codes, scales, zeros = quantize_int4(w, torch.arange(k) // group, k // group, False)
+        q = pack_awq(codes, scales, zeros, group)
+        out |= {f"{name}.qweight": q.qweight, f"{name}.qzeros": q.qzeros,
+                f"{name}.scales": q.scales}  # fmt: skip
+        return q
+
+    def config(dense: list[str]) -> dict:
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
+                "zero_point": True, "modules_to_not_convert": dense or None}  # fmt: skip
+
+    return write, config
+
+
+def _bnb_nf4(nested: bool):
+    """bitsandbytes' serialized Params4bit. Double quantization (`nested`): the absmax less
+    its mean, 8-bit codes per 256 blocks over a table the checkpoint carries (bitsandbytes'
+    dynamic map; any table reads the same way, here a uniform one)."""
+
+    def write(name: str, w: torch.Tensor, out: dict, dense: list[str]):
+        n, k = w.shape
+        q = quantize_nf4(w)
+        key = f"{name}.weight"
+        state = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [n, k]}
+        out |= {key: q.packed.view(-1, 1), f"{key}.quant_map": q.code}
+        absmax = q.absmax
+        if nested:
+            offset = absmax.mean()
+            table = torch.linspace(-1, 1, 256)
+            blocks = absmax - offset
+            padded = torch.zeros(-(-blocks.numel() // 256) * 256)
+            padded[: blocks.numel()] = blocks
+            scale = padded.view(-1, 256).abs().amax(dim=1).clamp(min=1e-12)
+            codes = (blocks[:, None] / scale.repeat_interleave(256)[: blocks.numel(), None]
+                     - table).abs().argmin(dim=1).to(torch.uint8)  # fmt: skip
+            out |= {f"{key}.absmax": codes, f"{key}.nested_absmax": scale,
+                    f"{key}.nested_quant_map": table}  # fmt: skip
+            state |= {"nested_blocksize": 256, "nested_offset": offset.item(),
+                      "nested_dtype": "float32"}  # fmt: skip
+            absmax = nf4_absmax(codes, scale, table, offset.item(), 256)
+        else:
+            out[f"{key}.absmax"] = absmax
+        blob = list(json.dumps(state).encode())
+        out[f"{key}.quant_state.bitsandbytes__nf4"] = torch.tensor(blob, dtype=torch.uint8)
+        return type(q)(q.packed, absmax, q.code, q.shape, q.blocksize)
+
+    def config(dense: list[str]) -> dict:
+        return {"quant_method": "bitsandbytes", "_load_in_4bit": True, "load_in_4bit": True,
+                "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+                "bnb_4bit_use_double_quant": nested, "bnb_4bit_compute_dtype": "float32",
+                "llm_int8_skip_modules": dense or None}  # fmt: skip
+
+    return write, config
+
+
+def _fp8_block(name: str, w: torch.Tensor, out: dict, dense: list[str]):
+    q = quantize_fp8(w, (128, 128))
+    out[f"{name}.weight"], out[f"{name}.weight_scale_inv"] = q.weight, q.scale
+    return q
+
+
+FORMATS = {
+    "fp8-block": (_fp8_block, lambda dense: FP8_BLOCK | {"modules_to_not_convert": dense or None}),
+    "ct-fp8-channel": _ct_fp8("channel", static=False),
+    "ct-fp8-tensor-static": _ct_fp8("tensor", static=True),
+    "ct-w4a16-g16": _ct_int4(16, symmetric=True),
+    "ct-w4a16-asym-g32": _ct_int4(32, symmetric=False),
+    "ct-w4a16-channel": _ct_int4(None, symmetric=True),
+    "gptq-g32": _gptq(32, desc_act=False),
+    "gptq-g16-desc-act": _gptq(16, desc_act=True),
+    "awq-g32": _awq(32),
+    "bnb-nf4": _bnb_nf4(nested=False),
+    "bnb-nf4-nested": _bnb_nf4(nested=True),
+}
+
+
+def quantize_dir(src: Path, out: Path, fmt: str, dense: tuple[str, ...] = ()) -> Path:
+    """Write `src` quantized as `fmt` to `out` (every *_proj of the decoder layers, but the
+    module paths in `dense`), and `out`-dense: the same weights dequantized, in float32.
+    Returns the dense directory."""
+    write, config = FORMATS[fmt]
+    oracle = out.with_name(out.name + "-dense")
+    for d in (out, oracle):
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(src, d)
+    tensors = load_file(src / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for key, w in tensors.items():
+        name = key.removesuffix(".weight")
+        if not (key.endswith("_proj.weight") and ".layers." in key) or name in dense:
+            quantized[key] = dequantized[key] = w
+            continue
+        dequantized[key] = dequantize(write(name, w, quantized, list(dense)))
+    quantized = {k: t.contiguous() for k, t in quantized.items()}
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, oracle / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = config(list(dense))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return oracle
