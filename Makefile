@@ -8,14 +8,21 @@ STAMP := $(VENV)/.lorafleet-installed
 # (grep's own "nothing left" status is ignored; pip's failure still fails the pipeline.)
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: run test test-multinode lint docs install clean gpu-kit
+.PHONY: run test test-fast test-multinode lint docs install clean gpu-kit
 
 run: $(STAMP)
 	$(VENV)/bin/lorafleet up
 
-# The two-node Ray test (~1.5 min) runs on its own: the suite stays under 20 minutes here.
+# Two workers: one runs the tests that start a Ray of their own (marked serve or ray), one
+# after another, the other the unit tests (tests/conftest.py groups them). The two-node
+# Ray test runs on its own (make test-multinode).
+XDIST := -n 2 --dist loadgroup
 test: $(STAMP) lint
-	$(PY) -m pytest -q -m "not multinode"
+	$(PY) -m pytest -q $(XDIST) -m "not multinode"
+
+# The inner loop: the unit tests only (nothing marked serve, ray, slow or multinode).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q $(XDIST) -m "not serve and not ray and not slow and not multinode"
 
 test-multinode: $(STAMP)
 	$(PY) -m pytest -q -m multinode

@@ -234,8 +234,7 @@ def lora_b_buffer(
     the rank axis. The torch path gets it rank-major ([rows, out] in memory, seen
     transposed): an adapter's r rank rows are then r whole rows of memory, so the
     expand's matmul streams rows instead of r-of-R floats out of each, and a load writes
-    rows too (measured with slots on the 2-core CPU, 8 slots of r=16 in R=64, 1408
-    columns: the bmm 47 -> 21 us; a decode step's LoRA part ~20 % faster)."""
+    rows too (the figures: docs/performance.md)."""
     if backend_for(torch.empty(0, device=device)) == "triton":
         return torch.zeros(out_features, rows, device=device, dtype=dtype)
     return torch.zeros(rows, out_features, device=device, dtype=dtype).t()

@@ -45,14 +45,14 @@ def moe_grouped_gemm(
         return _padded_bmm(x, w, bounds, counts)
     out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
     for e, (lo, n) in enumerate(zip(bounds, counts)):
-        if n:  # F.linear: matmul(x, w.t(), out=) took 6x as long on this CPU
+        if n:  # F.linear: matmul(x, w.t(), out=) is slower on CPU (docs/performance.md)
             out[lo : lo + n] = F.linear(x[lo : lo + n].float(), w[e].float()).to(x.dtype)
     return out
 
 
 # Experts with at most this many rows each run as one bmm over [E, max rows, K], padded
-# (decode: 16 tokens x top-2 of 8 give ~4 rows an expert; the bmm took 0.41 ms where eight
-# F.linear calls took 1.33 ms); more rows, one F.linear per expert.
+# (decode: 16 tokens x top-2 of 8 give ~4 rows an expert, where one bmm beats a call per
+# expert: docs/performance.md); more rows, one F.linear per expert.
 _BMM_MAX_ROWS = 16
 
 
@@ -89,8 +89,8 @@ def expert_lora_shrink(
         g, m, r = grp.padded.shape[0], grp.padded.shape[1], grp.rank
         xs = x.index_select(0, grp.padded.view(-1)).view(g, m, -1).float()  # [g, m, in]
         w = rank_major.index_select(0, grp.arena_rows).view(g, r * num_slices, -1)
-        # rows on the left: MKL's batched [m, in] x [in, r*ns] ran 3.5x as fast as
-        # [r*ns, in] x [in, m] for decode's m = 1
+        # rows on the left: MKL's batched [m, in] x [in, r*ns] is faster than
+        # [r*ns, in] x [in, m] for decode's m = 1 (docs/performance.md)
         res = torch.bmm(xs, w.float().transpose(1, 2))  # [g, m, r*ns], (c, j) order
         res = _kept(res.view(g * m, r, num_slices).transpose(1, 2), grp.keep)
         out.view(p, num_slices, max_rank)[:, :, :r].index_copy_(0, grp.pairs, res)

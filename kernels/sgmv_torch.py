@@ -11,9 +11,8 @@ different ranks never share a run: nothing guarantees zeros past a rank any more
 When the run's slots hold different token counts, its token rows are gathered once
 into the padded [k, m] layout the bmm needs (a place past a slot's tokens repeats a
 real row) and every slice's matmul shares that operand; each result drops the padded
-places with one index_select. (Padding per matmul instead, zeros + index_copy_ for
-every slice: decode step median 78 vs 71 ms, 32 tokens over 16 adapters of uneven
-popularity, the two alternated step by step.) A and B read fastest rank-major
+places with one index_select (cheaper than padding per matmul, zeros + index_copy_ for
+every slice: docs/performance.md). A and B read fastest rank-major
 (kernels.lora_a_buffer, lora_b_buffer): an adapter's rank rows are then whole rows of
 memory, and a shrink is one matmul over every slice.
 
@@ -50,7 +49,8 @@ from kernels.segments import SegmentInfo
 # call); fewer are padded to the run's longest, so padding stays compute-cheap.
 _SMALL_TOKENS = 16
 # Reading this many extra bytes (places no used slot holds) costs about what one more
-# run's ~10 fixed-cost ops do at the ~10-20 GB/s measured here, so runs merge below it.
+# run's ~10 fixed-cost ops do at a CPU's read bandwidth (docs/performance.md), so runs
+# merge below it.
 _MERGE_BYTES = 512 * 1024
 
 
@@ -104,7 +104,7 @@ def _runs(
             )
     # Prefill-sized slots each get a run. Decode-sized ones of one rank are merged in arena
     # order while they lie on one grid and the places between them that no used slot holds
-    # cost fewer bytes than the ~10 fixed-cost ops (~10 us each on CPU) a run saves.
+    # cost fewer bytes than the ~10 fixed-cost ops a run saves.
     by_rank: dict[int, list[int]] = {}
     for s in sorted(rows_of, key=offsets.__getitem__):
         if len(rows_of[s]) <= _SMALL_TOKENS:

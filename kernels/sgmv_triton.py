@@ -18,10 +18,7 @@ decode steps) run BGMV-style kernels: one program per token, tl.sum over a
 [rank, K-chunk] or [N-block, rank] tile, no matrix units, shrink with a K split
 so that a few tokens still fill the GPU. Everything else runs SGMV tile kernels
 (tl.dot; 16-row tiles for segments of <= SMALL_TILE_TOKENS tokens, 64 above).
-Measured on an H100 (bf16, rank 16, 32 tokens of 32 adapters, CUDA graph
-replays, weights rotated beyond L2; .ci/gpu and the bench): at hidden 4096 the
-BGMV pair runs in 8.1 us against the tile pair's 14 us (shrink 5.3 vs 7.4 with
-its zero fill, expand 2.8 vs 6.7); at hidden 512, 6.3 vs 8.2 us.
+On an H100 the BGMV pair beats the tile pair at decode (docs/performance.md).
 
 Adapters sit in arenas at their own rank (kernels/__init__.py): a program loads its
 slot's first arena row (slot_offsets) and reads rank rows from there. The H100 figures

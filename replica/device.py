@@ -386,7 +386,8 @@ class SideStreamLoader:
         )
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         # Start the worker now: started by the first submit, it would begin that job while
-        # the step loop waits for the GIL inside submit (0.3-3.6 ms measured on a cold start).
+        # the step loop waits for the GIL inside submit (docs/performance.md, "Figures
+        # behind code choices").
         self._pool.submit(lambda: None).result()
 
     def submit(self, job: Callable[[], None]) -> LoadHandle:

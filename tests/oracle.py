@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -108,3 +109,17 @@ def check_mixed_batch(engine, model_dir: Path, adapters: dict, prompts, new_toke
         assert seq.output_ids == hf_greedy(refs[name], p, new_tokens), (name, len(p))
         got[name].append(seq.output_ids)
     return got
+
+
+def build_peft_adapter(model_dir, out, seed: int, safe: bool = True, **lora_kwargs):
+    """Return `out`, where PEFT itself saved an adapter of `model_dir` (init_lora_weights=False
+    so that B is not zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs))
+        model.save_pretrained(out, safe_serialization=safe)
+    return out

@@ -4,7 +4,8 @@ Every import counts, also those inside functions and under TYPE_CHECKING. The la
 (top to bottom): cluster -> router -> replica -> kernels, with router reaching replica
 only through replica.wire and replica.errors (the refusals a replica raises); inside
 replica: serve -> engine -> executor -> adapters -> model, and beside them the shared
-modules (wire, config, device, errors) that import none of the layers.
+modules (wire, config, device, errors) that import none of the layers. In tests/, no
+module imports a test module: what tests share lives in helper modules.
 """
 
 from __future__ import annotations
@@ -144,3 +145,45 @@ def test_the_top_of_replica_stays_small():
     top = [p.name for p in (ROOT / "replica").glob("*.py")]
     assert len(top) <= 8, top
     assert not [p for p in (ROOT / "cluster").glob("*.py") if p.stem.startswith(("bench", "demo"))]
+
+
+def imported_test_modules(source: str) -> set[str]:
+    """Return the test modules (a `test_*` component in the dotted name) `source` imports.
+
+    A helper two test files share lives in a module of its own (tests/fakes.py,
+    tests/net.py, tests/engines.py, ...): importing a test module runs its tests' module
+    code again under a second name and ties one test file to another's private choices.
+    """
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        found |= {n for n in names if any(p.startswith("test_") for p in n.split("."))}
+    return found
+
+
+def test_the_detector_sees_every_way_to_import_a_test_module():
+    source = (
+        "import tests.router.test_api\nfrom tests.cluster import test_dashboard as d\n"
+        "from .test_faults import LONG\nfrom tests.fakes import FakeStore\n"
+    )
+    assert imported_test_modules(source) == {
+        "tests.router.test_api",
+        "tests.cluster.test_dashboard",
+        ".test_faults",
+        ".test_faults.LONG",
+    }
+
+
+def test_no_test_imports_from_a_test_module():
+    bad = {
+        str(path.relative_to(ROOT)): sorted(found)
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (found := imported_test_modules(path.read_text()))
+    }
+    assert not bad, f"move what these share into a helper module: {bad}"

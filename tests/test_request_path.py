@@ -27,7 +27,8 @@ from replica.serve.async_engine import AsyncLLMEngine
 from replica.serve.deployment import LoRAReplica
 from replica.wire import AdapterKey, GenerateRequest
 from tests.conftest import tiny_assets
-from tests.router.test_ingress_api import FakeStore, as_ray_delivers, ingress_client, registered
+from tests.fakes import FakeStore, as_ray_delivers, registered
+from tests.router.client import ingress_client
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("cluster", "router", "replica", "kernels")

@@ -16,8 +16,8 @@ class KVCache:
     """k[layer], v[layer]: [num_kv_heads, num_blocks * block_size, head_dim].
 
     Head-major, so gathering a sequence's tokens yields the [heads, L, head_dim]
-    planes attention consumes without a transpose copy (measured 2x faster for
-    CPU decode than block-major). Token slot = block * block_size + offset."""
+    planes attention consumes without a transpose copy (faster for CPU decode than
+    block-major: docs/performance.md). Token slot = block * block_size + offset."""
 
     def __init__(
         self,

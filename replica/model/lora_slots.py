@@ -149,9 +149,9 @@ class LoRASlotBuffers:
             {g: [0] * n for g in self.groups}, [0.0] * n, {g: [0] * n for g in self.groups}
         )
         # What write() copies into, per layer and group: numpy views of the arenas on CPU
-        # (a write is ~100 small copies, and numpy slicing costs a tenth of torch's: the
-        # write took 1.3-2.9 ms, mostly indexing, for adapters of 0.85-18.6 MB); the
-        # tensors themselves elsewhere. B as the arena is, [out, P]: an adapter's B
+        # (a write is ~100 small copies, mostly indexing, and numpy slicing costs a tenth
+        # of torch's: docs/performance.md, "Figures behind code choices"); the tensors
+        # themselves elsewhere. B as the arena is, [out, P]: an adapter's B
         # [out, r] is then copied as it is staged, contiguous (a transposed source
         # would make torch copy it to pageable memory first and wait for the copy).
         self._targets = [
@@ -258,8 +258,8 @@ class SlotTensors:
     """The slot table where the kernels read it: device tensors at fixed addresses,
     rewritten in place (one copy) only when the table a step runs with is another version
     than the last one sent: after a slot is activated or cleared, or for the one step that
-    runs with the view taken before a hand-over. (Comparing the values instead cost 180 us
-    of host time a step at 2,050 slot handles and 8 groups.)"""
+    runs with the view taken before a hand-over. Comparing the values instead costs host
+    time every step, growing with the slot handles (docs/performance.md)."""
 
     def __init__(
         self, num_slots: int, device: torch.device, groups: tuple[str, ...] = tuple(MODULE_GROUPS)
@@ -332,8 +332,8 @@ def _write_rows(
 
 def _fill(dst: np.ndarray | torch.Tensor, src: torch.Tensor | None) -> None:
     """dst = src (or zeros). On CPU through numpy: torch ops issued from the loader
-    thread would start a second OpenMP team that measurably slows the step loop's
-    compute on the same cores (decode step 57 -> 99 ms); numpy copies use no OpenMP.
+    thread would start a second OpenMP team that slows the step loop's compute on the
+    same cores (docs/performance.md); numpy copies use no OpenMP.
     On CUDA a non_blocking copy on the caller's stream, asynchronous when `src` is
     contiguous in pinned memory (the host cache stages it so)."""
     if isinstance(dst, np.ndarray):

@@ -105,6 +105,7 @@ def test_churn_without_eviction_fails_the_bench(tmp_path, capsys):
     assert "churn without eviction" in err and "zipf: 0 evictions" in err
 
 
+@pytest.mark.slow
 def test_churn_memory_is_half_the_working_set_and_loads_are_delayed(tiny):
     """tiny's 4 adapters (ranks 8, 16, 32, 64) need 8 + 16 + 32 + 64 rank rows; the churn
     engine gets one 64-row block, so a run over all of them evicts, and with sync loading
@@ -131,6 +132,7 @@ def test_churn_memory_is_half_the_working_set_and_loads_are_delayed(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_quick_tp_run_reports_the_communication_of_a_step(tmp_path, capsys):
     # what is asserted here, nothing more: one scenario (adapter churn on 2 ranks) and the
     # communication section; the headline figures are checked on one rank above. The
@@ -158,6 +160,7 @@ def test_scenarios_option_refuses_unknown_names(capsys):
     assert "nope" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_mixed_sampling_scenario_reports_both_arms(tiny):
     """The mixed-sampling scenario at the tiniest sizes: 4 rows over 2 adapters, 3 tokens;
     every figure written and positive (no timing assertion: this is a shared machine)."""

@@ -82,6 +82,7 @@ def _fake_graph_stats(monkeypatch) -> None:
                         raising=False)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_tiny_run_measures_every_figure_on_the_cpu(tmp_path, capsys, monkeypatch):
     _fake_graph_stats(monkeypatch)
     out = tmp_path / "gpu.json"
@@ -107,6 +108,7 @@ def test_a_run_without_counted_graphs_is_refused(monkeypatch):
         harness.main(gpu, ["--shape", "tiny", "--device", "cpu"])
 
 
+@pytest.mark.slow
 def test_ci_gpu_dry_run_imports_as_a_bare_machine_and_plans(tmp_path):
     # the script's python3 is this test's Python (a GPU machine's own python3 there)
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])

@@ -37,7 +37,7 @@ from benchmarks.many_adapters import (
 )
 from replica.model.adapter_weights import load_peft_adapter
 from replica.model.spec import load_model_spec
-from tests.cluster.bench.fake_server import serving
+from tests.net import serving
 
 BASE = "fake-base"
 

@@ -3,6 +3,8 @@ each kind on the tiny model (B's requests measured, A and B both served)."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import harness
 from benchmarks import tenants as bench_tenants
 from benchmarks.tenants import (
@@ -55,6 +57,7 @@ def test_targets_read_the_ratios():
     assert {k: c["met"] for k, c in compare(bad)["targets"].items()} == dict.fromkeys(met, False)
 
 
+@pytest.mark.slow
 def test_a_short_run_of_each_kind_on_the_tiny_model(tiny):
     """Wall-clock runs on a shared CPU: what they serve depends on the machine's load, so
     this checks what a run records, not how much."""

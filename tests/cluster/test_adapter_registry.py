@@ -23,9 +23,10 @@ from cluster.store import AdapterStore, deployment, reports
 from cluster.store.checkpoint import NAMESPACE, Checkpoint
 from replica.wire import AdapterInfo, AdapterKey, RegistryEpoch
 from router.errors import BadRequestError, NotFoundError
-from tests.cluster.test_resolvers import fake_hf_cache
+from tests.fakes import fake_hf_cache
 
 BASE = "tiny-base"
+pytestmark = pytest.mark.ray  # local_ray: tests/conftest.py keeps it off the other worker
 
 
 def run(coro: Any) -> Any:

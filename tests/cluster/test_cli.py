@@ -7,23 +7,17 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
 from cluster import ports, serving
 from cluster.cli import main
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
+from tests.cluster.cli_runs import SERVE_FAILURE, refused, run_cli
 from tests.conftest import tiny_assets
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.engines import make_engine
+from tests.net import free_port
 
 
 def test_generate_json_mixed_batch_matches_engine(tiny, capsys):
@@ -37,8 +31,7 @@ def test_generate_json_mixed_batch_matches_engine(tiny, capsys):
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["adapter"] for r in rows] == [None, "adapter-02"]
-    eng = LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu", num_slots=2))
-    eng.load_adapter("adapter-02", tiny.adapters["adapter-02"])
+    eng = make_engine(tiny, {"adapter-02": tiny.adapters["adapter-02"]})
     for r in rows:
         assert set(r) >= {"prompt_token_ids", "output_token_ids", "text"}
         seq = eng.generate(
@@ -49,6 +42,7 @@ def test_generate_json_mixed_batch_matches_engine(tiny, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_generate_with_tp_2_prints_what_tp_1_prints(tiny, capsys):
     """--tp 2: rank 0 in the command's process, rank 1 an actor of the local Ray it starts
     (run as its own process, so that Ray and its rank leave with it)."""
@@ -174,38 +168,6 @@ def test_help_imports_no_torch_and_no_ray():
 # -- `lorafleet up` refuses what it can, here, before anything starts --------------------------
 
 
-@pytest.fixture
-def nothing_starts(monkeypatch):
-    """Fails a test that would start (or join) a Ray cluster."""
-
-    def connect(*args, **kwargs):
-        raise AssertionError("lorafleet up went on to start Ray")
-
-    monkeypatch.setattr(serving, "connect", connect)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _refused(capsys, *argv: str) -> str:
-    """`lorafleet ARGV` in this process: status 2 and one line on stderr, which it returns;
-    within the 10 s the issue asks (its imports are already made in this process). An `up`
-    without --port gets a free one (not 8000: a server of someone's may hold it)."""
-    if argv[0] == "up" and "--port" not in argv:
-        argv = (*argv, "--port", str(_free_port()))
-    started = time.monotonic()
-    code, _, err = run_cli(capsys, *argv)
-    assert code == 2, err
-    assert time.monotonic() - started < 10
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lorafleet: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
-
-
 def _config_file(tmp_path, edit) -> str:
     config = serving.load_config(serving.DEFAULT_CONFIG)
     edit(config["applications"][0]["args"])
@@ -221,13 +183,13 @@ def test_a_misspelt_key_is_one_line_naming_its_path(tmp_path, capsys, nothing_st
     def misspell(args):
         args["store"]["adaptors"] = args["store"].pop("adapters")
 
-    line = _refused(capsys, "up", "--config", _config_file(tmp_path, misspell))
+    line = refused(capsys, "up", "--config", _config_file(tmp_path, misspell))
     assert line.endswith(
         "applications[0].args.store.adaptors: unknown field (did you mean 'adapters'?)"
     )
-    line = _refused(capsys, "up", "--set", "adaptors=demo")
+    line = refused(capsys, "up", "--set", "adaptors=demo")
     assert "applications[0].args.adaptors: unknown field" in line
-    line = _refused(capsys, "up", "--set", "engine.adapters.num_slot=4")
+    line = refused(capsys, "up", "--set", "engine.adapters.num_slot=4")
     assert (
         "applications[0].args.engine.adapters.num_slot: unknown field (did you mean 'num_slots'?)"
         in line
@@ -240,7 +202,7 @@ def test_every_bad_field_gets_its_own_line(tmp_path, capsys, nothing_starts):
         args["engine"]["max_lora_rank"] = "big"
 
     path = _config_file(tmp_path, spoil)
-    code, _, err = run_cli(capsys, "up", "--config", path, "--port", str(_free_port()))
+    code, _, err = run_cli(capsys, "up", "--config", path, "--port", str(free_port()))
     assert code == 2
     assert sorted(err.strip().splitlines()) == [
         "lorafleet: error: applications[0].args.engine.max_lora_rank: Input should be a valid "
@@ -249,14 +211,14 @@ def test_every_bad_field_gets_its_own_line(tmp_path, capsys, nothing_starts):
     ]
 
 
-def test_serve_settings_serve_would_ignore_are_refused(tmp_path, capsys, nothing_starts):
+def test_serve_settings_serve_would_ignore_arerefused(tmp_path, capsys, nothing_starts):
     """Serve's own schema ignores unknown keys: a misspelt route_prefix would silently not
     apply."""
     config = serving.load_config(serving.DEFAULT_CONFIG)
     config["applications"][0]["route_prefx"] = "/v2"
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    line = _refused(capsys, "up", "--config", str(path))
+    line = refused(capsys, "up", "--config", str(path))
     assert line.endswith(
         "applications[0].route_prefx: unknown field (did you mean 'route_prefix'?)"
     )
@@ -267,34 +229,34 @@ def test_an_unsupported_model_is_one_line_naming_the_cause(tiny, tmp_path, capsy
     shutil.copytree(tiny.model_dir, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    line = _refused(capsys, "up", "--model", str(model))
+    line = refused(capsys, "up", "--model", str(model))
     assert "applications[0].args.engine.model:" in line
     assert "unsupported architecture model_type='bert'" in line
-    assert "no config.json" in _refused(capsys, "up", "--model", str(tmp_path))
+    assert "no config.json" in refused(capsys, "up", "--model", str(tmp_path))
     bare = tmp_path / "bare"  # config and weights, no tokenizer: the Ingress could not start
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tiny.model_dir / name, bare / name)
-    assert f"{bare}: no tokenizer" in _refused(capsys, "up", "--model", str(bare))
+    assert f"{bare}: no tokenizer" in refused(capsys, "up", "--model", str(bare))
 
 
 def test_a_missing_or_bad_adapter_is_one_line_naming_it(tiny, tmp_path, capsys, nothing_starts):
     def missing(args):
         args["store"]["adapters"] = {"support": str(tmp_path / "no-such-adapter")}
 
-    line = _refused(capsys, "up", "--model", str(tiny.model_dir), "--config",
+    line = refused(capsys, "up", "--model", str(tiny.model_dir), "--config",
                     _config_file(tmp_path, missing))  # fmt: skip
     assert line.endswith(f"applications[0].args.store.adapters.support: {tmp_path}/no-such-adapter "
                          "is not a directory")  # fmt: skip
-    assert "is not a directory" in _refused(capsys, "up", "--lora", f"x={tmp_path}/none")
+    assert "is not a directory" in refused(capsys, "up", "--lora", f"x={tmp_path}/none")
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = _refused(capsys, "up", "--model", str(tiny.model_dir), "--lora", f"x={empty}")
+    line = refused(capsys, "up", "--model", str(tiny.model_dir), "--lora", f"x={empty}")
     assert line.endswith(
         f"applications[0].args.store.adapters.x: {empty}: missing adapter_config.json"
     )
     other = tiny_assets("llama", hidden_size=32, num_heads=2, num_kv_heads=1, num_adapters=1)
-    line = _refused(
+    line = refused(
         capsys, "up", "--model", str(tiny.model_dir),
         "--lora", f"wrong={other.adapters['adapter-00']}",
     )  # fmt: skip
@@ -311,14 +273,14 @@ def _listening() -> socket.socket:
 def test_up_refuses_a_port_that_accepts_connections(capsys, nothing_starts):
     with _listening() as server:
         port = server.getsockname()[1]
-        line = _refused(capsys, "up", "--port", str(port), "--no-demo-requests")
+        line = refused(capsys, "up", "--port", str(port), "--no-demo-requests")
     assert f"http://127.0.0.1:{port} already accepts connections" in line
 
 
 def test_up_refuses_a_port_another_lorafleet_command_is_taking(capsys, nothing_starts):
     """A second `up` started while the first one is still starting (its proxy not
     listening yet) is refused too: the first holds the port's lock until it exits."""
-    port = _free_port()
+    port = free_port()
     holder = subprocess.Popen(
         [sys.executable, "-c",
          f"from cluster import ports; ports.claim_port('127.0.0.1', {port}); "
@@ -327,7 +289,7 @@ def test_up_refuses_a_port_another_lorafleet_command_is_taking(capsys, nothing_s
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "claimed"
-        line = _refused(capsys, "up", "--port", str(port))
+        line = refused(capsys, "up", "--port", str(port))
         assert f"port {port} is taken: another lorafleet command" in line
         assert f"pid {holder.pid}" in line
     finally:
@@ -342,21 +304,6 @@ def test_local_addresses():
     assert ports.is_local_address("localhost:6379")
     assert ports.is_local_address("ray://127.0.0.1:10001")
     assert not ports.is_local_address("198.51.100.77:6379")  # TEST-NET-2: nobody's
-
-
-SERVE_FAILURE = (  # a Serve deployment status message, as Ray 2.60 writes it (shortened)
-    "The deployment failed to start 3 times in a row. This may be due to a problem with its "
-    "constructor or initial health check failing. See controller logs for details. Error:\n"
-    "\x1b[36mray::ServeReplica:lorafleet:AdapterStore.initialize_and_get_metadata()\x1b[39m "
-    "(pid=14933, ip=192.0.2.2)\n"
-    '  File "/ray/serve/_private/replica.py", line 1928, in initialize\n'
-    "    raise RuntimeError(traceback.format_exc()) from None\n"
-    "RuntimeError: Traceback (most recent call last):\n"
-    '  File "/work/main/cluster/adapter_store.py", line 116, in __init__\n'
-    "    self.spec = load_model_spec(model)\n"
-    "replica.model.hf_config.ModelConfigError: /m/config.json: unsupported architecture "
-    "model_type='bert'; supported: llama, mistral"
-)
 
 
 def test_a_failed_deployment_is_reported_by_its_root_cause():

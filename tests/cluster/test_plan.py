@@ -14,10 +14,8 @@ from cluster.demo.families import FAMILY_CONFIGS, family_model_dir
 from replica.config import EngineConfig
 from replica.executor.memory_plan import plan_memory
 from replica.model.spec import load_model_spec
-from tests.cluster.test_cli import _refused, nothing_starts, run_cli  # noqa: F401
-from tests.replica.executor.test_memory_plan import PUBLISHED
-from tests.replica.model.test_dummy_weights import config_only
-from tests.replica.model.test_load_errors import write_gguf_labelled_qwen3
+from tests.cluster.cli_runs import refused, run_cli
+from tests.model_dirs import PUBLISHED, config_only, write_gguf_labelled_qwen3
 
 GiB = 2**30
 KEYS = ("weights_bytes_per_gpu", "activation_bytes", "graph_bytes", "adapter_memory_bytes",
@@ -47,14 +45,14 @@ def test_plan_prints_the_memory_plan_as_json_last(capsys, name, tp):
 
 
 def test_plan_refuses_llama_70b_on_one_80gib_gpu_in_one_line(capsys):
-    line = _refused(capsys, "plan", "--model", str(PUBLISHED / "Llama-3.1-70B"),
+    line = refused(capsys, "plan", "--model", str(PUBLISHED / "Llama-3.1-70B"),
                     "--gpu-memory", "80GiB")  # fmt: skip
     assert "does not fit: weights 131.48 GiB" in line and " by 61.9" in line
 
 
 def test_plan_refuses_a_max_model_len_without_room_and_honours_a_shorter_one(capsys):
     qwen = str(PUBLISHED / "Qwen3-32B")
-    line = _refused(capsys, "plan", "--model", qwen, "--gpu-memory", "80GiB")
+    line = refused(capsys, "plan", "--model", qwen, "--gpu-memory", "80GiB")
     assert "one sequence of max_model_len 40,960 needs 10.00 GiB" in line and "short by" in line
     got = plan_json(capsys, "--model", qwen, "--gpu-memory", "80GiB", "--max-model-len", "8192")
     assert got["max_model_len"] == 8192 and got["max_concurrency_at_max_model_len"] >= 1
@@ -74,13 +72,13 @@ def test_plan_takes_engine_settings_and_sizes(capsys):
     assert old == lower  # the previous release's path, read for one more
     h200 = plan_json(capsys, "--model", llama, "--gpu-memory", "141GB", "--dtype", "float16")
     assert h200["device_bytes"] == 141 * 10**9
-    assert "expected engine.KEY=VALUE" in _refused(
+    assert "expected engine.KEY=VALUE" in refused(
         capsys, "plan", "--model", llama, "--gpu-memory", "80GiB", "--set", "num_slots=4"
     )
-    assert "expected a size such as 80GiB" in _refused(
+    assert "expected a size such as 80GiB" in refused(
         capsys, "plan", "--model", llama, "--gpu-memory", "lots"
     )
-    assert "error: gpu_memory_utilization: Input should be less than or equal to 1" in _refused(
+    assert "error: gpu_memory_utilization: Input should be less than or equal to 1" in refused(
         capsys, "plan", "--model", llama, "--gpu-memory", "80GiB",
         "--set", "engine.gpu_memory_utilization=1.5",
     )  # fmt: skip
@@ -127,7 +125,7 @@ def test_plan_counts_block_fp8_weights_packed_and_refuses_a_split_inside_a_block
     saved = 64 * (sum(n * k * 2 for n, k in shapes) - packed)
     assert got["weights_bytes_per_gpu"] == dense["weights_bytes_per_gpu"] - saved
     assert got["kv_cache_bytes"] > dense["kv_cache_bytes"]
-    line = _refused(capsys, "plan", "--model", str(model), "--gpu-memory", "80GiB", "--tp", "16")
+    line = refused(capsys, "plan", "--model", str(model), "--gpu-memory", "80GiB", "--tp", "16")
     assert "tp_size=16 cannot split the quantized model: model.layers.0.mlp.gate_proj" in line
     assert "cut its scale blocks of 128" in line
 
@@ -151,9 +149,9 @@ def test_an_unserved_quantized_checkpoint_is_refused_on_every_command(
     model = tmp_path / "qwen3-gguf"
     write_gguf_labelled_qwen3(model)
     named = "quantization_config with quant_method='gguf' is not served"
-    assert named in _refused(capsys, "plan", "--model", str(model), "--gpu-memory", "80GiB")
-    assert named in _refused(capsys, "generate", "--model", str(model), "--prompt", "hi")
-    line = _refused(capsys, "up", "--model", str(model))
+    assert named in refused(capsys, "plan", "--model", str(model), "--gpu-memory", "80GiB")
+    assert named in refused(capsys, "generate", "--model", str(model), "--prompt", "hi")
+    line = refused(capsys, "up", "--model", str(model))
     assert line.startswith("lorafleet: error: applications[0].args.engine.model:") and named in line
 
 

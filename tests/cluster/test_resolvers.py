@@ -4,7 +4,6 @@ one resolution per name, registration) is in test_adapter_registry.py."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -20,27 +19,7 @@ from cluster.resolvers import (
     allowed,
     build_resolvers,
 )
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def fake_hf_cache(cache: Path, repo_id: str, adapter: Path, commit: str = COMMIT) -> Path:
-    """Lay `adapter`'s files out as huggingface_hub's cache does: blobs named by content
-    hash, a snapshot of symlinks into them, refs/main naming the commit. The snapshot."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True)
-    for name in ADAPTER_FILES:  # the files this adapter has (one weights file)
-        if not (adapter / name).is_file():
-            continue
-        data = (adapter / name).read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
+from tests.fakes import fake_hf_cache
 
 
 @pytest.fixture

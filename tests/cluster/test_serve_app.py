@@ -12,7 +12,6 @@ import collections
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,22 +28,17 @@ from transformers import AutoTokenizer
 from cluster import serving
 from cluster.cli import main
 from cluster.demo import showcase
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
-from tests.cluster import test_dashboard as dashboard
+from tests.cluster import dashboard
 from tests.conftest import QUICK_STOP, tiny_assets
+from tests.engines import make_engine
+from tests.net import free_port
 
 pytestmark = pytest.mark.serve
 
 PRELOADED = ["adapter-00", "adapter-01", "adapter-02", "adapter-04", "adapter-05", "adapter-06"]
 MAX_RANK = 32  # adapter-03 and adapter-07 are rank 64: refused
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(assets, port: int, max_replicas: int = 2, target: int = 8) -> dict:
@@ -107,7 +101,7 @@ def cluster(assets):
         # metrics reach the export port every 0.5 s instead of 10 s: GET /metrics tests wait less
         _system_config={"metrics_report_interval_ms": 500},
     )
-    port = _free_port()
+    port = free_port()
     config = _config(assets, port)
     try:
         serving.deploy(config, timeout_s=240)
@@ -125,12 +119,7 @@ def client(cluster) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def engine(assets) -> LLMEngine:
     """The in-process engine with the same adapters: the reference for HTTP outputs."""
-    eng = LLMEngine(
-        EngineConfig(model=str(assets.model_dir), device="cpu", num_slots=8, max_lora_rank=64)
-    )
-    for name, path in assets.adapters.items():
-        eng.load_adapter(name, path)
-    return eng
+    return make_engine(assets, num_slots=8, max_lora_rank=64)
 
 
 @pytest.fixture(scope="module")
@@ -738,7 +727,7 @@ def test_up_joining_a_cluster_adds_its_app_and_removes_only_that(cluster, assets
     path.write_text(yaml.safe_dump(_joined_config(assets, cluster["port"])))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LORAFLEET_API_KEY", None)
-    other_port = str(_free_port())
+    other_port = str(free_port())
     refused = subprocess.run(
         _up("--address", address, "--config", str(path), "--port", other_port),
         capture_output=True, text=True, timeout=120, env=env,

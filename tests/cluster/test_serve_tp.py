@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import httpx
@@ -20,22 +19,16 @@ from ray.util import placement_group_table
 from transformers import AutoTokenizer
 
 from cluster import serving
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.executor.tp_group import RANK_ACTOR_PREFIX
 from replica.wire import SamplingParams
 from tests.conftest import QUICK_STOP, tiny_assets
+from tests.engines import make_engine
+from tests.net import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 ADAPTERS = ["adapter-00", "adapter-01"]
 PROMPT = [5, 17, 33, 2, 101, 64, 9]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +39,7 @@ def assets():
 @pytest.fixture(scope="module")
 def cluster(assets):
     ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     engine = {"model": str(assets.model_dir), "device": "cpu", "tp_size": 2,
               "adapters": {"num_slots": 3}, "kv_cache_bytes": 16 * 2**20}  # fmt: skip
     deployment = {"name": "LoRAReplica", "num_replicas": 1, "health_check_period_s": 1,
@@ -74,9 +67,7 @@ def cluster(assets):
 @pytest.fixture(scope="module")
 def expected(assets) -> dict[str | None, str]:
     """Greedy text of the in-process TP=1 engine, per model."""
-    eng = LLMEngine(EngineConfig(model=str(assets.model_dir), device="cpu", num_slots=3))
-    for name in ADAPTERS:
-        eng.load_adapter(name, assets.adapters[name])
+    eng = make_engine(assets, {name: assets.adapters[name] for name in ADAPTERS}, num_slots=3)
     sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
 

@@ -227,7 +227,7 @@ def test_a_failed_start_is_one_line_with_its_cause_and_the_logs(monkeypatch):
     line, at the first failed start when asked to fail fast (`up`)."""
     from ray import serve
 
-    from tests.cluster.test_cli import SERVE_FAILURE
+    from tests.cluster.cli_runs import SERVE_FAILURE
 
     retrying = "A replica failed to start with exception. Retrying 2 more time(s). Error:\n"
     app = _Status(

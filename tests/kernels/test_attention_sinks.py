@@ -15,8 +15,8 @@ from kernels import paged_attention_torch, prefill_attention_torch
 from kernels.paged_attention_reference import paged_decode_attention_reference
 from kernels.prefill_attention_reference import prefill_attention_reference
 from tests.conftest import TEST_DEVICE
-from tests.kernels import test_paged_attention as paged_tests
-from tests.kernels import test_prefill_attention as prefill_tests
+from tests.kernels import paged_cases as paged_tests
+from tests.kernels import prefill_cases as prefill_tests
 
 try:
     from kernels import paged_attention_triton, prefill_attention_triton

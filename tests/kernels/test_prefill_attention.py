@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ import kernels
 from kernels import prefill_attention_torch
 from kernels.prefill_attention_reference import prefill_attention_reference
 from tests.conftest import CUDA, TEST_DEVICE
+from tests.kernels.prefill_cases import HD, NAN, TOL, Case, make_case
 
 try:
     from kernels import prefill_attention_triton
@@ -35,72 +35,8 @@ except ImportError:  # a platform without triton still tests the torch path
     prefill_attention_triton = None
 needs_triton = pytest.mark.skipif(prefill_attention_triton is None, reason="triton not installed")
 
-NAN = float("nan")
-HD = 16
-TOL = {
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-}
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 HEADS = {"gqa4": (8, 2), "mqa": (8, 1), "mha": (4, 4)}
-
-
-@dataclass
-class Case:
-    q: torch.Tensor  # [n, H, hd]
-    k: torch.Tensor  # [KVH, S, hd]: fresh rows seen transposed, or the cache
-    v: torch.Tensor
-    slots: torch.Tensor | None  # [ctx] int64 into the cache; None: fresh
-    window: int | None
-    soft_cap: float | None
-    keys: torch.Tensor  # dense [KVH, ctx, hd] fp32, every position
-    values: torch.Tensor
-
-    @property
-    def scale(self) -> float:
-        return self.q.shape[2] ** -0.5
-
-    def args(self) -> tuple:
-        return (self.q, self.k, self.v, self.scale, self.slots, self.window, self.soft_cap)
-
-
-def make_case(
-    n: int,
-    ctx: int,
-    heads: tuple[int, int] = (8, 2),
-    dtype: torch.dtype = torch.float32,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    paged: bool | None = None,  # default: paged exactly when ctx > n
-    block_size: int = 4,
-    seed: int = 0,
-    hd: int = HD,
-) -> Case:
-    gen = torch.Generator().manual_seed(seed)
-    h, kvh = heads
-    keys = torch.randn(kvh, ctx, hd, generator=gen).to(dtype).float()
-    values = torch.randn(kvh, ctx, hd, generator=gen).to(dtype).float()
-    q = torch.randn(n, h, hd, generator=gen).to(TEST_DEVICE, dtype)
-    paged = ctx > n if paged is None else paged
-    if not paged:  # [n, KVH, hd] rows, seen as [KVH, n, hd]: what the model passes
-        k = keys.transpose(0, 1).contiguous().to(TEST_DEVICE, dtype).transpose(0, 1)
-        v = values.transpose(0, 1).contiguous().to(TEST_DEVICE, dtype).transpose(0, 1)
-        return Case(q, k, v, None, window, soft_cap, keys, values)
-    need = -(-ctx // block_size)
-    num_blocks = need + 2  # two spare blocks, NaN
-    ids = torch.randperm(num_blocks, generator=gen)[:need]
-    pos = torch.arange(ctx)
-    slots = ids[pos // block_size] * block_size + pos % block_size
-    first_seen = 0 if window is None else max(0, ctx - n - window + 1)
-    k_cache = torch.full((kvh, num_blocks * block_size, hd), NAN)
-    v_cache = torch.full_like(k_cache, NAN)
-    k_cache[:, slots[first_seen:]] = keys[:, first_seen:]
-    v_cache[:, slots[first_seen:]] = values[:, first_seen:]
-    return Case(
-        q, k_cache.to(TEST_DEVICE, dtype), v_cache.to(TEST_DEVICE, dtype),
-        slots.to(TEST_DEVICE), window, soft_cap, keys, values,
-    )  # fmt: skip
 
 
 def dense_oracle(case: Case) -> torch.Tensor:  # [n, H, hd] fp32
@@ -387,6 +323,7 @@ def test_prefill_triton_flash_is_asked_only_on_cuda():
 
 
 @needs_triton
+@pytest.mark.slow
 def test_prefill_triton_kernel_compiles_for_cuda(tmp_path):
     """No GPU here: lower the prefill kernel to sm_90 cubins for each dtype, with and
     without slots, cap and sinks, at head dims 64, 128 and 256 (Gemma 2's, in bf16)."""

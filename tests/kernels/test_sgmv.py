@@ -177,7 +177,7 @@ def _check_case(backend: str, case: Case) -> None:
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-@pytest.mark.parametrize("n", [1, 3, 7, 33])
+@pytest.mark.parametrize("n", [1, 3, 7, pytest.param(33, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("popularity", ["distinct", "uniform", "identical", "skewed"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_matches_reference(backend, popularity, n, kind, dtype):
@@ -455,6 +455,7 @@ def test_triton_on_cpu_without_interpreter_is_refused():
 
 
 @needs_triton
+@pytest.mark.slow
 def test_triton_kernels_compile_for_cuda(tmp_path):
     """No GPU here: lower both kernels to sm_90 cubins (ptxas ships with triton) for
     each dtype and both tile configurations, to catch what the interpreter can't."""

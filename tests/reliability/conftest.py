@@ -10,7 +10,6 @@ things (killed replicas, a killed store) leave the app healthy again before they
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from ray import serve
 
 from cluster import serving
 from tests.conftest import QUICK_STOP, tiny_assets
+from tests.net import free_port
 
 API_KEY = "test-key-0123456789"
 KEY_ENV = "LORAFLEET_TEST_ADMIN_KEY"
@@ -32,6 +32,8 @@ MAX_ONGOING = 4  # per LoRAReplica
 MAX_QUEUED = 4  # at the ingress's handle
 MAX_MODEL_LEN = 2048  # the tiny model's context: long requests take seconds
 RESOLVABLE = "resolvable-"  # the prefix of the adapter names resolved on first request
+# seconds of decoding on the tiny model: still running when the client leaves
+LONG = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True}
 
 
 OWN_RAY_MODULES = ("test_multinode.py",)  # start a Ray of their own: run before `cluster`
@@ -48,12 +50,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rest = [i for i in items if i not in moved]
     first = next((k for k, i in enumerate(rest) if i.path.parent == here), len(rest))
     items[:] = [*rest[:first], *own, *rest[first:]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config(assets, port: int, adapter_limit: int) -> dict[str, Any]:
@@ -118,7 +114,7 @@ def adapter_file_limit(assets) -> int:
 @pytest.fixture(scope="package")
 def cluster(assets) -> Iterator[dict[str, Any]]:
     ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     config = app_config(assets, port, adapter_file_limit(assets))
     try:
         serving.deploy(config, timeout_s=240)
@@ -194,6 +190,20 @@ def wait_idle(cluster, timeout_s: float = 30.0, headers: dict | None = None) -> 
             return last
         time.sleep(0.25)
     raise AssertionError(f"replicas not idle after {timeout_s} s: {last}")
+
+
+def aborted(
+    cluster, expected: int | None = None, timeout_s: float = 30.0, headers: dict | None = None
+) -> int:
+    """Return the count of requests the engines ended early (abort), over the live replicas,
+    once they are idle. With `expected`, polled until it is reached (or the time is up): a replica
+    whose report came late under load (over 3 s old) is left out of wait_idle's sum."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = sum(s["aborted"] for s in wait_idle(cluster, headers=headers).values())
+        if expected is None or total >= expected or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
 
 
 def _idle(s: dict) -> bool:

@@ -8,6 +8,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tests.net import assert_openai_error
 from tests.reliability.conftest import (
     MAX_MODEL_LEN,
     PRELOADED,
@@ -15,7 +16,6 @@ from tests.reliability.conftest import (
     post,
     replica_stats,
 )
-from tests.reliability.test_bad_input import assert_openai_error
 
 pytestmark = pytest.mark.serve
 

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.net import assert_openai_error
 from tests.reliability.conftest import ADMIN, MAX_MODEL_LEN, complete, post
 
 pytestmark = pytest.mark.serve
@@ -48,16 +49,6 @@ BAD_COMPLETIONS = [
     ({"model": "nope", "prompt": "x"}, "does not exist"),
     ({"model": "tiny-base", "prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
 ]
-
-
-def assert_openai_error(r: httpx.Response) -> dict:
-    """The body is OpenAI's error object and nothing else; returns its "error"."""
-    assert r.headers.get("content-type") == "application/json", (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"error"}, body
-    assert set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["code"] == r.status_code and body["error"]["message"], body
-    return body["error"]
 
 
 @pytest.mark.parametrize("body, needle", BAD_COMPLETIONS, ids=[n for _, n in BAD_COMPLETIONS])

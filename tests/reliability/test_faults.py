@@ -13,8 +13,10 @@ import pytest
 import ray
 
 from tests.reliability.conftest import (
+    LONG,
     MAX_ONGOING,
     MAX_QUEUED,
+    aborted,
     complete,
     load,
     model_names,
@@ -26,9 +28,6 @@ from tests.reliability.conftest import (
 )
 
 pytestmark = pytest.mark.serve
-
-# seconds of decoding on the tiny model: still running when the client leaves
-LONG = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True}
 
 
 def _stream_a_little_and_leave(cluster, model: str, chunks: int = 3) -> None:
@@ -42,26 +41,12 @@ def _stream_a_little_and_leave(cluster, model: str, chunks: int = 3) -> None:
                 break  # leaving the block closes the connection mid-stream
 
 
-def _aborted(
-    cluster, expected: int | None = None, timeout_s: float = 30.0, headers: dict | None = None
-) -> int:
-    """Requests the engines ended early (abort), over the live replicas, once they are
-    idle. With `expected`, polled until it is reached (or the time is up): a replica
-    whose report came late under load (over 3 s old) is left out of wait_idle's sum."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        total = sum(s["aborted"] for s in wait_idle(cluster, headers=headers).values())
-        if expected is None or total >= expected or time.monotonic() > deadline:
-            return total
-        time.sleep(0.5)
-
-
 def test_clients_leaving_mid_stream_free_kv_and_slots(cluster):
-    before = _aborted(cluster)
+    before = aborted(cluster)
     models = ["adapter-01", "adapter-01", "tiny-base", "adapter-02"]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda m: _stream_a_little_and_leave(cluster, m), models))
-    assert _aborted(cluster, before + 4) - before == 4  # and wait_idle saw all KV free
+    assert aborted(cluster, before + 4) - before == 4  # and wait_idle saw all KV free
 
 
 def test_non_streaming_client_timeout_aborts_the_request(cluster):
@@ -70,10 +55,10 @@ def test_non_streaming_client_timeout_aborts_the_request(cluster):
     # replica, stops it before the engine holds anything (nothing to abort there). Two
     # seconds reach the engine on a loaded 2-core machine; LONG still decodes then.
     assert complete(cluster, "adapter-00").status_code == 200
-    before = _aborted(cluster)
+    before = aborted(cluster)
     with pytest.raises(httpx.ReadTimeout):
         post(cluster, "/v1/completions", {"model": "adapter-00", **LONG}, timeout=2.0)
-    assert _aborted(cluster, before + 1) - before == 1
+    assert aborted(cluster, before + 1) - before == 1
 
 
 # Long enough that every request is sent while the first round still runs (sending takes

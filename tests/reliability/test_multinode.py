@@ -25,7 +25,7 @@ from ray.cluster_utils import Cluster
 
 from cluster import serving
 from tests.conftest import tiny_assets
-from tests.reliability.conftest import _free_port
+from tests.net import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.multinode]
 
@@ -101,7 +101,7 @@ def two_nodes() -> Iterator[dict[str, Any]]:
         worker = cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes(timeout=60)
         ray.init(address=cluster.address, namespace="serve", log_to_driver=False)
-        port = _free_port()
+        port = free_port()
         serving.deploy(_config(assets, port), timeout_s=240)
         url = f"http://127.0.0.1:{port}"
         body = {"lora_name": RUNTIME, "lora_path": str(assets.adapters[RUNTIME])}

@@ -28,10 +28,17 @@ from ray import serve
 from cluster import serving
 from router.ingress import HEALTH_MAX_REPORT_AGE_S
 from router.tenancy import key_digest
-from tests.cluster import test_dashboard as dashboard
-from tests.reliability.conftest import ADMIN, complete, post, redeploy, wait_healthy
-from tests.reliability.test_bad_input import assert_openai_error
-from tests.reliability.test_faults import LONG, _aborted
+from tests.cluster import dashboard
+from tests.net import assert_openai_error
+from tests.reliability.conftest import (
+    ADMIN,
+    LONG,
+    aborted,
+    complete,
+    post,
+    redeploy,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.serve
 
@@ -144,10 +151,10 @@ def test_health_is_503_with_no_replica_and_200_once_they_are_back(cluster, deplo
 # -- the settings --------------------------------------------------------------------------
 
 
-def test_a_request_past_its_deadline_is_504_and_aborted(strict):
+def test_a_request_past_its_deadline_is_504_andaborted(strict):
     for model in ("adapter-00", "tiny-base"):  # routed and resident: both reach an engine
         assert complete(strict, model, max_tokens=1, headers=KEYED).status_code == 200
-    before = _aborted(strict, headers=KEYED)
+    before = aborted(strict, headers=KEYED)
     r = post(strict, "/v1/completions", {"model": "adapter-00", **LONG}, KEYED)
     assert r.status_code == 504, r.text
     assert "time limit" in r.json()["error"]["message"]
@@ -157,7 +164,7 @@ def test_a_request_past_its_deadline_is_504_and_aborted(strict):
         events = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504, events[-2:]
-    assert _aborted(strict, before + 2, headers=KEYED) - before == 2
+    assert aborted(strict, before + 2, headers=KEYED) - before == 2
 
 
 def test_api_key_for_inference_guards_every_endpoint_but_health_and_metrics(strict):

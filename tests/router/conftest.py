@@ -1,5 +1,5 @@
 """Fixtures of the in-process ingress tests: the tiny model, fake store and replicas
-(test_ingress_api.py), and a TestClient on an Ingress built with them. A test module
+(tests/fakes.py), and a TestClient on an Ingress built with them. A test module
 may override any of them (test_ingress_output.py: a SentencePiece model)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from tests.conftest import tiny_assets
-from tests.router.test_ingress_api import FakeReplicas, FakeStore, ingress_client, registered
+from tests.fakes import FakeReplicas, FakeStore, registered
+from tests.router.client import ingress_client
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from replica.wire import Listing
 from router import catalog as catalog_module
 from router.catalog import Catalog
 from router.errors import NotFoundError
-from tests.router.test_ingress_api import COMPLETION, FakeStore, ingress_client, registered
+from tests.fakes import FakeStore, registered
+from tests.router.client import COMPLETION, ingress_client
 
 
 class Clock:

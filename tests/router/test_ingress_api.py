@@ -2,214 +2,24 @@
 Ingress object built with fake AdapterStore and LoRAReplica handles. Every error has an
 OpenAI body; invalid Unicode is a 400 naming the field; /health, /tokenize, /detokenize and
 /v1/models/{id}.
-
-The fakes (FakeStore, FakeReplicas, ingress_client) are shared with test_ingress_output.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import json
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from ray import cloudpickle, serve
-from ray.exceptions import RayTaskError
 
-from replica.wire import AdapterInfo, GenerateRequest, Listing, Reply
+from replica.wire import Reply
 from router import ingress
-from router.errors import NotFoundError
-from router.options import IngressOptions
 from tests.conftest import tiny_assets
-
-BASE = "tiny-base"
-KEY = "secret-key-123"
-
-
-def registered(name: str, version: int, path: str, created: int = 1700000000) -> AdapterInfo:
-    """An AdapterInfo as the store answers it (a rank-8 q/v adapter)."""
-    return AdapterInfo(name, version, {"qkv_proj": 8}, path, ("q_proj", "v_proj"), 0, created)
-
-
-class _Call:
-    """What a handle's .remote() returns: awaitable once, and harmless if never awaited."""
-
-    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
-        self.fn, self.args = fn, args
-
-    def __await__(self):
-        async def run() -> Any:
-            result = self.fn(*self.args)
-            return await result if inspect.isawaitable(result) else result
-
-        return run().__await__()
-
-
-class _Method:
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> _Call:
-        return _Call(self.fn, args)
-
-
-@dataclass
-class FakeStore:
-    """The AdapterStore's handle; counts the calls of each method (`calls`)."""
-
-    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
-    reports: dict[str, dict] = field(default_factory=lambda: {"r1": {"age_s": 0.2}})
-    fail: Exception | None = None  # raised by every call
-    listings_sent: int = 0
-    calls: Counter[str] = field(default_factory=Counter)
-
-    def __getattr__(self, name: str) -> _Method:
-        method = getattr(self, f"_{name}")
-
-        def counted(*args: Any) -> Any:
-            self.calls[name] += 1
-            return method(*args)
-
-        return _Method(counted)
-
-    def _check(self) -> None:
-        if self.fail is not None:
-            raise self.fail
-
-    def _listing(self, known: str | None = None) -> Listing:
-        """AdapterStore.listing: the list only when the registry changed since `known`."""
-        self._check()
-        tag = repr(sorted((a.name, a.version) for a in self.adapters.values()))
-        if known == tag:
-            return Listing(tag, None)
-        self.listings_sent += 1
-        return Listing(tag, tuple(sorted(self.adapters.values(), key=lambda a: a.name)))
-
-    def _resolve(self, name: str) -> AdapterInfo:
-        self._check()
-        if name not in self.adapters:
-            raise NotFoundError(f"adapter {name!r} is not registered")
-        return self.adapters[name]
-
-    def _replica_stats(self) -> dict[str, dict]:
-        self._check()
-        return self.reports
-
-    def _stats(self) -> dict[str, Any]:
-        return {}
-
-
-def as_ray_delivers(error: Exception) -> Exception:
-    """An exception raised in a replica's generator as the caller receives it: a
-    RayTaskError that is also an instance of the class raised (its `cause`)."""
-    return RayTaskError("generate", f"Traceback: {error!r}", error, "replica", 1, "127.0.0.1")
-
-
-class _Stream:
-    """A replica's reply stream (DeploymentResponseGenerator's async iteration): each
-    Reply of the script a message of its own, an exception raised as Ray delivers it."""
-
-    def __init__(self, replies: list[Reply | Exception]) -> None:
-        self.replies = iter(replies)
-        self.cancelled = False
-
-    def __aiter__(self) -> _Stream:
-        return self
-
-    async def __anext__(self) -> list[Reply]:
-        try:
-            item = next(self.replies)
-        except StopIteration:
-            raise StopAsyncIteration from None
-        if isinstance(item, Exception):
-            raise as_ray_delivers(item).as_instanceof_cause()
-        return [item]
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-@dataclass
-class FakeReplicas:
-    """Answers every generation with `script(request)`'s replies; keeps the requests."""
-
-    script: Callable[[GenerateRequest], list[Reply | Exception]] = lambda r: [
-        Reply((5, 6), "length", num_prompt_tokens=len(r.prompt_ids))
-    ]
-    requests: list[GenerateRequest] = field(default_factory=list)
-    streams: list[_Stream] = field(default_factory=list)
-
-    def options(self, **_: Any) -> FakeReplicas:
-        return self
-
-    @property
-    def generate(self) -> _Method:
-        def start(request: GenerateRequest) -> _Stream:
-            self.requests.append(request)
-            self.streams.append(_Stream(self.script(request)))
-            return self.streams[-1]
-
-        return SimpleNamespace(remote=start)  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def ingress_client(
-    model_dir: str,
-    store: FakeStore | None = None,
-    replicas: FakeReplicas | None = None,
-    ledger: Any = None,
-    listing_period_s: float = 1.0,
-    **options: Any,
-) -> Iterator[tuple[TestClient, Any]]:
-    """A TestClient on the ingress's app, its routes bound to a fresh Ingress object (as
-    Serve binds them to the replica's: its replica context's servable object), and that
-    object. `ledger`: a TenantLedger handle to share (default: the Ingress makes its own
-    when tenants are configured)."""
-    obj = ingress.Ingress(
-        replicas or FakeReplicas(),
-        store or FakeStore(),
-        model_dir,
-        BASE,
-        IngressOptions(**options),
-        ledger,
-        listing_period_s=listing_period_s,
-    )
-    context = SimpleNamespace(servable_object=obj)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(serve, "get_replica_context", lambda: context)
-        with TestClient(served_app()) as client:
-            yield client, obj
-
-
-@functools.cache
-def served_app() -> Any:
-    """The app as a Serve replica gets it: serve.ingress pickles it with cloudpickle, which
-    copies the routes' functions with only the module globals their code names (so an
-    annotation naming a class that no code uses would not resolve there)."""
-    return cloudpickle.loads(cloudpickle.dumps(ingress.app))
-
-
-def assert_openai_error(r, status: int, param: str | None = None) -> dict:
-    """An OpenAI error body, nothing else: {"error": {"message", "type", "param", "code"}}."""
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json"
-    body = r.json()
-    assert set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert error["code"] == status and error["message"] and error["type"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
+from tests.fakes import registered
+from tests.net import assert_openai_error
+from tests.router.client import BASE, CHAT, COMPLETION, KEY, ingress_client
 
 
 def post_json(client: TestClient, path: str, body: Any, **kw: Any):
@@ -217,9 +27,6 @@ def post_json(client: TestClient, path: str, body: Any, **kw: Any):
     headers = {"content-type": "application/json", **kw.pop("headers", {})}
     return client.post(path, content=json.dumps(body), headers=headers, **kw)
 
-
-COMPLETION = {"model": BASE, "prompt": "hello there", "max_tokens": 2}
-CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 # -- errors: always an OpenAI body -----------------------------------------------------------
 

@@ -13,14 +13,10 @@ from fastapi.testclient import TestClient
 
 from replica.errors import RequestError
 from replica.wire import GenerateRequest, Reply, TokenLogprobs
-from tests.router.test_ingress_api import (
-    BASE,
-    FakeReplicas,
-    FakeStore,
-    assert_openai_error,
-    ingress_client,
-)
-from tests.router.test_ingress_output import streamed as streamed_text_and_chunks
+from tests.fakes import FakeReplicas, FakeStore
+from tests.net import assert_openai_error
+from tests.router.client import BASE, ingress_client
+from tests.router.client import streamed as streamed_text_and_chunks
 
 COMPLETION = {"model": BASE, "prompt": "hello there", "max_tokens": 4}
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from replica.wire import GenerateRequest, Reply
-from tests.router.test_detokenize import added_text, sentencepiece_tokenizer
-from tests.router.test_ingress_api import BASE, FakeReplicas, FakeStore, ingress_client
+from tests.fakes import FakeReplicas, FakeStore
+from tests.router.client import BASE, ingress_client, streamed
+from tests.router.tokenizers import added_text, sentencepiece_tokenizer
 
 EOS = 2
 
@@ -53,20 +53,6 @@ def answer(token_ids: list[int], finish: str = "length", stop_token: int | None 
         return [*replies, last]
 
     return script
-
-
-def streamed(client: TestClient, path: str, body: dict[str, Any]) -> tuple[str, list[dict]]:
-    """(the concatenated text, the chunks) of a streamed request."""
-    r = client.post(path, json={**body, "stream": True})
-    assert r.status_code == 200, r.text
-    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert all("error" not in c for c in chunks), chunks
-    choices = [c["choices"][0] for c in chunks if c["choices"]]
-    if path.endswith("chat/completions"):
-        return "".join(c["delta"].get("content") or "" for c in choices), chunks
-    return "".join(c["text"] for c in choices), chunks
 
 
 COMPLETION = {"model": BASE, "prompt": "Hello world", "max_tokens": 8}

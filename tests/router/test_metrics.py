@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.errors import ServiceUnavailableError
 from router.metrics import filter_metrics, scrape
+from tests.net import free_port
 
 
 def _page(node: str, requests: float) -> str:
@@ -71,9 +71,7 @@ def test_nothing_to_keep_is_an_empty_page():
 
 
 def test_unreachable_export_port_is_503():
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     with pytest.raises(ServiceUnavailableError, match="cannot be read") as e:
         asyncio.run(scrape([f"http://127.0.0.1:{port}/metrics"], timeout_s=1.0))
     assert e.value.status == 503

@@ -17,14 +17,8 @@ import pytest
 from replica.wire import AdapterInfo, Reply
 from router.ledger import TenantLedger
 from router.tenancy import LocalHandle, key_digest
-from tests.router.test_ingress_api import (
-    BASE,
-    FakeReplicas,
-    FakeStore,
-    ingress_client,
-    registered,
-    served_app,
-)
+from tests.fakes import FakeReplicas, FakeStore, registered
+from tests.router.client import BASE, ingress_client, served_app
 
 ADMIN_KEY = "admin-key-0123"
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"

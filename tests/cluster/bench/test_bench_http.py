@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.bench import http as bench_http
 from cluster.bench.http import BenchError, LoadOptions, build_prompt, request_picker, run_load
-from tests.cluster.bench.fake_server import serving
+from tests.net import serving
 
 BASE = "fake-base"
 ADAPTERS = [f"a-{i:02d}" for i in range(6)]

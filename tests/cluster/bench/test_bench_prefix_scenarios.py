@@ -37,7 +37,7 @@ from cluster.bench.http import (
     system_prompt,
     user_message,
 )
-from tests.cluster.bench.fake_server import serving
+from tests.net import serving
 
 BASE = "fake-base"
 ADAPTERS = [f"a-{i:02d}" for i in range(4)]

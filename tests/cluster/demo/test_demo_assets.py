@@ -246,9 +246,11 @@ def _check_adapters(assets: DemoAssets, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_adapters_load_in_peft_and_change_outputs(builds, name, tmp_path):
     _check_adapters(builds[name][1], tmp_path)
 
 
+@pytest.mark.slow
 def test_default_spec_adapters(default_build, tmp_path):
     _check_adapters(default_build[1], tmp_path)

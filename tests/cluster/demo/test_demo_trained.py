@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from cluster.demo import training as dt
 from cluster.offline import GenerateRequest, OfflineGenerator
 from replica.config import EngineConfig
 from replica.wire import SamplingParams
+from tests.net import free_port
 from tests.oracle import hf_logits, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -130,12 +130,6 @@ def test_chat_template_turns_the_last_user_message_into_the_prompt(assets):
     assert text == "red sun ->"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.serve
 def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
     """`lorafleet up` (the README's run command, configs/serve.yaml) on a Ray it starts: the
@@ -148,7 +142,7 @@ def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
     Without a key (the same command, its own Ray and deployment: ~40 s more here), `up`
     runs the same steps but for the key: tests/cluster/test_serve_app.py runs `up` on an
     app with none (its printed commands carry no key) and the showcase against it."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "cluster.cli", "up", "--port", str(port), "--num-cpus", "2"]
     command += ["--set", "api_key_for_inference=true"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAFLEET_API_KEY": "test-key-5566"}

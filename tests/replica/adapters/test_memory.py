@@ -224,7 +224,7 @@ def test_adapters_of_different_groups_share_memory_at_their_own_offsets_like_pef
     eviction (a block of its largest rank in every group each, 72 rows, could not), the
     rank-8 one at row 0 of o_proj and row 32 of the others; each decodes what
     transformers + PEFT decode."""
-    from tests.replica.model.test_adapter_features import build_peft_adapter
+    from tests.oracle import build_peft_adapter
 
     attn = build_peft_adapter(tiny.model_dir, tmp_path / "attn", 0, r=32, lora_alpha=32,
                               target_modules=["q_proj", "v_proj"])  # fmt: skip

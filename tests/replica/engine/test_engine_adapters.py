@@ -10,7 +10,6 @@ import torch
 
 from replica.adapters.slot_pool import SlotState
 from replica.adapters.sources import PeftDirectorySource
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.engine.planner import prepare_batch
 from replica.engine.sequence import SeqStatus, Sequence
@@ -18,6 +17,7 @@ from replica.model.lora_slots import SlotTable
 from replica.model.spec import load_model_spec
 from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import tiny_assets
+from tests.engines import make_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -39,10 +39,8 @@ class SlowSource(PeftDirectorySource):
 
 
 def engine(assets, source=None, **kw) -> LLMEngine:
-    kw.setdefault("kv_cache_bytes", 16 << 20)
     kw.setdefault("num_slots", 3)
-    cfg = EngineConfig(model=str(assets.model_dir), device="cpu", **kw)
-    return LLMEngine(cfg, source or SlowSource(assets))
+    return make_engine(assets, {}, source=source or SlowSource(assets), **kw)
 
 
 def prompt(i: int, n: int = 8) -> list[int]:

@@ -11,10 +11,10 @@ import warnings
 import pytest
 import torch
 
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import needs_cuda
+from tests.engines import make_engine
 from tests.oracle import hf_logits, hf_model
 
 pytestmark = needs_cuda
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def engine(assets, device: str, **kw) -> LLMEngine:
     kw.setdefault("kv_cache_bytes", 32 << 20)
     kw.setdefault("dtype", "float32")
-    return LLMEngine(EngineConfig(model=str(assets.model_dir), device=device, **kw))
+    return make_engine(assets, {}, device=device, **kw)
 
 
 def prompt(i: int, n: int = 9) -> list[int]:
@@ -189,7 +189,7 @@ def test_any_other_capture_failure_fails_the_start(tiny, monkeypatch):
 
 def test_nothing_compiles_while_serving(tiny):
     """Every Triton kernel variant a varied workload launches was compiled at start."""
-    from tests.replica.executor.test_graphs import triton_kernels
+    from tests.replica.executor.steps import triton_kernels
 
     jitted = triton_kernels()
 

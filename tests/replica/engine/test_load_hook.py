@@ -8,20 +8,17 @@ import time
 
 import pytest
 
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import GenerateRequest, SamplingParams
+from tests.engines import make_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
 
 def _engine(tiny, loading: str) -> LLMEngine:
-    eng = LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu", num_slots=5,
-                                 max_loras_per_batch=4, max_num_seqs=4, kv_cache_bytes=1 << 20,
-                                 adapter_loading=loading))  # fmt: skip
-    for name, path in tiny.adapters.items():
-        eng.load_adapter(name, path)  # staged in host memory: no slot, no load yet
-    return eng
+    # the adapters are staged in host memory: no slot, no load yet
+    return make_engine(tiny, num_slots=5, max_loras_per_batch=4, max_num_seqs=4,
+                       kv_cache_bytes=1 << 20, adapter_loading=loading)  # fmt: skip
 
 
 def _serve(eng: LLMEngine, adapters: list[str]) -> None:

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.model.kv_cache import KVCache
 from replica.wire import GenerateRequest, SamplingParams
+from tests.engines import make_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def make_engine(assets, **kw) -> LLMEngine:
-    kw.setdefault("kv_cache_bytes", 16 << 20)
-    eng = LLMEngine(EngineConfig(model=str(assets.model_dir), device="cpu", num_slots=5, **kw))
-    for name, path in assets.adapters.items():
-        eng.load_adapter(name, path)
-    return eng
 
 
 def mixed_requests(assets, vocab: int) -> list[tuple[list[int], SamplingParams, str | None]]:

@@ -11,15 +11,11 @@ from replica.engine.engine import LLMEngine
 from replica.engine.sequence import Sequence
 from replica.model.kv_cache import KVCache
 from replica.wire import GenerateRequest, SamplingParams
+from tests.engines import make_engine, tokens
 from tests.oracle import hf_greedy, hf_model
-from tests.replica.engine.test_mixed_batch import make_engine
 
 BS = 4  # small blocks: a 40-token prefix is 10 of them
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-def tokens(seed: int, n: int, vocab: int = 300) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 PREFIX = tokens(1, 40)

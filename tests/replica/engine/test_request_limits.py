@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.errors import RequestError
 from replica.wire import GenerateRequest, SamplingParams
+from tests.engines import make_engine
 
 
 def test_max_tokens_none_is_the_rest_of_the_context(tiny):
-    eng = LLMEngine(
-        EngineConfig(
-            model=str(tiny.model_dir), device="cpu", max_model_len=40, kv_cache_bytes=8 << 20
-        )
-    )
+    eng = make_engine(tiny, {}, max_model_len=40, kv_cache_bytes=8 << 20)
     prompt = list(range(3, 33))
     (seq,) = eng.generate(
         [(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), None)]

@@ -17,8 +17,8 @@ from replica.errors import RequestError
 from replica.model.kv_cache import KVCache
 from replica.model.sampler import choice_seed
 from replica.wire import GenerateRequest, Reply, SamplingParams, StructuredOutput, TokenLogprobs
+from tests.engines import make_engine
 from tests.oracle import hf_logits, hf_model
-from tests.replica.engine.test_mixed_batch import make_engine
 
 TOL = 1e-4  # logprobs: engine fp32 vs HF fp32
 EOS = 2

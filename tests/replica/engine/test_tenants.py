@@ -10,8 +10,7 @@ from replica.engine.engine import LLMEngine
 from replica.engine.prefix_cache import BASE_IDENTITY, root_key
 from replica.engine.sequence import SeqStatus, Sequence
 from replica.wire import GenerateRequest, SamplingParams, cache_scope
-from tests.replica.engine.test_mixed_batch import make_engine
-from tests.replica.engine.test_prefix_cache import tokens
+from tests.engines import make_engine, tokens
 
 SHORT = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 

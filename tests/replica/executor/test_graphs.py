@@ -10,9 +10,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ from cluster.demo.families import family_model_dir
 from replica.device import StagedBuffer, StepClock, StepProgress, packed_offsets
 from replica.executor import static_decode as sd
 from replica.executor.static_decode import (
-    CudaGraphs,
     DecodeInputs,
     StaticDecode,
     logits_bytes,
@@ -30,57 +27,16 @@ from replica.executor.static_decode import (
 )
 from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import tiny_assets
+from tests.engines import make_engine
+from tests.fakes import FakeGraphs
 from tests.oracle import family_adapters
-from tests.replica.executor.test_static_decode import (
+from tests.replica.executor.steps import (
     decoding,
-    make_engine,
     next_plan,
     prompt,
     static_for,
+    triton_kernels,
 )
-
-
-class FakeGraph:
-    def __init__(self, step: Callable[[], None], log: list) -> None:
-        self.step, self.log = step, log
-
-    def replay(self) -> None:
-        self.log.append("replay")
-        self.step()
-
-
-class FakeGraphs(CudaGraphs):
-    """Capture runs the step once (as a capture issues its work; not with run=False) and
-    keeps it; `fail` is raised instead from the capture numbered `fail_at`."""
-
-    def __init__(
-        self, fail: BaseException | None = None, fail_at: int = 0, run: bool = True
-    ) -> None:
-        super().__init__(torch.device("cpu"))
-        self.fail, self.fail_at, self.run = fail, fail_at, run
-        self.captures: list[tuple[int, ...]] = []
-        self.log: list[Any] = []
-
-    def pool(self) -> str:
-        return "pool"
-
-    def capture(self, step: Callable[[], None], pool: Any) -> FakeGraph:
-        assert pool == "pool"
-        if self.fail is not None and len(self.captures) == self.fail_at:
-            raise self.fail
-        self.captures.append(())
-        if self.run:
-            step()
-        return FakeGraph(step, self.log)
-
-    def synchronize(self) -> None:
-        pass
-
-    def free_bytes(self) -> int:
-        return 123_456_789
-
-    def allocated_bytes(self) -> int:
-        return 0
 
 
 def adapter_rank(path) -> int:
@@ -377,21 +333,6 @@ def test_packed_fields_are_16_byte_aligned():
 
 
 # -- Triton warm-up -------------------------------------------------------------------------
-
-
-def triton_kernels() -> list:
-    from kernels import moe_triton, paged_attention_triton, prefill_attention_triton, sgmv_triton
-
-    return [
-        sgmv_triton._shrink_kernel,
-        sgmv_triton._expand_kernel,
-        sgmv_triton._shrink_bgmv_kernel,
-        sgmv_triton._expand_bgmv_kernel,
-        paged_attention_triton._paged_decode_kernel,
-        paged_attention_triton._merge_splits_kernel,
-        prefill_attention_triton._prefill_kernel,
-        moe_triton._grouped_gemm_kernel,
-    ]
 
 
 @pytest.fixture(params=["llama", "qwen3moe", "gemma2"])

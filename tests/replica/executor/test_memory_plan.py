@@ -27,8 +27,9 @@ from replica.model.spec import load_model_spec
 from replica.model.tp_layers import TPRank
 from replica.model.tp_shard import TPShard
 from tests.conftest import tiny_assets
+from tests.engines import held_bytes
+from tests.model_dirs import PUBLISHED
 
-PUBLISHED = Path(__file__).resolve().parents[2] / "published_configs"
 GiB = 2**30
 BF16 = torch.bfloat16
 META = torch.device("meta")
@@ -42,16 +43,6 @@ def published(name: str, **engine) -> tuple:
 def family_dirs() -> list[Path]:
     dirs = [family_model_dir(f) for f in FAMILY_CONFIGS]
     return dirs + [tiny_assets(arch).model_dir for arch in ARCHS]
-
-
-def held_bytes(model: CausalLM) -> int:
-    """Bytes of every distinct tensor the model holds."""
-    tensors = {id(t): t for t in (model.embed, model.lm_head, model.norm.weight)}
-    for layer in model.layers:
-        extra = [layer.rope.cos, layer.rope.sin, layer.qkv_proj.bias, layer.o_proj.bias,
-                 layer.sinks]  # fmt: skip
-        tensors |= {id(t): t for t in [*layer.weights(), *extra] if t is not None}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

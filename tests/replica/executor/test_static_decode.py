@@ -11,54 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from kernels import sgmv_torch
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
-from replica.engine.planner import plan_batch
-from replica.executor.static_decode import StaticDecode, decode_buckets
-from replica.wire import GenerateRequest, SamplingParams
+from replica.executor.static_decode import decode_buckets
+from replica.wire import SamplingParams
+from tests.engines import make_engine
+from tests.replica.executor.steps import decoding, next_plan, prompt, static_for
 
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SCALAR_READS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal"}
-
-
-def make_engine(assets, **kw) -> LLMEngine:
-    kw.setdefault("kv_cache_bytes", 8 << 20)
-    kw.setdefault("num_slots", len(assets.adapters) + 1)
-    eng = LLMEngine(EngineConfig(model=str(assets.model_dir), device="cpu", **kw))
-    for name, path in assets.adapters.items():
-        eng.load_adapter(name, path)
-    return eng
-
-
-def prompt(i: int, n: int) -> list[int]:
-    return [(13 * i + 7 * j) % 300 + 3 for j in range(n)]
-
-
-def decoding(eng: LLMEngine, requests: list[tuple[int, str | None]]) -> None:
-    """Add (prompt length, adapter) requests and step until every one is decoding."""
-    seqs = [
-        eng.add_request(GenerateRequest(prompt(i, n), GREEDY, a))
-        for i, (n, a) in enumerate(requests)
-    ]
-    for _ in range(200):
-        if all(s.output_ids for s in seqs):
-            return
-        eng.step()
-    raise AssertionError("the requests did not reach decode")
-
-
-def next_plan(eng: LLMEngine):
-    """The plan of the engine's next step (a decode-only one here), without running it."""
-    work = eng.scheduler.schedule().ordered()
-    plan, _ = plan_batch(work, eng.config.block_size)
-    assert not plan.prefill_starts
-    return plan, work
-
-
-def static_for(eng: LLMEngine, max_num_seqs: int) -> StaticDecode:
-    runner = eng.executor
-    runner.slot_tensors.update(runner.lora.table)
-    return runner.make_static_decode(max_num_seqs)
 
 
 def test_decode_buckets():

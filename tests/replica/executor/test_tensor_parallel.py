@@ -25,9 +25,10 @@ from replica.model.adapter_weights import load_peft_adapter
 from replica.model.tp_shard import TPShard
 from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import tiny_assets
-from tests.replica.executor.test_graphs import FakeGraphs
+from tests.engines import make_engine
+from tests.fakes import FakeGraphs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 LOGIT_ATOL = 2e-4  # the bar TP=1 meets against transformers
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -41,13 +42,8 @@ def local_ray():
 
 
 def engine(assets, tp_size: int = 1, **kw) -> LLMEngine:
-    kw.setdefault("num_slots", len(assets.adapters) + 1)
     kw.setdefault("kv_cache_bytes", 32 << 20)
-    cfg = EngineConfig(model=str(assets.model_dir), device="cpu", tp_size=tp_size, **kw)
-    eng = LLMEngine(cfg)
-    for name, path in assets.adapters.items():
-        eng.load_adapter(name, path)
-    return eng
+    return make_engine(assets, tp_size=tp_size, **kw)
 
 
 def prompts(vocab: int, lengths=(5, 23)) -> list[list[int]]:

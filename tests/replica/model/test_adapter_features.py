@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -21,8 +20,9 @@ from replica.model.adapter_weights import (
 from replica.model.peft_config import pattern_key
 from replica.model.spec import load_model_spec
 from replica.wire import SamplingParams
-from tests.oracle import hf_greedy, hf_logits, hf_model
-from tests.replica.model.test_model_vs_hf import LOGIT_ATOL, engine_for
+from tests.engines import make_engine
+from tests.oracle import build_peft_adapter, hf_greedy, hf_logits, hf_model
+from tests.replica.model.families import LOGIT_ATOL
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 N_NEW = 8
@@ -49,20 +49,6 @@ ADAPTERS = {
 }
 
 
-def build_peft_adapter(model_dir, out, seed: int, safe: bool = True, **lora_kwargs):
-    """A PEFT adapter saved by PEFT itself; init_lora_weights=False so B is not zero."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs))
-        model.save_pretrained(out, safe_serialization=safe)
-    return out
-
-
 @pytest.fixture(scope="module")
 def built(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("peft-adapters")
@@ -74,10 +60,7 @@ def built(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny, built):
-    eng = engine_for(tiny.model_dir, num_slots=len(built) + 1)
-    for name, path in built.items():
-        eng.load_adapter(name, path)
-    return eng
+    return make_engine(tiny, built, kv_cache_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,6 @@ on the device, no weight file read."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,21 +12,10 @@ from replica.engine.engine import LLMEngine
 from replica.model.decoder import CausalLM
 from replica.model.weights import DummyCheckpoint, open_checkpoint
 from replica.wire import SamplingParams
+from tests.model_dirs import config_only
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-def config_only(model_dir: Path, out: Path, **changes) -> Path:
-    """A copy of `model_dir` without its weights: config.json (edited by `changes`) and
-    the tokenizer's files."""
-    out.mkdir()
-    for f in model_dir.iterdir():
-        if f.suffix in (".json", ".jinja") and "safetensors" not in f.name:
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text()) | changes
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def test_a_dummy_engine_generates_from_config_and_tokenizer_alone(tiny, tmp_path):

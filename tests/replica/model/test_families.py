@@ -16,11 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cluster.demo.families import family_model_dir
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.model.decoder import CausalLM
 from replica.model.rope import RotaryEmbedding
-from replica.wire import SamplingParams
 from tests.oracle import (
     check_mixed_batch,
     family_adapters,
@@ -29,27 +26,16 @@ from tests.oracle import (
     hf_model,
     peft_adapter,
 )
+from tests.replica.model.families import (
+    GREEDY,
+    LOGIT_ATOL,
+    NEW_TOKENS,
+    engine_for,
+    prompts,
+    traced_static_decode,
+)
 
-LOGIT_ATOL = 2e-4
-NEW_TOKENS = 12
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 FAMILIES = ["qwen3", "gemma2", "gemma3", "gemma3-mm", "phi3"]  # Gemma ties its head
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40)]
-
-
-def engine_for(model_dir, adapters: dict, **kw) -> LLMEngine:
-    config = EngineConfig(
-        model=str(model_dir), device="cpu", kv_cache_bytes=16 << 20, block_size=4,
-        max_num_batched_tokens=16, **kw,
-    )  # fmt: skip  # 16-token steps: the 23- and 40-token prompts prefill in chunks
-    eng = LLMEngine(config)
-    for name, path in adapters.items():
-        eng.load_adapter(name, path)
-    return eng
 
 
 # The paths past the forward (prefix-cache hits, the static decode step) on the families
@@ -74,6 +60,7 @@ def decode_family(request, tmp_path_factory):
     return _family(request.param, tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_family_matches_transformers_and_peft_in_one_mixed_batch(family):
     name, model_dir, adapters = family
     eng = engine_for(model_dir, adapters)
@@ -203,33 +190,7 @@ def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(decode_fam
         assert seq.output_ids == hf_greedy(ref, longer, NEW_TOKENS), (name, adapter)
 
 
-def traced_static_decode(runner, max_seqs: int) -> tuple[list[int], list[str]]:
-    """Make `runner` take its fixed-shape decode step (the one CUDA graphs replay) for up
-    to `max_seqs` sequences and record it: (one entry per step it ran, the device values
-    those steps read)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    runner.static_decode = runner.make_static_decode(max_seqs)
-    used: list[int] = []
-    reads: list[str] = []
-
-    class ScalarReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func.overloadpacket) in ("aten._local_scalar_dense", "aten.item"):
-                reads.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    real_run = runner.static_decode.run
-
-    def traced(*a):
-        used.append(1)
-        with ScalarReads():
-            return real_run(*a)
-
-    runner.static_decode.run = traced
-    return used, reads
-
-
+@pytest.mark.slow
 def test_static_decode_path_equals_eager(decode_family):
     """The fixed-shape decode step that CUDA graphs replay: the eager
     engine's tokens, and no device value read inside the step."""

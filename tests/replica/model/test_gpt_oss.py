@@ -27,10 +27,9 @@ from replica.engine.engine import LLMEngine
 from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import ModelConfigError, spec_from_dict
 from replica.wire import SamplingParams
+from tests.model_dirs import PUBLISHED
 from tests.oracle import ATTENTION, check_mixed_batch, hf_logits, hf_model, peft_adapter
-from tests.replica.executor.test_memory_plan import PUBLISHED
-from tests.replica.model.test_families import NEW_TOKENS, engine_for, prompts
-from tests.replica.model.test_moe import MARGIN, router_margin
+from tests.replica.model.families import MARGIN, NEW_TOKENS, engine_for, prompts, router_margin
 
 EXPERTS = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 

@@ -14,6 +14,7 @@ from replica.model.adapter_weights import AdapterFormatError, load_peft_adapter
 from replica.model.decoder import CausalLM
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
 from replica.model.weights import WeightLoadError
+from tests.model_dirs import edit_config, write_gguf_labelled_qwen3
 
 
 @pytest.fixture
@@ -21,12 +22,6 @@ def model_copy(tiny, tmp_path):
     dst = tmp_path / "model"
     shutil.copytree(tiny.model_dir, dst)
     return dst
-
-
-def edit_config(model_dir, **changes) -> None:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg.update(changes)
-    (model_dir / "config.json").write_text(json.dumps(cfg))
 
 
 def test_unsupported_architecture_is_named(model_copy):
@@ -163,15 +158,6 @@ def test_a_float8_weight_without_a_quantization_config_is_refused_by_name(model_
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(WeightLoadError, match=f"'{name}' is stored as F8_E4M3"):
         CausalLM(model_copy)
-
-
-def write_gguf_labelled_qwen3(out) -> None:
-    """The tiny Qwen3 whose config.json declares a quant_method this server does not serve
-    (gguf): whatever its tensors, it must be refused by name, never read as plain."""
-    from cluster.demo.families import family_model_dir
-
-    shutil.copytree(family_model_dir("qwen3"), out)
-    edit_config(out, quantization_config={"quant_method": "gguf"})
 
 
 def test_an_unserved_quant_method_is_refused_by_the_spec_the_model_and_the_engine(tmp_path):

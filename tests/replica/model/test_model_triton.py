@@ -6,20 +6,13 @@ from __future__ import annotations
 import torch
 
 import kernels
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
 from tests.conftest import TEST_DEVICE
+from tests.engines import make_engine
 
 
 def test_model_output_unchanged_with_triton_forced(tiny, monkeypatch):
-    eng = LLMEngine(
-        EngineConfig(
-            model=str(tiny.model_dir), device=str(TEST_DEVICE), dtype="float32", num_slots=5
-        )
-    )
-    for name, path in tiny.adapters.items():
-        eng.load_adapter(name, path)
+    eng = make_engine(tiny, device=str(TEST_DEVICE), dtype="float32", num_slots=5)
     sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     requests = [([5, 6, 7, 8, 9], sampling, "adapter-00"), ([10, 11], sampling, None),
                 ([12, 13, 14], sampling, "adapter-02"), ([15], sampling, "adapter-03")]  # fmt: skip

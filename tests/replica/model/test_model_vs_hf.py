@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
 from tests.conftest import tiny_assets
+from tests.engines import make_engine
 from tests.oracle import hf_greedy, hf_logits, hf_model
+from tests.replica.model.families import LOGIT_ATOL
 
-LOGIT_ATOL = 2e-4
 # llama3 scaling with a short original context, so the tiny test prompts cross every band
 LLAMA3_SHORT = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
@@ -27,9 +27,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def engine_for(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=str(model_dir), device="cpu", kv_cache_bytes=64 << 20, **kw)
-    )
+    return make_engine(model_dir, {}, kv_cache_bytes=64 << 20, **kw)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +40,7 @@ def engine_for(model_dir, **kw) -> LLMEngine:
     ],
     ids=["llama", "llama3-rope", "mistral", "qwen2-tied-bias"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_base_model_matches_transformers(arch, overrides):
     assets = tiny_assets(arch, **overrides)
     ours, ref = engine_for(assets.model_dir), hf_model(assets.model_dir)
@@ -73,6 +72,7 @@ def demo_engine(demo):
     return eng
 
 
+@pytest.mark.slow
 def test_demo_base_matches_transformers(demo, demo_engine):
     ref = hf_model(demo.model_dir)
     for p in prompts(demo_engine.spec.vocab_size):
@@ -83,6 +83,7 @@ def test_demo_base_matches_transformers(demo, demo_engine):
 
 
 @pytest.mark.parametrize("index", range(8))
+@pytest.mark.slow
 def test_demo_adapter_matches_peft(demo, demo_engine, index, record_property):
     name, path = list(demo.adapters.items())[index]
     ref = hf_model(demo.model_dir, path)

@@ -28,37 +28,17 @@ from replica.model.adapter_weights import load_peft_adapter
 from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import load_model_spec
 from tests.oracle import check_mixed_batch, family_adapters, hf_greedy, hf_logits, hf_model
-from tests.replica.model.test_families import (
+from tests.replica.model.families import (
     GREEDY,
+    MARGIN,
     NEW_TOKENS,
     engine_for,
     prompts,
+    router_margin,
     traced_static_decode,
 )
 
 MOE = ["mixtral", "qwen3moe"]
-MARGIN = 1e-4  # smallest k-th vs (k+1)-th router logit gap: our hidden states match
-# transformers' to ~1e-5, so no expert choice can flip
-
-
-def router_margin(model, prompt: list[int], k: int) -> float:
-    """The smallest gap between the k-th and (k+1)-th router logit of any token and layer
-    over the prompt (transformers; the softmax keeps their order)."""
-    gaps = []
-
-    def hook(_module, _args, out):
-        logits = out[0].float().sort(dim=-1, descending=True).values
-        gaps.append((logits[:, k - 1] - logits[:, k]).min().item())
-
-    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
-               if n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "top_k")]  # fmt: skip
-    try:
-        hf_logits(model, prompt)
-    finally:
-        for h in handles:
-            h.remove()
-    assert gaps, "no router ran"
-    return min(gaps)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +61,7 @@ def moe(request, adapters_of):
     return request.param, *adapters_of(request.param)
 
 
+@pytest.mark.slow
 def test_moe_base_and_adapters_match_transformers_and_peft_in_one_mixed_batch(moe):
     name, model_dir, adapters = moe
     spec = load_model_spec(model_dir)
@@ -225,6 +206,7 @@ def test_unreadable_expert_layouts_are_refused_saying_what_was_found(tmp_path):
         convert_peft_tensors("x", config, tensors, dense, 64)
 
 
+@pytest.mark.slow
 def test_prefix_cache_and_static_decode_with_an_moe_base(adapters_of):
     """Prefix-cache hits and the fixed-shape decode step (no device read) give the eager,
     uncached tokens on Qwen3-MoE with an expert adapter."""

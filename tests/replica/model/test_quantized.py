@@ -148,7 +148,7 @@ def test_format_with_adapters_matches_transformers_on_its_dequantization(
 def test_device_bytes_are_the_checkpoints_and_the_plan_counts_them(tmp_path, fmt):
     """The weights the model holds are the checkpoint's packed tensors (float8 scales in
     fp32), byte for byte what the memory plan counts, whole and as rank 0 of 2."""
-    from tests.replica.executor.test_memory_plan import held_bytes
+    from tests.engines import held_bytes
 
     src = tiny_assets("llama").model_dir
     model_dir = tmp_path / fmt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from replica.model.sampler import Sampler
@@ -58,6 +59,7 @@ def test_a_zero_probability_token_is_never_drawn():
     assert seen == {0, 2}
 
 
+@pytest.mark.slow
 def test_rows_with_different_parameters_in_one_batch_keep_their_own():
     """Greedy rows, a top-k row and a plain temperature row sampled in one call."""
     logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS, LOGITS.flip(0)])

@@ -16,6 +16,7 @@ from replica.engine.engine import LLMEngine
 from replica.model.adapter_weights import AdapterFormatError
 from replica.wire import SamplingParams
 from tests.conftest import tiny_assets
+from tests.engines import make_engine
 from tests.oracle import check_mixed_batch, peft_adapter
 
 LOGIT_ATOL = 2e-4
@@ -29,12 +30,7 @@ def model_dir(name: str):
 
 def engine(path, adapters: dict, **kw) -> LLMEngine:
     kw.setdefault("lora_embeddings", True)
-    cfg = EngineConfig(model=str(path), device="cpu", kv_cache_bytes=16 << 20, block_size=4,
-                       max_num_batched_tokens=16, **kw)  # fmt: skip
-    eng = LLMEngine(cfg)
-    for name, adapter in adapters.items():
-        eng.load_adapter(name, adapter)
-    return eng
+    return make_engine(path, adapters, block_size=4, max_num_batched_tokens=16, **kw)
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -43,6 +39,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.slow
 def test_embedding_and_head_lora_match_peft_in_a_mixed_batch(family, tmp_path):
     """Llama (untied), Gemma 2 (tied head, scaled embedding), Qwen3: an adapter on the
     vocabulary modules, one on the head only, and the base, in one batch with chunked

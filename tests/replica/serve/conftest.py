@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import AdapterKey
+from tests.engines import make_engine
 
 
 @pytest.fixture
 def engine(tiny) -> LLMEngine:
-    config = EngineConfig(model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20)
-    eng = LLMEngine(config)
     key = str(AdapterKey("adapter-00", 1))  # the name the replica gives a version
-    eng.load_adapter(key, tiny.adapters["adapter-00"])
-    return eng
+    return make_engine(tiny, {key: tiny.adapters["adapter-00"]})

@@ -9,18 +9,15 @@ import threading
 import pytest
 import torch
 
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.errors import RequestError, Unavailable
 from replica.serve.async_engine import AsyncLLMEngine, RequestStream
 from replica.wire import GenerateRequest, Reply, SamplingParams
+from tests.engines import make_engine
 
 
 @pytest.fixture
 def aengine(tiny):
-    eng = LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20))
-    for name, path in tiny.adapters.items():
-        eng.load_adapter(name, path)
+    eng = make_engine(tiny, num_slots=None)
     a = AsyncLLMEngine(eng)
     yield a
     a.shutdown()
@@ -42,9 +39,7 @@ def test_concurrent_streams_match_offline_generation(tiny, aengine):
         return await asyncio.wait_for(asyncio.gather(*(messages(s) for s in streams)), 60)
 
     results = asyncio.run(main())
-    ref = LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu", num_slots=5))
-    for name, path in tiny.adapters.items():
-        ref.load_adapter(name, path)
+    ref = make_engine(tiny, num_slots=5)
     for replies, (p, a) in zip(results, requests):
         flat = [r for message in replies for r in message]
         assert [r.finish_reason for r in flat] == [None] * 7 + ["length"]

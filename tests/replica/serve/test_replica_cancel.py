@@ -6,23 +6,11 @@ when the cancellation lands while the request is still being added to the engine
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
-from replica.engine.engine import LLMEngine
-from replica.serve.async_engine import AsyncLLMEngine
-from replica.serve.deployment import LoRAReplica
-from replica.wire import AdapterKey, GenerateRequest, Reply, SamplingParams
-
-LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
-
-
-def replica(engine: LLMEngine | None = None) -> Any:
-    r = LoRAReplica.__new__(LoRAReplica)
-    if engine is not None:
-        r.engine, r.aengine, r.source = engine, AsyncLLMEngine(engine), engine.adapters.source
-    return r
+from replica.wire import AdapterKey, GenerateRequest, Reply
+from tests.replica.serve.replicas import LONG, replica
 
 
 def test_a_cancelled_generation_is_aborted_and_frees_kv_and_its_slot(engine):

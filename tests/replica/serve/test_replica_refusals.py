@@ -15,7 +15,7 @@ from replica.adapters.object_store import ObjectStoreSource
 from replica.errors import DeadlineExceeded, NotFound, RequestError, Unavailable
 from replica.wire import AdapterKey, GenerateRequest, SamplingParams
 from router.errors import NotFoundError
-from tests.replica.serve.test_replica_cancel import LONG, replica
+from tests.replica.serve.replicas import LONG, replica
 
 
 def run(r: Any, request: GenerateRequest) -> list:

@@ -12,7 +12,7 @@ from replica.engine.engine import LLMEngine
 from replica.serve.async_engine import AsyncLLMEngine
 from replica.serve.deployment import LoRAReplica
 from replica.wire import GenerateRequest, SamplingParams
-from tests.replica.engine.test_prefix_cache import tokens
+from tests.engines import tokens
 
 PROMPT = tokens(3, 33)  # eight full blocks of 4
 

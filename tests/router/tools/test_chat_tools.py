@@ -13,33 +13,19 @@ import pytest
 from transformers import AutoTokenizer
 
 from replica.wire import Reply
-from tests.router.test_ingress_api import (
-    BASE,
-    FakeReplicas,
-    FakeStore,
-    assert_openai_error,
-    ingress_client,
-    registered,
+from tests.fakes import FakeReplicas, FakeStore, registered
+from tests.net import assert_openai_error
+from tests.router.client import BASE, ingress_client
+from tests.router.tools.chats import (
+    ASK,
+    CALL_TEXT,
+    CHAT,
+    PING_TEXT,
+    WEATHER,
+    chat,
+    summary,
 )
 from tests.router.tools.models import answering, model_with_template
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-        },
-    },
-}
-PING = {"type": "function", "function": {"name": "ping"}}
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CHAT = {"model": BASE, "messages": ASK, "tools": [WEATHER, PING], "max_tokens": 50}
-CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-PING_TEXT = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +36,6 @@ def hermes_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tok(hermes_dir):
     return AutoTokenizer.from_pretrained(hermes_dir)
-
-
-def chat(hermes_dir, body, script=None, stream=False, store=None):
-    replicas = FakeReplicas(script) if script else FakeReplicas()
-    with ingress_client(hermes_dir, store, replicas) as (client, _):
-        r = client.post("/v1/chat/completions", json={**body, "stream": stream})
-    return r, replicas
 
 
 def chunks(r) -> list[dict]:
@@ -85,17 +64,6 @@ def reassembled(events: list[dict]) -> dict:
         "reasoning_content": reasoning or None,
         "tool_calls": [calls[i] for i in sorted(calls)],
         "finish_reason": finish,
-    }
-
-
-def summary(answer: dict) -> dict:
-    choice = answer["choices"][0]
-    message = choice["message"]
-    return {
-        "content": message["content"],
-        "reasoning_content": message["reasoning_content"],
-        "tool_calls": [c["function"] for c in message["tool_calls"]],
-        "finish_reason": choice["finish_reason"],
     }
 
 

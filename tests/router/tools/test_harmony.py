@@ -12,10 +12,11 @@ from transformers import AutoTokenizer
 
 from replica.wire import Reply
 from router.tools.harmony import HarmonyParser
-from tests.router.test_ingress_api import BASE, FakeReplicas, ingress_client
+from tests.fakes import FakeReplicas
+from tests.router.client import BASE, ingress_client
+from tests.router.tools.chats import CHAT, summary
+from tests.router.tools.messages import answer, read
 from tests.router.tools.models import model_with_template
-from tests.router.tools.test_chat_tools import CHAT, summary
-from tests.router.tools.test_parsers import answer, read
 
 CALL = ("get_weather", json.dumps({"city": "Paris"}))
 CASES = [

@@ -3,46 +3,18 @@ with text around them, cut short, not calls at all; whole and streamed, split an
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.tools.events import Chain, StreamParser
+from router.tools.events import Chain
 from router.tools.hermes import HERMES
 from router.tools.llama import LLAMA3_JSON
 from router.tools.message import MessageAssembler
 from router.tools.mistral import MISTRAL
 from router.tools.reasoning import ThinkParser
 from router.tools.tagged import CallFormat, TaggedCallParser
-
-
-def read(parser: StreamParser, pieces: list[str], parallel: bool = True) -> dict:
-    """The message `pieces` (the output, as it streams) make; call ids left out."""
-    message = MessageAssembler(parser, parallel)
-    for piece in pieces:
-        message.feed(piece)
-    message.finish()
-    whole = message.message()
-    whole["tool_calls"] = [
-        (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]
-    ]
-    return whole
-
-
-def answer(content=None, calls=(), reasoning=None) -> dict:
-    return {
-        "role": "assistant",
-        "content": content,
-        "reasoning_content": reasoning,
-        "tool_calls": list(calls),
-    }
-
-
-def args(**values) -> str:
-    return json.dumps(values)
-
+from tests.router.tools.messages import answer, args, read
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "CET", "h24": true}}'

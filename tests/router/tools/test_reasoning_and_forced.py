@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from router.tools.events import Reasoning, Text
 from router.tools.forced import NamedCallParser, RequiredCallsParser, named_schema, required_schema
 from router.tools.reasoning import ThinkParser
-from tests.router.tools.test_parsers import answer, read
+from tests.router.tools.messages import answer, read
 
 THINKING = [
     # (prompt opened <think>, output, reasoning, content)

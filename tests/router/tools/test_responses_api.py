@@ -13,16 +13,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from replica.wire import Reply
-from tests.router.test_ingress_api import (
-    BASE,
-    KEY,
-    FakeReplicas,
-    assert_openai_error,
-    ingress_client,
-    served_app,
-)
+from tests.fakes import FakeReplicas
+from tests.net import assert_openai_error
+from tests.router.client import BASE, KEY, ingress_client, served_app
+from tests.router.tools.chats import CALL_TEXT, WEATHER
 from tests.router.tools.models import answering, model_with_template
-from tests.router.tools.test_chat_tools import CALL_TEXT, WEATHER
 
 TOOL = {"type": "function", **WEATHER["function"]}  # the Responses shape: flat
 

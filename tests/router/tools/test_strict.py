@@ -15,8 +15,8 @@ from replica.wire import StructuredOutput
 from router.tools.forced import strict_tag
 from router.tools.hermes import HERMES
 from router.tools.llama import LLAMA3_JSON
+from tests.router.tools.chats import CHAT, PING, WEATHER, chat
 from tests.router.tools.models import model_with_template
-from tests.router.tools.test_chat_tools import CHAT, PING, WEATHER, chat
 
 STRICT = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
 SIGNATURES = [("get_weather", WEATHER["function"]["parameters"], True), ("ping", None, False)]

@@ -16,9 +16,10 @@ import pytest
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from replica.wire import GenerateRequest, Reply
-from tests.router.test_ingress_api import BASE, FakeReplicas, ingress_client, served_app
+from tests.fakes import FakeReplicas
+from tests.router.client import BASE, ingress_client, served_app
+from tests.router.tools.chats import PING, WEATHER
 from tests.router.tools.models import model_with_template
-from tests.router.tools.test_chat_tools import PING, WEATHER
 
 
 @pytest.fixture(scope="module")
