@@ -12,8 +12,17 @@ import torch
 
 import kernels
 from kernels import SegmentInfo
-from replica.model.quant_weights import PackedLinear, linear
+from replica.model.quant_weights import PackedLinear
 from replica.model.spec import ModelSpec
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias=None) -> torch.Tensor:
+    """x · Wᵀ (+ bias) for a dense or packed base weight (a packed one dequantizes in
+    its own kernel)."""
+    if isinstance(weight, torch.Tensor):
+        return torch.nn.functional.linear(x, weight, bias)
+    return weight(x, bias)
+
 
 # Fused projection groups of one decoder layer, in the order their outputs are laid out.
 MODULE_GROUPS: dict[str, tuple[str, ...]] = {

@@ -287,10 +287,3 @@ def _part(x: torch.Tensor, w: QuantizedWeight | torch.Tensor, bias: torch.Tensor
     if isinstance(w, torch.Tensor):
         return torch.nn.functional.linear(x, w, bias)
     return kernels.quant_linear(x, w, bias)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias=None) -> torch.Tensor:
-    """x · Wᵀ (+ bias) for a dense or packed base weight."""
-    if isinstance(weight, torch.Tensor):
-        return torch.nn.functional.linear(x, weight, bias)
-    return weight(x, bias)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import SegmentInfo
-from replica.model.lora import LoRABuffers, LoRAWorkspace
-from replica.model.quant_weights import PackedLinear, linear
+from replica.model.lora import LoRABuffers, LoRAWorkspace, linear
+from replica.model.quant_weights import PackedLinear
 from replica.model.tp_comm import TPComm
 from replica.model.tp_shard import TPShard
 

@@ -115,11 +115,12 @@ def test_a_name_registered_again_with_other_weights_serves_the_new_weights(tiny)
     assert new.output_ids == want != old.output_ids
 
 
-def test_registering_over_a_live_name_drops_its_cached_prefixes(tiny):
+def test_loading_a_name_anew_drops_its_cached_prefixes(tiny):
     eng = engine(tiny)
     prompt = PREFIX + tokens(7, 3)
     eng.load_adapter("customer", tiny.adapters["adapter-01"])
     run(eng, [(prompt, GREEDY, "customer")])
+    eng.unload_adapter("customer")  # a live name is refused: unload, then load anew
     eng.load_adapter("customer", tiny.adapters["adapter-03"])
     new = run(eng, [(prompt, GREEDY, "customer")])[0]
     assert hit(new) == 0
