@@ -15,23 +15,6 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a GPU machine)")
 
-RAY_GROUP = "ray"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Puts every test that starts a Ray of its own (marked serve or ray) in one xdist group.
-
-    With `-n 2 --dist loadgroup` (make test) one worker runs all of them, one after another,
-    as a serial run does: two of the suite's Ray clusters never run at once (they would
-    compete for the dashboard agent's fixed port and for the machine's CPUs, and a process
-    holds one Ray connection), while the other worker runs the unit tests.
-    """
-    for item in items:
-        if item.get_closest_marker("serve") or item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
-
-
 from cluster.demo.assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec  # noqa: E402
 
 

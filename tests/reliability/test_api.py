@@ -71,7 +71,10 @@ def test_model_cards(cluster):
     adapter = get(cluster, f"/v1/models/{PRELOADED[0]}").json()
     assert (adapter["id"], adapter["parent"]) == (PRELOADED[0], "tiny-base")
     listed = {m["id"]: m for m in get(cluster, "/v1/models").json()["data"]}
-    assert listed[PRELOADED[0]] == adapter
+    # the card alone also says which chat template and parsers the adapter's requests use
+    assert adapter["chat_template"] == "tokenizer"  # the base's, inherited
+    template = ("chat_template", "tool_parser", "reasoning_parser")
+    assert listed[PRELOADED[0]] == {k: v for k, v in adapter.items() if k not in template}
     r = get(cluster, "/v1/models/no-such-adapter")
     assert r.status_code == 404 and assert_openai_error(r)["param"] == "model"
 
