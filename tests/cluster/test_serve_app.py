@@ -594,12 +594,14 @@ def _spills(cluster) -> float:
     return sum(s.value for s in _metrics(cluster)[1][DECISIONS] if s.labels["reason"] == "spill")
 
 
-def test_hot_adapter_spills_past_the_load_bound(cluster):
+def test_hot_adapter_spills_past_the_load_bound(cluster, assets):
     """24 concurrent requests of one adapter all reach the replicas together (the Ingress
     does not cap them at Serve's default of 5 in flight), and past the load bound the
-    other replica takes some."""
+    other replica takes some. The adapter is loaded here, so no earlier test has put it
+    on both replicas already (sending to either would then be affinity, not a spill)."""
     url = cluster["url"]
-    body = {"model": "adapter-05", "prompt": "hot", "max_tokens": 160, "ignore_eos": True}
+    assert _load(cluster, "hot", assets.adapters["adapter-05"]).status_code == 200
+    body = {"model": "hot", "prompt": "hot", "max_tokens": 160, "ignore_eos": True}
 
     async def flood() -> int:
         peak = 0  # most requests the replicas reported queued or running at once
@@ -624,17 +626,17 @@ def test_hot_adapter_spills_past_the_load_bound(cluster):
     holders = [
         rid
         for rid, s in _stats(cluster)["replicas"].items()
-        if "adapter-05" in s.get("device_adapters", [])
+        if "hot" in s.get("device_adapters", [])
     ]
     assert len(holders) == 2
 
 
 def test_one_object_store_put_per_adapter(cluster):
-    """Both replicas hold adapter-05 now, yet every registration put its weights once:
-    the preloads plus the two runtime loads ('late', 'metrics-probe'); refused loads put
-    nothing."""
+    """Both replicas hold 'hot' now, yet every registration put its weights once: the
+    preloads plus the three runtime loads ('late', 'metrics-probe', 'hot'); refused loads
+    put nothing."""
     store = _stats(cluster)["store"]
-    assert store["num_puts"] == len(PRELOADED) + 2
+    assert store["num_puts"] == len(PRELOADED) + 3
     assert store["num_ref_requests"] > store["num_puts"]
 
 
