@@ -301,7 +301,7 @@ class StaticDecode:
         """The decode attention's split count for a bucket, fixed for the graph's life:
         chosen for the longest context a table holds (kernels.decode_splits)."""
         context = self.max_blocks_per_seq * self.inputs.block_size
-        return kernels.decode_splits(context, bucket, self.kv.k[0].shape[0])
+        return kernels.decode_splits(context, bucket, self.kv.pools[0].shape[0])
 
     def _batch(self, bucket: int, lora: bool) -> ForwardBatch:
         """The views of the persistent inputs a bucket's forward reads (made once)."""

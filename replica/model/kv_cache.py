@@ -15,9 +15,11 @@ from replica.model.spec import ModelSpec
 class KVCache:
     """k[layer], v[layer]: [num_kv_heads, num_blocks * block_size, head_dim].
 
-    Head-major, so gathering a sequence's tokens yields the [heads, L, head_dim]
-    planes attention consumes without a transpose copy (faster for CPU decode than
-    block-major: docs/performance.md). Token slot = block * block_size + offset."""
+    One pool per layer that owns its KV (spec.kv_layers); a layer that shares another's
+    KV holds that layer's tensors, and a layer without KV holds None. Head-major, so
+    gathering a sequence's tokens yields the [heads, L, head_dim] planes attention consumes
+    without a transpose copy (faster for CPU decode than block-major:
+    docs/performance.md). Token slot = block * block_size + offset."""
 
     def __init__(
         self,
@@ -30,8 +32,15 @@ class KVCache:
     ) -> None:
         kvh = num_kv_heads or spec.num_kv_heads
         shape = (kvh, num_blocks * block_size, spec.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
+
+        def pool() -> torch.Tensor:
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        owned = {i: (pool(), pool()) for i in spec.kv_layers}
+        sources = [spec.kv_source(i) for i in range(spec.num_layers)]
+        self.k = [None if s is None else owned[s][0] for s in sources]
+        self.v = [None if s is None else owned[s][1] for s in sources]
+        self.pools = [t for kv in owned.values() for t in kv]  # each owned tensor once
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -39,7 +48,7 @@ class KVCache:
         in stream order (after the step that wrote src), without a host read."""
         if not src:
             return
-        bs, device = self.block_size, self.k[0].device
+        bs, device = self.block_size, self.pools[0].device
         offsets = torch.arange(bs, dtype=torch.int64)
 
         def slots(blocks: list[int]) -> torch.Tensor:
@@ -47,10 +56,11 @@ class KVCache:
             return to_device(host, device)
 
         src_slots, dst_slots = slots(src), slots(dst)
-        for cache in (*self.k, *self.v):
+        for cache in self.pools:
             cache.index_copy_(1, dst_slots, cache.index_select(1, src_slots))
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+        layers = len(spec.kv_layers)
+        return 2 * layers * block_size * spec.num_kv_heads * spec.head_dim * elem

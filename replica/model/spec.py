@@ -92,6 +92,10 @@ class ModelSpec:
     expert_layout: str = "per_expert"
     # --- a quantized checkpoint (model/quant_config.py): how each projection is stored ---
     quant: QuantScheme | None = None
+    # --- which layers own a KV pool: per layer, the layer whose K/V it attends over
+    # (itself; an earlier layer's when the family shares KV, as Gemma 4's last layers do)
+    # or None when it keeps no KV (a linear-attention layer); () = every layer its own ---
+    kv_sources: tuple[int | None, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -120,6 +124,15 @@ class ModelSpec:
         if self.local_rope is not None and self.is_sliding(layer):
             return self.local_rope
         return RopeSpec(self.rope_theta, self.rope_scaling)
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose KV pool `layer` writes and reads (None: it keeps no KV)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that own a KV pool: the cache allocates one per such layer."""
+        return tuple(i for i in range(self.num_layers) if self.kv_source(i) == i)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
@@ -274,6 +287,7 @@ def base_spec(cfg: dict[str, Any], source: str, **family: Any) -> ModelSpec:
             f"{source}: layer_types has {len(spec.layer_types)} entries for "
             f"{spec.num_layers} layers"
         )
+    _check_kv_sources(spec, source)
     if spec.num_experts and not 0 < spec.num_experts_per_tok <= spec.num_experts:
         raise ModelConfigError(
             f"{source}: num_experts_per_tok={spec.num_experts_per_tok} must be in "
@@ -285,6 +299,21 @@ def base_spec(cfg: dict[str, Any], source: str, **family: Any) -> ModelSpec:
             f"empty rotary dimension for head_dim={spec.head_dim}"
         )
     return spec
+
+
+def _check_kv_sources(spec: ModelSpec, source: str) -> None:
+    """Refuses a KV sharing map a cache could not hold: every source owns its pool."""
+    if not spec.kv_sources:
+        return
+    if len(spec.kv_sources) != spec.num_layers:
+        raise ModelConfigError(
+            f"{source}: {len(spec.kv_sources)} KV sources for {spec.num_layers} layers"
+        )
+    for layer, src in enumerate(spec.kv_sources):
+        if src is not None and (not 0 <= src <= layer or spec.kv_sources[src] != src):
+            raise ModelConfigError(
+                f"{source}: layer {layer} reads the KV of layer {src}, which does not own one"
+            )
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

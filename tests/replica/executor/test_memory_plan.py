@@ -63,7 +63,7 @@ def test_kv_and_adapter_bytes_are_what_is_allocated(tp_size):
         spec = load_model_spec(model_dir)
         local = mp.local_spec(spec, tp_size)
         kv = KVCache(local, 7, 16, META, BF16)
-        allocated = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v))
+        allocated = sum(t.numel() * t.element_size() for t in kv.pools)
         assert allocated == 7 * mp.kv_block_bytes(spec, tp_size, 16, BF16), model_dir.name
         shapes = None if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes()
         lora = LoRASlotBuffers(spec, 5, 16, META, BF16, shapes)
