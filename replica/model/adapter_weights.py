@@ -84,8 +84,12 @@ _KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
 _PEFT_PREFIX = "base_model.model."
-# LoRA on a multimodal checkpoint's vision side: images are not served, so it never applies
-_VISION = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+# LoRA on a multimodal checkpoint's vision or audio side: images and audio are not served,
+# so it never applies
+_VISION = re.compile(
+    r"^base_model\.model\.(?:model\.)?"
+    r"(?:vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+)
 # LoRA on the vocabulary modules: PEFT's embedding LoRA (lora_embedding_A [r, vocab],
 # lora_embedding_B [hidden, r]) and a head LoRA (lora_A [r, hidden], lora_B [vocab, r])
 _VOCAB_KEY = re.compile(
@@ -305,7 +309,9 @@ def convert_peft_tensors(
             missing = ({"A", "B"} - set(ab)).pop()
             raise AdapterFormatError(f"{name}: layer {layer} {module} lacks lora_{missing}")
         parts = fused.get(mod, (mod,))
-        in_f, out_f = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+        # the layer's own shapes (Gemma 4's layers differ)
+        own = shapes if layer == VOCAB_LAYER else spec.layer(layer).lora_shapes()
+        in_f, out_f = own[parts[0]][0], sum(own[p][1] for p in parts)
         r_key = pattern_key(rank_pattern, entry.path)
         r_m = rank_pattern.get(r_key, r)
         a, b = ab["A"], ab["B"]

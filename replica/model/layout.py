@@ -45,6 +45,9 @@ KNOWN_UNREAD = (
     KnownUnread(r"(model\.)?(vision_tower|multi_modal_projector)\.", "gemma3",
                 "a multimodal Gemma 3's vision tower and projector: images are not served, "
                 "the language model is"),
+    KnownUnread(r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.", "gemma4",
+                "a multimodal Gemma 4's vision and audio towers and their projections: "
+                "images and audio are not served, the language model is"),
 )  # fmt: skip
 
 
@@ -62,7 +65,7 @@ class CheckpointLayout:
     ) -> torch.Tensor | QuantizedWeight:
         """This rank's part of `module`'s weight [out, in] (or bias [out]) in `layer`: a
         tensor, or the packed weight (kernels.quant_formats) of a quantized checkpoint."""
-        whole = self.spec.module_shapes()
+        whole = self.spec.layer(layer).module_shapes()
         in_f, out_f = whole[module]
         rows, cols = (0, out_f), (0, in_f)
         if self.shard is not None:
@@ -198,6 +201,15 @@ class CheckpointLayout:
         blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), (torch.uint8,))
         scales = self.ckpt.get_packed(f"{name}_scales", groups, (torch.uint8,))
         return dequantize(Mxfp4Weight(blocks, scales))
+
+    def tensor(self, layer: int | None, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A replicated tensor: `name` of layer `layer`, or of the model (None)."""
+        where = self.prefix if layer is None else f"{self.prefix}layers.{layer}."
+        return self.ckpt.get(where + name, shape)
+
+    def layer_scalar(self, layer: int) -> torch.Tensor:
+        """Gemma 4's stored scalar of `layer`'s output: [1]."""
+        return self.tensor(layer, "layer_scalar", (1,))
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""

@@ -111,13 +111,15 @@ class LoRASlotBuffers:
         self.spec, self.max_rank = spec, max_rank
         self.num_rows = arena_rows(num_slots, max_rank)
         self.num_slots = num_slot_handles(self.num_rows)
-        shapes = shapes or spec.lora_shapes()
+        given = shapes  # a TP rank's shares; else each layer's own (Gemma 4's layers differ)
+        whole = shapes or spec.lora_shapes()
         # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
         # (expert groups excepted: their rows are (token, expert) pairs, not tokens)
         self.layers: list[dict[str, LoRABuffers]] = []
         self.workspace_cols = 0
         for layer in range(spec.num_layers):
             groups = {}
+            shapes = given or spec.layer(layer).lora_shapes()
             for group, names in layer_groups(spec, layer).items():
                 in_f = shapes[names[0]][0]
                 offsets = [0]
@@ -136,7 +138,7 @@ class LoRASlotBuffers:
         # workspace's: the head's rows are the logit rows, not the step's tokens)
         self.vocab: dict[str, LoRABuffers] = {}
         for group in VOCAB_GROUPS if vocab else ():
-            in_f, out_f = shapes[group]
+            in_f, out_f = whole[group]
             a = kernels.lora_a_buffer(1, self.num_rows, in_f, device, dtype)
             b = kernels.lora_b_buffer(out_f, self.num_rows, device, dtype)
             self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)

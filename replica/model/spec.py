@@ -96,6 +96,18 @@ class ModelSpec:
     # (itself; an earlier layer's when the family shares KV, as Gemma 4's last layers do)
     # or None when it keeps no KV (a linear-attention layer); () = every layer its own ---
     kv_sources: tuple[int | None, ...] = ()
+    # --- per-layer shapes where layers differ (Gemma 4: full layers' wider heads and
+    # fewer KV heads, KV-sharing layers' double-wide MLP); () = every layer the above ---
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    # --- Gemma 4 ---
+    norm_fp32_weight: bool = False  # RMSNorm as x̂·w in fp32, rounded last (Gemma 4)
+    v_norm: bool = False  # values RMS-normed over head_dim, without a weight
+    k_eq_v: bool = False  # full layers have no v_proj: values are k_proj's output
+    per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
+    per_layer_vocab_size: int = 0  # rows of the per-layer input embedding
+    layer_scalar: bool = False  # each layer's output times its stored scalar
 
     @property
     def q_size(self) -> int:
@@ -112,6 +124,28 @@ class ModelSpec:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer(self, layer: int) -> ModelSpec:
+        """The spec with `layer`'s own head_dim, KV heads and MLP width (itself when every
+        layer has the same shapes)."""
+        if not (self.layer_head_dims or self.layer_kv_heads or self.layer_intermediate_sizes):
+            return self
+        return replace(
+            self,
+            head_dim=_at(self.layer_head_dims, layer, self.head_dim),
+            num_kv_heads=_at(self.layer_kv_heads, layer, self.num_kv_heads),
+            intermediate_size=_at(self.layer_intermediate_sizes, layer, self.intermediate_size),
+            layer_head_dims=(),
+            layer_kv_heads=(),
+            layer_intermediate_sizes=(),
+        )
+
+    def has_kv_projection(self, layer: int, module: str) -> bool:
+        """Whether `layer` has its own k_proj / v_proj (Gemma 4's KV-sharing layers have
+        neither; its full layers with k_eq_v no v_proj)."""
+        if self.kv_source(layer) != layer:
+            return False
+        return not (module == "v_proj" and self.k_eq_v and not self.is_sliding(layer))
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
@@ -314,6 +348,10 @@ def _check_kv_sources(spec: ModelSpec, source: str) -> None:
             raise ModelConfigError(
                 f"{source}: layer {layer} reads the KV of layer {src}, which does not own one"
             )
+
+
+def _at(values: tuple[int, ...], layer: int, default: int) -> int:
+    return values[layer] if values else default
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
