@@ -149,8 +149,10 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
     """What CausalLM holds on rank 0 of `tp_size`: its share of every projection and expert,
     its vocabulary rows of the embedding and the head (padded to a multiple of tp_size),
     the replicated norms (Gemma's in fp32), routers and q/k/v biases (gpt-oss's o_proj,
-    router and expert biases too, and its sinks in fp32), and one cos and one sin table
-    [max_position_embeddings, rotary_dim] per distinct rope."""
+    router and expert biases too, and its sinks in fp32), Gemma 4's replicated per-layer
+    inputs and layer scalars (and the zero k/v columns of its layers without their own),
+    and one cos and one sin table [max_position_embeddings, rotary_dim] per distinct rope
+    and rotary_dim."""
     local = local_spec(spec, tp_size)
     heads = 1 if spec.tie_word_embeddings else 2
     vocab_rows = -(-spec.vocab_size // tp_size)
@@ -163,17 +165,19 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         sparse = sum(spec.is_sparse(i) for i in range(spec.num_layers))
         per_expert = 1 + 2 * local.moe_intermediate_size + spec.hidden_size
         params += sparse * spec.num_experts * per_expert
-    ropes: list = []  # distinct ropes (RopeSpec holds a dict: compared, not hashed)
+    ropes: list = []  # distinct (rope, rotary_dim): RopeSpec holds a dict, compared
     for i in range(spec.num_layers):
-        if spec.rope(i) not in ropes:
-            ropes.append(spec.rope(i))
-    params += len(ropes) * 2 * spec.max_position_embeddings * spec.rotary_dim
+        if (spec.rope(i), spec.layer(i).rotary_dim) not in ropes:
+            ropes.append((spec.rope(i), spec.layer(i).rotary_dim))
+    params += sum(2 * spec.max_position_embeddings * dim for _, dim in ropes)
     extra = 0
     if spec.attn_sinks:  # one fp32 logit per query head and layer
         extra += spec.num_layers * local.num_heads * 4
-    if spec.gemma_norm:  # Gemma's norms are held as 1 + w in fp32
-        norms = (4 if spec.sandwich_norms else 2) * spec.hidden_size
-        norms = spec.num_layers * (norms + (2 * spec.head_dim if spec.qk_norm else 0))
+    if spec.gemma_norm or spec.norm_fp32_weight:  # Gemma's norms: 1 + w (4's: w) in fp32
+        norms = spec.num_layers * (4 if spec.sandwich_norms else 2) * spec.hidden_size
+        if spec.qk_norm:  # q's and, where the layer keeps KV, k's
+            norms += sum((1 + (spec.kv_source(i) == i)) * spec.layer(i).head_dim
+                         for i in range(spec.num_layers))  # fmt: skip
         extra += (norms + spec.hidden_size) * (4 - dtype.itemsize)
     return params * dtype.itemsize + extra + _packed_difference(spec, local, dtype)
 

@@ -107,7 +107,7 @@ _VOCAB_COPY = re.compile(
 _EMBED_HEAD = re.compile(r"^base_model\.model\.(?:.*\.)?(?:embed_tokens|lm_head)\.")
 # (module, A [r, in], B [out, r]) -> the part of (A, B) to keep, as views: how a
 # tensor-parallel rank keeps only its shard (TPShard.slice_lora).
-SelectLoRA = Callable[[str, Any, Any], tuple[Any, Any]]
+SelectLoRA = Callable[..., tuple[Any, Any]]  # (module, A, B, layer=) -> (A, B)
 
 
 @dataclass
@@ -152,7 +152,7 @@ class LoRAAdapterWeights:
         rest is not referenced afterwards, so it can be freed)."""
         weights = {}
         for (layer, module), (a, b) in self.weights.items():
-            a, b = select(module, a, b)
+            a, b = select(module, a, b, layer=layer)
             weights[(layer, module)] = (_own(a), _own(b))
         return LoRAAdapterWeights(self.name, self.rank, self.scaling, self.target_modules, weights)
 

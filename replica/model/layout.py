@@ -69,10 +69,11 @@ class CheckpointLayout:
         in_f, out_f = whole[module]
         rows, cols = (0, out_f), (0, in_f)
         if self.shard is not None:
+            shard = self.shard.layer(layer)  # the layer's own shapes' split
             if module in ("o_proj", "down_proj"):
-                cols = self.shard.in_range(module)
+                cols = shard.in_range(module)
             else:
-                rows = self.shard.out_range(module)
+                rows = shard.out_range(module)
         if module in self._fused:
             fused, parts = self._fused[module]
             offset = sum(whole[p][1] for p in parts[: parts.index(module)])

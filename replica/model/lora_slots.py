@@ -18,7 +18,7 @@ E x (gate, up, down) x rank rows per layer (replica/adapters/memory.py counts th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,6 +91,9 @@ class SlotTable:
     version: int = 0
 
 
+Shapes = dict[str, tuple[int, int]]  # module -> (in_features, out_features)
+
+
 class LoRASlotBuffers:
     def __init__(
         self,
@@ -99,27 +102,33 @@ class LoRASlotBuffers:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
-        shapes: dict[str, tuple[int, int]] | None = None,
+        shapes: Shapes | Callable[[int | None], Shapes] | None = None,
         vocab: bool = False,
     ) -> None:
         """Arenas of arena_rows(num_slots, max_rank) rows. `shapes`: (in, out) of A [r, in]
         and B [out, r] per module, when not the whole model's (a tensor-parallel rank's
-        share, TPShard.lora_shapes()). `vocab`: arenas for embed_tokens and lm_head too
-        (engine.lora_embeddings), read before the first layer and after the last."""
+        share: TPShard.lora_shapes, a function of the layer, or its dict for every layer).
+        `vocab`: arenas for embed_tokens and lm_head too (engine.lora_embeddings), read
+        before the first layer and after the last."""
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2 (slot 0 is the base model)")
         self.spec, self.max_rank = spec, max_rank
         self.num_rows = arena_rows(num_slots, max_rank)
         self.num_slots = num_slot_handles(self.num_rows)
-        given = shapes  # a TP rank's shares; else each layer's own (Gemma 4's layers differ)
-        whole = shapes or spec.lora_shapes()
+        # per layer (Gemma 4's layers differ): a TP rank's shares, TPShard.lora_shapes
+        if callable(shapes):
+            layer_shapes, whole = shapes, shapes(None)
+        elif shapes is not None:
+            layer_shapes, whole = (lambda _: shapes), shapes
+        else:
+            layer_shapes, whole = (lambda i: spec.layer(i).lora_shapes()), spec.lora_shapes()
         # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
         # (expert groups excepted: their rows are (token, expert) pairs, not tokens)
         self.layers: list[dict[str, LoRABuffers]] = []
         self.workspace_cols = 0
         for layer in range(spec.num_layers):
             groups = {}
-            shapes = given or spec.layer(layer).lora_shapes()
+            shapes = layer_shapes(layer)
             for group, names in layer_groups(spec, layer).items():
                 in_f = shapes[names[0]][0]
                 offsets = [0]

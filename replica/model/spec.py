@@ -174,24 +174,31 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         """Weights the model holds (projections, embeddings, head, norms, routers and
-        experts; biases aside)."""
-        shapes = self.module_shapes()
-        attention = sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
-        dense = sum(i * o for m, (i, o) in shapes.items() if m in MLP_MODULES)
+        experts, Gemma 4's per-layer inputs and layer scalars; biases aside), each layer
+        of its own shapes."""
         experts = self.num_experts * (
             sum(i * o for i, o in self.expert_shapes().values()) + self.hidden_size
         )  # + the router's row per expert
-        per_layer = (4 if self.sandwich_norms else 2) * self.hidden_size
-        per_layer += 2 * self.head_dim if self.qk_norm else 0
-        sparse = sum(self.is_sparse(i) for i in range(self.num_layers))
         heads = 1 if self.tie_word_embeddings else 2
-        return (
-            self.num_layers * (attention + per_layer)
-            + sparse * experts
-            + (self.num_layers - sparse) * dense
-            + heads * self.vocab_size * self.hidden_size
-            + self.hidden_size
-        )
+        total = heads * self.vocab_size * self.hidden_size + self.hidden_size
+        for layer in range(self.num_layers):
+            own = self.layer(layer)
+            shapes = own.module_shapes()
+            total += sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
+            if self.is_sparse(layer):
+                total += experts
+            else:
+                total += sum(i * o for m, (i, o) in shapes.items() if m in MLP_MODULES)
+            total += (4 if self.sandwich_norms else 2) * self.hidden_size
+            if self.qk_norm:  # a layer reading another's KV has no k_norm (Gemma 4)
+                total += (1 + (self.kv_source(layer) == layer)) * own.head_dim
+        total += self.layer_scalar * self.num_layers
+        width, n = self.per_layer_input_size, self.num_layers
+        if width:  # the packed embedding, its projection and norm; each layer's gate,
+            # projection and norm
+            total += n * width * (self.per_layer_vocab_size + self.hidden_size) + width
+            total += n * (2 * width * self.hidden_size + self.hidden_size)
+        return total
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of one expert's gate, up and down projections, by

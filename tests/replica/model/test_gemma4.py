@@ -11,6 +11,8 @@ a final soft-cap of 15. Prompts of 5 and 40 tokens prefill in 16-token chunks.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -248,3 +250,24 @@ def test_static_decode_path_equals_eager(tmp_path):
     assert [s.output_ids for s in eng.generate(requests)] == want
     assert used, "no step took the static decode path"
     assert not reads, f"the static step read device values: {reads[:3]}"
+
+
+def test_plan_counts_only_the_kv_the_layers_own(capsys, tmp_path):
+    """`lorafleet plan` on Gemma 4: a KV block holds the 4 owning layers' K and V, each of
+    its own shape (2 x 16 or 1 x 32 per token), not 6 layers' of the widest."""
+    from tests.cluster.cli_runs import run_cli
+    from tests.model_dirs import config_only
+
+    def plan(model) -> dict:
+        code, out, err = run_cli(capsys, "plan", "--model", str(model), "--gpu-memory", "1GiB",
+                                 "--json")  # fmt: skip
+        assert code == 0, err
+        return json.loads(out.strip().splitlines()[-1])
+
+    model = family_model_dir("gemma4")
+    shared = plan(model)
+    unshared = plan(config_only(model, tmp_path / "unshared", num_kv_shared_layers=0))
+    block = shared["block_size"]
+    assert shared["kv_block_bytes"] == 2 * block * (2 * 16 + 1 * 32) * 2 * 2  # bf16
+    assert unshared["kv_block_bytes"] == 2 * block * (3 * 16 * 2 + 3 * 32) * 2
+    assert shared["kv_cache_tokens"] > unshared["kv_cache_tokens"]
