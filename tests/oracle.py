@@ -82,6 +82,10 @@ GEMMA4_MM = {
 }
 
 
+GEMMA4_EXPERTS = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+                  "rank_pattern": {"layers.0.experts.down_proj": 4}}  # fmt: skip
+
+
 def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]:
     """Two peft adapters of a family's model: rank 8 on attention, rank 16 on everything
     (Phi-3's adapters target its fused qkv_proj and gate_up_proj; on a mixture of experts
@@ -93,6 +97,8 @@ def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]
     if family == "gemma4-mm":
         targets = GEMMA4_MM
     experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss") else {}
+    if family == "gemma4moe":  # its experts sit at layers.L.experts, beside the mlp
+        experts = GEMMA4_EXPERTS
     return {
         "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),
         "all": peft_adapter(

@@ -88,6 +88,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma4": ("Gemma4TextConfig", GEMMA4_QUIRKS),
     # the same text model in Gemma4ForConditionalGeneration's layout, a tiny vision tower
     "gemma4-mm": ("Gemma4Config", GEMMA4_QUIRKS),
+    # the MoE block: top-2 of 4 experts of 32 columns beside every layer's dense MLP
+    "gemma4moe": ("Gemma4TextConfig", {**GEMMA4_QUIRKS, "enable_moe_block": True,
+                                       "num_experts": 4, "top_k_experts": 2,
+                                       "moe_intermediate_size": 32}),
 }  # fmt: skip
 # At demo size (the bench's models) the shapes and settings of the real checkpoints instead
 # of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
@@ -171,9 +175,15 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
             if cls_name == "GptOssConfig":
                 p.copy_(_gpt_oss_draw(name, p, gen))
             if cls_name.startswith("Gemma4") and "norm" in name:  # x̂·w: Gemma's 1+w,
-                p.add_(1.0)  # branches of half Gemma 3's (its 6 layers' sums stay in
-                if "post_" in name:  # fp32's reach of transformers' logits to 2e-4)
+                p.add_(1.0)  # branches of a third of Gemma 3's (its 6 layers' sums stay in
+                if "post_" in name:  # fp32's reach of transformers' logits to 2e-4),
+                    p.div_(3.0)  # q·k of std ~2 (its scores are unscaled: q, k normed)
+                if "q_norm" in name or "k_norm" in name:
                     p.mul_(0.5)
+            if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            if name.endswith("router.proj.weight"):  # Gemma 4's router reads a unit-norm
+                p.mul_(4.0 * math.sqrt(p.shape[-1]))  # input: logits of std ~4, as mlp.gate's
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's output scalars, away from 1
                 b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=gen))

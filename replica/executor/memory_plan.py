@@ -175,6 +175,8 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         extra += spec.num_layers * local.num_heads * 4
     if spec.gemma_norm or spec.norm_fp32_weight:  # Gemma's norms: 1 + w (4's: w) in fp32
         norms = spec.num_layers * (4 if spec.sandwich_norms else 2) * spec.hidden_size
+        if spec.moe_beside_mlp:  # Gemma 4's MoE block: three norms more per sparse layer
+            norms += 3 * spec.hidden_size * sum(map(spec.is_sparse, range(spec.num_layers)))
         if spec.qk_norm:  # q's and, where the layer keeps KV, k's
             norms += sum((1 + (spec.kv_source(i) == i)) * spec.layer(i).head_dim
                          for i in range(spec.num_layers))  # fmt: skip

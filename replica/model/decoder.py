@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import QuantizedWeight, SegmentInfo
 from replica.model.attention import AttentionMetadata, paged_attention
+from replica.model.gemma4_moe import Gemma4Experts, moe_beside_mlp
 from replica.model.kv_cache import KVCache
 from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
@@ -180,7 +181,7 @@ class DecoderLayer:
             self.sinks = layout.sinks(index).to(device=device, dtype=torch.float32)
         glu = gated_activation(spec)
         self.mlp: DenseMLP | SparseMoE
-        if spec.is_sparse(index):
+        if spec.is_sparse(index) and not spec.moe_beside_mlp:
             self.mlp = SparseMoE(spec, layout, index, bufs, glu, device, dtype, tp)
         else:
             gate_up_w = _fused([proj("gate_proj"), proj("up_proj")])
@@ -205,6 +206,12 @@ class DecoderLayer:
             self.post_mlp_norm = norm("post_feedforward_layernorm.weight", h)
         else:
             self.pre_mlp_norm = norm("post_attention_layernorm.weight", h)
+        self.experts = None  # Gemma 4's MoE block: experts beside the dense MLP
+        if spec.is_sparse(index) and spec.moe_beside_mlp:
+            self.experts = Gemma4Experts(spec, layout, index, bufs, glu, device, dtype, tp)
+            self.experts_norms = tuple(norm(f"{n}.weight", h) for n in (
+                "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_2"))  # fmt: skip
         self.per_layer_input = None  # Gemma 4: this layer's share of the per-layer inputs
         if spec.per_layer_input_size:
             self.per_layer_input = PerLayerInputBlock(spec, layout, index, device, dtype)
@@ -217,6 +224,8 @@ class DecoderLayer:
         norms = (self.input_norm, self.q_norm, self.k_norm, self.post_attn_out_norm,
                  self.pre_mlp_norm, self.post_mlp_norm)  # fmt: skip
         extra = [] if self.per_layer_input is None else self.per_layer_input.weights()
+        if self.experts is not None:
+            extra += self.experts.weights() + [n.weight for n in self.experts_norms]
         return (tensors_of(self.qkv_proj.weight) + tensors_of(self.o_proj.weight)
                 + self.mlp.weights() + [n.weight for n in norms if n is not None]
                 + extra)  # fmt: skip
@@ -259,6 +268,8 @@ class DecoderLayer:
             out = self.post_attn_out_norm(out)
         x = x + out
         out = self.mlp(self.pre_mlp_norm(x), batch.lora, ws)
+        if self.experts is not None:
+            out = moe_beside_mlp(out, x, self.experts, self.experts_norms, batch.lora, ws)
         if self.post_mlp_norm is not None:
             out = self.post_mlp_norm(out)
         x = x + out

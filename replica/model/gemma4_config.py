@@ -46,17 +46,13 @@ LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")  # what per_layer_config m
 
 def gemma4_fields(cfg: Config, source: str) -> dict[str, Any]:
     """The Gemma 4 fields of ModelSpec (layer types and window, per-layer shapes, KV
-    sources, ropes, per-layer inputs, MoE refused)."""
+    sources, ropes, per-layer inputs, the MoE block)."""
     layers = int(cfg["num_hidden_layers"])
     types = list(cfg.get("layer_types") or
                  [SLIDING if (i + 1) % 6 else FULL for i in range(layers)])  # fmt: skip
     if len(types) != layers:
         raise ModelConfigError(f"{source}: layer_types has {len(types)} entries for {layers}")
     types[-1] = FULL  # as Gemma4TextConfig forces it
-    if cfg.get("enable_moe_block"):
-        raise ModelConfigError(
-            f"{source}: enable_moe_block=true (Gemma 4's MoE block) is not served yet"
-        )
     head_dims, kv_heads = _layer_heads(cfg, types, source)
     sources = _kv_sources(types, int(cfg.get("num_kv_shared_layers") or 0), source)
     width = int(cfg["intermediate_size"])
@@ -80,6 +76,32 @@ def gemma4_fields(cfg: Config, source: str) -> dict[str, Any]:
         "layer_scalar": True,
         "local_rope": local,
         "rope_scaling": full.scaling,
+        **_moe_block(cfg, source),
+    }
+
+
+def _moe_block(cfg: Config, source: str) -> dict[str, Any]:
+    """enable_moe_block: every layer runs top_k_experts of num_experts beside its dense MLP,
+    routed from the residual stream (layers.L.router.proj; stacked layers.L.experts)."""
+    if not cfg.get("enable_moe_block"):
+        return {}
+    try:
+        experts, k = int(cfg["num_experts"]), int(cfg["top_k_experts"])
+        width = int(cfg["moe_intermediate_size"])
+    except (KeyError, TypeError):
+        raise ModelConfigError(
+            f"{source}: enable_moe_block=true needs num_experts, top_k_experts and "
+            "moe_intermediate_size"
+        ) from None
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": k,
+        "moe_intermediate_size": width,
+        "norm_topk_prob": True,
+        "moe_block": "router",
+        "router_name": "proj",
+        "expert_layout": "gemma4",
+        "moe_beside_mlp": True,
     }
 
 

@@ -135,6 +135,8 @@ class CheckpointLayout:
         s = self.spec
         if s.expert_layout == "gpt_oss":
             return self._gpt_oss_experts(layer)
+        if s.expert_layout == "gemma4":
+            return self._gemma4_experts(layer)
         h, i = s.hidden_size, s.moe_intermediate_size
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
         where = f"{self.prefix}layers.{layer}.{s.moe_block}.experts"
@@ -182,6 +184,18 @@ class CheckpointLayout:
             down = self._mxfp4(f"{where}.down_proj", e, h, i)
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
         return self._split_gate_up(gate_up), down[:, :, lo:hi].contiguous()
+
+    def _gemma4_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma 4's stacks as transformers holds them: layers.L.experts.gate_up_proj
+        [E, 2I, hidden] (gate rows, then up rows) and down_proj [E, hidden, I]."""
+        s = self.spec
+        e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
+        where = f"{self.prefix}layers.{layer}.experts"
+        gate_up = self.ckpt.get(f"{where}.gate_up_proj", (e, 2 * i, h))
+        down = self.ckpt.get(f"{where}.down_proj", (e, h, i))
+        lo, hi = (0, i) if self.shard is None else self.shard.expert_range
+        gate_up = torch.cat([gate_up[:, lo:hi], gate_up[:, i + lo : i + hi]], dim=1)
+        return gate_up, down[:, :, lo:hi].contiguous()
 
     def _split_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gpt-oss's interleaved gate / up rows (gate j at 2j, up j at 2j+1) of

@@ -108,6 +108,8 @@ class ModelSpec:
     per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
     per_layer_vocab_size: int = 0  # rows of the per-layer input embedding
     layer_scalar: bool = False  # each layer's output times its stored scalar
+    # the experts run beside the dense MLP, not in its place (Gemma 4's MoE block)
+    moe_beside_mlp: bool = False
 
     @property
     def q_size(self) -> int:
@@ -187,9 +189,11 @@ class ModelSpec:
             total += sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
             if self.is_sparse(layer):
                 total += experts
-            else:
+            if not self.is_sparse(layer) or self.moe_beside_mlp:
                 total += sum(i * o for m, (i, o) in shapes.items() if m in MLP_MODULES)
             total += (4 if self.sandwich_norms else 2) * self.hidden_size
+            if self.is_sparse(layer) and self.moe_beside_mlp:  # 3 norms, router scales
+                total += 4 * self.hidden_size + self.num_experts
             if self.qk_norm:  # a layer reading another's KV has no k_norm (Gemma 4)
                 total += (1 + (self.kv_source(layer) == layer)) * own.head_dim
         total += self.layer_scalar * self.num_layers

@@ -333,7 +333,9 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
         assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss", "gemma4"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss", "gemma4", "gemma4moe"]
+)
 def test_families_equal_tp1(family, tmp_path):
     """Qwen3 (q/k norms, head_dim ≠ hidden / heads), Gemma 2 (soft-caps, windows, four
     norms, scaled embedding), Phi-3 (fused checkpoint projections, partial rotary) and

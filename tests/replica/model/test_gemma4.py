@@ -26,6 +26,7 @@ from replica.model.kv_cache import KVCache
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
 from replica.wire import SamplingParams
 from tests.oracle import (
+    GEMMA4_EXPERTS,
     check_mixed_batch,
     family_adapters,
     hf_greedy,
@@ -36,6 +37,7 @@ from tests.oracle import (
 from tests.replica.model.families import (
     GREEDY,
     LOGIT_ATOL,
+    MARGIN,
     NEW_TOKENS,
     engine_for,
     prompts,
@@ -271,3 +273,44 @@ def test_plan_counts_only_the_kv_the_layers_own(capsys, tmp_path):
     assert shared["kv_block_bytes"] == 2 * block * (2 * 16 + 1 * 32) * 2 * 2  # bf16
     assert unshared["kv_block_bytes"] == 2 * block * (3 * 16 * 2 + 3 * 32) * 2
     assert shared["kv_cache_tokens"] > unshared["kv_cache_tokens"]
+
+
+def test_moe_block_matches_transformers_and_peft_in_one_mixed_batch(tmp_path):
+    """enable_moe_block: top-2 of 4 experts beside every layer's dense MLP, routed from the
+    residual stream (its own norm, scale and per-expert scales). The base, an adapter on
+    attention, one on the experts only (PEFT target_parameters) and one on everything:
+    logits within 2e-4 and one mixed batch's greedy tokens equal transformers + PEFT, and
+    the experts-only adapter is applied on every layer and changes the continuation."""
+    model_dir = family_model_dir("gemma4moe")
+    adapters = family_adapters("gemma4moe", model_dir, tmp_path)
+    adapters["experts"] = peft_adapter(
+        model_dir, tmp_path / "experts", [], r=4, alpha=8, seed=3, **GEMMA4_EXPERTS
+    )
+    spec = load_model_spec(model_dir)
+    assert spec.moe_beside_mlp and spec.num_experts == 4 and spec.is_sparse(5)
+    applied = load_peft_adapter(adapters["experts"], spec, 64, "experts").applied()
+    assert applied == {m: 6 for m in ("expert_down_proj", "expert_gate_proj", "expert_up_proj")}
+    for adapter in (None, *adapters.values()):  # no expert choice within rounding
+        ref = hf_model(model_dir, adapter, eager=True)
+        assert all(_router_margin(ref, p) > MARGIN for p in prompts(256)), adapter
+    eng = engine_for(model_dir, adapters)
+    got = check_mixed_batch(eng, model_dir, adapters, prompts(spec.vocab_size), NEW_TOKENS)
+    assert got["experts"] != got[None] and got["all"] != got[None]
+
+
+def _router_margin(model, prompt: list[int]) -> float:
+    """The smallest gap between the 2nd and 3rd router logit of any token and layer."""
+    gaps = []
+
+    def hook(_module, _args, out):
+        logits = out.float().sort(dim=-1, descending=True).values
+        gaps.append((logits[:, 1] - logits[:, 2]).min().item())
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith("router.proj")]  # fmt: skip
+    try:
+        hf_logits(model, prompt)
+    finally:
+        for h in handles:
+            h.remove()
+    return min(gaps)
