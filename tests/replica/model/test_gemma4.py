@@ -314,3 +314,17 @@ def _router_margin(model, prompt: list[int]) -> float:
         for h in handles:
             h.remove()
     return min(gaps)
+
+
+@pytest.mark.parametrize(
+    "family, target", [("gemma4", "per_layer_input_gate"), ("gemma4moe", "router.proj")]
+)
+def test_lora_on_modules_not_served_is_refused_by_name(family, target, tmp_path):
+    """The per-layer inputs' gate and projection and the router take no LoRA here: an
+    adapter on one is refused naming its tensor, never loaded without it."""
+    from replica.model.peft_config import AdapterFormatError
+
+    model_dir = family_model_dir(family)
+    path = peft_adapter(model_dir, tmp_path / "a", [target], r=4, alpha=8, seed=4)
+    with pytest.raises(AdapterFormatError, match=target.replace(".", "\\.")):
+        load_peft_adapter(path, load_model_spec(model_dir), 64, "a")
