@@ -277,8 +277,6 @@ class Ingress(AdapterRoutes):
             raise BadRequestError(f"chat template: {e}", "messages") from None
         return text, self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    # -- adapters (vLLM's endpoints) -----------------------------------------------------------
-
     # -- generation ----------------------------------------------------------------------------
 
     @app.post("/v1/completions")
