@@ -77,9 +77,11 @@ EXPERTS = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_p
 # inner .linear too (LoRA that the text path never reads)
 GEMMA4_MM = {
     "attn": r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)",
-    "all": r".*(language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    r"|vision_tower.*\.(q_proj|v_proj)\.linear)",
+    "all": r".*(language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+    r"|per_layer_input_gate|per_layer_projection)|vision_tower.*\.(q_proj|v_proj)\.linear)",
 }
+# Gemma 4's per-layer-input projections, which its "all" adapters target too
+GEMMA4_PER_LAYER = ["per_layer_input_gate", "per_layer_projection"]
 
 
 GEMMA4_EXPERTS = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
@@ -96,6 +98,8 @@ def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]
         targets = {"attn": ATTENTION, "all": ATTENTION}
     if family == "gemma4-mm":
         targets = GEMMA4_MM
+    elif family.startswith("gemma4"):
+        targets = {"attn": ATTENTION, "all": EVERYTHING + GEMMA4_PER_LAYER}
     experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss") else {}
     if family == "gemma4moe":  # its experts sit at layers.L.experts, beside the mlp
         experts = GEMMA4_EXPERTS

@@ -81,7 +81,7 @@ WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # a multimodal Gemma 3 keeps its decoder under language_model (transformers 4 or 5 naming)
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.language_model\.|language_model\.model\.|model\.)"
-    r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"layers\.(\d+)\.(?:(?:self_attn|mlp)\.)?(\w+)\.lora_([AB])\.weight$"
 )
 _PEFT_PREFIX = "base_model.model."
 # LoRA on a multimodal checkpoint's vision or audio side: images and audio are not served,
@@ -278,7 +278,7 @@ def convert_peft_tensors(
                 )
             raise AdapterFormatError(f"{name}: unsupported tensor {key!r}")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        layer_modules = spec.module_shapes()
+        layer_modules = spec.module_shapes() | spec.per_layer_input_shapes()
         if module not in layer_modules and module not in fused or module in _split_parts(fused):
             have = ", ".join(fused) + ", " if fused else ""
             have += ", ".join(m for m in layer_modules if m not in _split_parts(fused))

@@ -214,7 +214,7 @@ class DecoderLayer:
                 "post_feedforward_layernorm_2"))  # fmt: skip
         self.per_layer_input = None  # Gemma 4: this layer's share of the per-layer inputs
         if spec.per_layer_input_size:
-            self.per_layer_input = PerLayerInputBlock(spec, layout, index, device, dtype)
+            self.per_layer_input = PerLayerInputBlock(spec, layout, index, bufs, device, dtype)
         self.scalar = None  # Gemma 4: the layer's output times a stored scalar
         if spec.layer_scalar:
             self.scalar = layout.layer_scalar(index).to(device=device, dtype=dtype)
@@ -274,7 +274,7 @@ class DecoderLayer:
             out = self.post_mlp_norm(out)
         x = x + out
         if self.per_layer_input is not None:
-            x = x + self.per_layer_input(x, per_layer_input)
+            x = x + self.per_layer_input(x, per_layer_input, batch.lora, ws)
         return x if self.scalar is None else x * self.scalar
 
 

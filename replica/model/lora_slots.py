@@ -30,6 +30,7 @@ from replica.model.adapter_weights import VOCAB_LAYER, LoRAAdapterWeights
 from replica.model.lora import (
     EXPERT_GROUPS,
     MODULE_GROUPS,
+    PER_LAYER_INPUT_GROUPS,
     VOCAB_GROUPS,
     LoRABuffers,
     layer_groups,
@@ -152,7 +153,9 @@ class LoRASlotBuffers:
             b = kernels.lora_b_buffer(out_f, self.num_rows, device, dtype)
             self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)
         experts = tuple(EXPERT_GROUPS) if spec.num_experts else ()
-        self.groups = (*MODULE_GROUPS, *experts, *self.vocab)  # the slot table's rank columns
+        ple = tuple(PER_LAYER_INPUT_GROUPS) if spec.per_layer_input_size else ()
+        # the slot table's rank columns
+        self.groups = (*MODULE_GROUPS, *ple, *experts, *self.vocab)
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         n = self.num_slots

@@ -16,7 +16,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import SegmentInfo
 from replica.model.layout import CheckpointLayout
+from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.spec import ModelSpec
 
 
@@ -67,6 +69,7 @@ class PerLayerInputBlock:
         spec: ModelSpec,
         layout: CheckpointLayout,
         index: int,
+        lora: dict[str, LoRABuffers] | None,  # the layer's arenas
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
@@ -76,15 +79,26 @@ class PerLayerInputBlock:
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return layout.tensor(index, name, shape).to(device=device, dtype=dtype)
 
-        self.gate = get("per_layer_input_gate.weight", (w, h))
-        self.projection = get("per_layer_projection.weight", (h, w))
+        bufs = lora or {}
+        self.gate = LoRALinear(get("per_layer_input_gate.weight", (w, h)), None,
+                               bufs.get("per_layer_input_gate"))  # fmt: skip
+        self.projection = LoRALinear(get("per_layer_projection.weight", (h, w)), None,
+                                     bufs.get("per_layer_projection"))  # fmt: skip
         self.norm = get("post_per_layer_input_norm.weight", (h,))
 
     def weights(self) -> list[torch.Tensor]:
-        return [self.gate, self.projection, self.norm]
+        return [self.gate.weight, self.projection.weight, self.norm]
 
-    def __call__(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (the layer's output so far), this layer's inputs [T, width] ->
-        the [T, hidden] to add."""
-        g = F.gelu(F.linear(x, self.gate), approximate="tanh") * per_layer_input
-        return _norm(F.linear(g, self.projection), self.norm, self.eps)
+    def __call__(
+        self,
+        x: torch.Tensor,
+        per_layer_input: torch.Tensor,
+        lora: dict[str, SegmentInfo],
+        ws: LoRAWorkspace | None,
+    ) -> torch.Tensor:
+        """x [T, hidden] (the layer's output so far), this layer's inputs [T, width], the
+        step's LoRA segments -> the [T, hidden] to add."""
+        gate = self.gate(x, lora.get("per_layer_input_gate"), ws)
+        g = F.gelu(gate, approximate="tanh") * per_layer_input
+        out = self.projection(g, lora.get("per_layer_projection"), ws)
+        return _norm(out, self.norm, self.eps)

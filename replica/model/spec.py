@@ -232,6 +232,14 @@ class ModelSpec:
             "down_proj": (i, h),
         }
 
+    def per_layer_input_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of Gemma 4's per-layer-input gate and projection
+        in every layer ({} without per-layer inputs)."""
+        h, w = self.hidden_size, self.per_layer_input_size
+        if not w:
+            return {}
+        return {"per_layer_input_gate": (h, w), "per_layer_projection": (w, h)}
+
     def vocab_module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of the LoRA-targetable vocabulary modules: the
         embedding (PEFT's lora_embedding_A [r, vocab], B [hidden, r]) and the head."""
@@ -249,7 +257,8 @@ class ModelSpec:
             name: (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
             for name, parts in self.fused_modules().items()
         }
-        return shapes | fused | self.vocab_module_shapes() | self.expert_shapes()
+        return (shapes | fused | self.vocab_module_shapes() | self.expert_shapes()
+                | self.per_layer_input_shapes())  # fmt: skip
 
     def fused_modules(self) -> dict[str, tuple[str, ...]]:
         """The checkpoint's fused projections (name -> its parts, in row order)."""

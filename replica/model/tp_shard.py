@@ -200,6 +200,7 @@ class TPShard:
             shapes[m] = (stop - start, self.spec.hidden_size // self.size)
         for name, parts in self.spec.fused_modules().items():  # held fused: its parts' rows
             shapes[name] = (whole[parts[0]][0], sum(shapes[p][1] for p in parts))
+        shapes |= self.spec.per_layer_input_shapes()  # replicated: their LoRA whole
         if self.spec.num_experts:  # one expert's share, like the dense MLP's
             i = self.spec.moe_intermediate_size // self.size
             shapes |= {"expert_gate_proj": (h, i), "expert_up_proj": (h, i),
@@ -216,8 +217,8 @@ class TPShard:
             shard = self.layer(layer)
             if shard is not self:
                 return shard.slice_lora(module, a, b)
-        if module == "embed_tokens":
-            return a, b
+        if module == "embed_tokens" or module in self.spec.per_layer_input_shapes():
+            return a, b  # replicated modules: their LoRA whole on every rank
         if module == "lm_head":
             start, stop = self.vocab_range
             return a, b[start:stop]

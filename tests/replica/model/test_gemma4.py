@@ -69,13 +69,15 @@ def test_vision_tower_lora_is_skipped_and_the_rest_applied(gemma4, tmp_path):
     """The multimodal "all" adapter also holds LoRA on the vision tower (images are not
     served: skipped, as for Gemma 3); every text module is applied on each layer that has
     it: k_proj on the 4 layers keeping KV, v_proj on the 2 sliding ones of them (full
-    layers take values from k_proj), the rest on all 6."""
+    layers take values from k_proj), the rest (the per-layer-input projections too) on
+    all 6."""
     name, model_dir, adapters = gemma4
     tensors = load_file(adapters["all"] / "adapter_model.safetensors")
     assert any("vision_tower" in k for k in tensors) == (name == "gemma4-mm")
     spec = load_model_spec(model_dir)
     applied = load_peft_adapter(adapters["all"], spec, 64, "all").applied()
-    six = {m: 6 for m in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    six = {m: 6 for m in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                          "per_layer_input_gate", "per_layer_projection")}  # fmt: skip
     assert applied == {**six, "k_proj": 4, "v_proj": 2}
 
 
@@ -316,15 +318,36 @@ def _router_margin(model, prompt: list[int]) -> float:
     return min(gaps)
 
 
-@pytest.mark.parametrize(
-    "family, target", [("gemma4", "per_layer_input_gate"), ("gemma4moe", "router.proj")]
-)
-def test_lora_on_modules_not_served_is_refused_by_name(family, target, tmp_path):
-    """The per-layer inputs' gate and projection and the router take no LoRA here: an
+@pytest.mark.parametrize("target", ["per_layer_model_projection", "router.proj"])
+def test_lora_on_modules_not_served_is_refused_by_name(target, tmp_path):
+    """The per-layer inputs' model-level projection and the router take no LoRA here: an
     adapter on one is refused naming its tensor, never loaded without it."""
     from replica.model.peft_config import AdapterFormatError
 
-    model_dir = family_model_dir(family)
+    model_dir = family_model_dir("gemma4moe")
     path = peft_adapter(model_dir, tmp_path / "a", [target], r=4, alpha=8, seed=4)
     with pytest.raises(AdapterFormatError, match=target.replace(".", "\\.")):
         load_peft_adapter(path, load_model_spec(model_dir), 64, "a")
+
+
+def test_per_layer_input_lora_equals_peft_in_one_mixed_batch(tmp_path):
+    """LoRA on each layer's per_layer_input_gate and per_layer_projection (and, in
+    another adapter, on every linear module of the layers besides): applied on all 6
+    layers, equal to transformers + PEFT beside the base in one mixed batch, and moving
+    the logits."""
+    model_dir = family_model_dir("gemma4")
+    ple = ["per_layer_input_gate", "per_layer_projection"]
+    everything = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                  "down_proj", *ple]  # fmt: skip
+    adapters = {
+        "ple": peft_adapter(model_dir, tmp_path / "ple", ple, r=4, alpha=8, seed=6),
+        "every": peft_adapter(model_dir, tmp_path / "every", everything, r=8, alpha=8, seed=7),
+    }
+    spec = load_model_spec(model_dir)
+    applied = load_peft_adapter(adapters["ple"], spec, 64, "ple").applied()
+    assert applied == {m: 6 for m in ple}
+    eng = engine_for(model_dir, adapters)
+    got = check_mixed_batch(eng, model_dir, adapters, prompts(spec.vocab_size), NEW_TOKENS)
+    assert got["every"] != got[None]
+    p = prompts(spec.vocab_size)[1]
+    assert (eng.score(p, "ple") - eng.score(p)).abs().max() > 0.05
