@@ -35,7 +35,7 @@ bytes and no max_model_len set is the model's context capped at what the cache h
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -230,9 +230,10 @@ def step_bytes(
     """Estimated peak working memory of one forward of `tokens` tokens whose prefill
     attends over `context` positions (0: decode tokens, read from the cache in place),
     with `logit_rows` logit rows: what persists through the step (the residual stream,
-    the LoRA workspace) plus the largest of its phases. Per rank, with b the dtype's bytes,
-    T tokens, h hidden, q/kv/i this rank's query, KV and MLP widths, H/kvh its query and
-    KV heads, hd the head dim, C the context, V the vocabulary:
+    the LoRA workspace) plus the largest of its phases, for the widest layer (each of
+    head_dim, KV heads and MLP width at its largest over layers). Per rank, with b the
+    dtype's bytes, T tokens, h hidden, q/kv/i this rank's query, KV and MLP widths, H/kvh
+    its query and KV heads, hd the head dim, C the context, V the vocabulary:
       residual + LoRA   T·h·b + T·lora_cols·4 (one fp32 column block per projection slice)
       norm              T·h·(b + 8): fp32 x and its square, the normed output
       attention         T·(q + 2kv)·b + T·(q + kv)·b: the projection's q/k/v and the rotated
@@ -250,7 +251,7 @@ def step_bytes(
                         and the sum; router logits and fp32 probabilities; the sort's ints
       head              R·h·b + R·V_rank·b + (R·V·b gathered under TP) + R·V·4 in fp32
                         (fp32_logits; twice with a final soft cap) for R logit rows."""
-    s, b, f32 = local_spec(spec, config.tp_size), dtype.itemsize, 4
+    s, b, f32 = widest_layer(local_spec(spec, config.tp_size)), dtype.itemsize, 4
     h, q, kv, hd = s.hidden_size, s.q_size, s.kv_size, s.head_dim
     t, r, vocab = tokens, logit_rows, spec.vocab_size
     lora_cols = sum(
@@ -277,6 +278,20 @@ def step_bytes(
     if fp32_logits:
         head += r * vocab * f32 * (2 if s.final_soft_cap is not None else 1)
     return persistent + max(norm, attention, mlp, head)
+
+
+def widest_layer(spec: ModelSpec) -> ModelSpec:
+    """`spec` with every layer's largest head_dim, KV heads and MLP width (where layers
+    differ, as Gemma 4's: a step's working memory is bounded by its widest layer)."""
+    layers = [spec.layer(i) for i in range(spec.num_layers)]
+    if all(layer is spec for layer in layers):
+        return spec
+    return replace(
+        layers[0],
+        head_dim=max(layer.head_dim for layer in layers),
+        num_kv_heads=max(layer.num_kv_heads for layer in layers),
+        intermediate_size=max(layer.intermediate_size for layer in layers),
+    )
 
 
 def flash_prefill(spec: ModelSpec, dtype: torch.dtype, context: int) -> bool:

@@ -241,12 +241,14 @@ def test_prefix_cache_hits_give_the_uncached_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_static_decode_path_equals_eager(tmp_path):
+@pytest.mark.parametrize("family", ["gemma4", "gemma4moe"])
+def test_static_decode_path_equals_eager(family, tmp_path):
     """The fixed-shape decode step that CUDA graphs replay (its padded rows write a scratch
-    block, which the KV-sharing layers read back as they read real rows): the eager
-    engine's tokens, and no device value read inside the step."""
-    model_dir = family_model_dir("gemma4")
-    adapters = family_adapters("gemma4", model_dir, tmp_path)
+    block, which the KV-sharing layers read back as they read real rows; the MoE block's
+    routing stays on the device): the eager engine's tokens, and no device value read
+    inside the step."""
+    model_dir = family_model_dir(family)
+    adapters = family_adapters(family, model_dir, tmp_path)
     requests = [(p, GREEDY, a) for p in prompts(256) for a in (None, *adapters)]
     want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
     eng = engine_for(model_dir, adapters)
@@ -351,3 +353,20 @@ def test_per_layer_input_lora_equals_peft_in_one_mixed_batch(tmp_path):
     assert got["every"] != got[None]
     p = prompts(spec.vocab_size)[1]
     assert (eng.score(p, "ple") - eng.score(p)).abs().max() > 0.05
+
+
+def test_step_memory_is_planned_for_the_widest_layer():
+    """The plan's working memory of a step takes each of head_dim (the full layers' 32),
+    KV heads (the sliding layers' 2) and MLP width (the sharing layers' 192) at its
+    largest: more than the sliding layers' shapes alone would give."""
+    from dataclasses import replace
+
+    from replica.executor.memory_plan import step_bytes, widest_layer
+
+    spec = load_model_spec(family_model_dir("gemma4"))
+    wide = widest_layer(spec)
+    assert (wide.head_dim, wide.num_kv_heads, wide.intermediate_size) == (32, 2, 192)
+    config = EngineConfig(model=str(family_model_dir("gemma4")), device="cpu")
+    uniform = replace(spec, layer_head_dims=(), layer_kv_heads=(), layer_intermediate_sizes=())
+    args = (config, torch.bfloat16, 64, 64, 1)
+    assert step_bytes(spec, *args) == step_bytes(wide, *args) > step_bytes(uniform, *args)
