@@ -13,6 +13,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: `lorafleet --help` stays fast
+    from replica.model.spec import ModelSpec
 
 
 class UsageError(ValueError):
@@ -497,7 +501,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"{c.gpu_memory_utilization:g} of {gib(plan.device_bytes)}, less "
         f"{gib(plan.in_use_bytes)} for the CUDA context",
         "weights": f"{gib(plan.weights_bytes_per_gpu)} per GPU"
-        + ("" if spec.quant is None else f", projections packed ({spec.quant.method})")
+        + ("" if spec.quant is None else f", {_packed_what(spec)} packed ({spec.quant.method})")
         + ("" if stored is None else f" (the checkpoint's index: {gib(stored)} in all)"),
         "activations": f"{gib(plan.activation_bytes)}, estimated for the largest step "
         f"({min(c.max_num_batched_tokens, plan.max_model_len):,} tokens at context "
@@ -523,6 +527,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def _packed_what(spec: ModelSpec) -> str:
+    """What a quantized checkpoint holds packed: gpt-oss ships only its experts so."""
+    return "experts" if spec.quant is not None and spec.quant.method == "mxfp4" else "projections"
 
 
 def _size_bytes(text: str) -> int:

@@ -18,7 +18,9 @@ One reader per quant_method (QUANT_METHODS, the dispatch); each returns a QuantS
   bitsandbytes        NF4 (QLoRA's `*-bnb-4bit` bases): `weight` bytes, `weight.absmax`
                       (double-quantized too), `weight.quant_map`, `weight.quant_state.*`
 
-gpt-oss's MXFP4 experts are dequantized at load by its family (DEQUANTIZED_AT_LOAD).
+  mxfp4               gpt-oss's experts (`*_blocks` e2m1 codes, `*_scales` e8m0 per 32
+                      inputs): the one method its family reads (FAMILY_METHODS); its
+                      attention, router and head stay dense as the Hub ships them
 Activations are not quantized (W8A16 / W4A16): activation scales a checkpoint ships are
 read and left unused, so outputs equal the dequantized model's. Anything else is refused in
 one line naming its quant_method and what is served.
@@ -37,10 +39,8 @@ from replica.model.hf_config import ModelConfigError
 # Where config.json declares a quantized checkpoint (transformers' quantization_config;
 # compressed-tensors' older compression_config).
 QUANTIZATION_KEYS = ("quantization_config", "compression_config")
-# model_type -> the one quant_method its family reads as shipped and dequantizes at load
-# itself (model/layout.py): gpt-oss's MXFP4 experts. Such a family serves no other one.
-DEQUANTIZED_AT_LOAD = {"gpt_oss": "mxfp4"}
-FP8, INT4_PACKED, GPTQ, AWQ, NF4 = "fp8", "pack-quantized", "gptq", "awq", "nf4"
+FP8, INT4_PACKED, GPTQ, AWQ, NF4, MXFP4 = "fp8", "pack-quantized", "gptq", "awq", "nf4", "mxfp4"
+MXFP4_GROUP = 32  # inputs per e8m0 scale
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ModuleFormat:
     for per tensor, (1, None) per channel; `group_size` (int4): columns per scale, None per
     channel (the whole K)."""
 
-    kind: str  # FP8, INT4_PACKED, GPTQ, AWQ or NF4
+    kind: str  # FP8, INT4_PACKED, GPTQ, AWQ, NF4 or MXFP4
     block: tuple[int | None, int | None] | None = None
     group_size: int | None = None
     symmetric: bool = True
@@ -60,7 +60,7 @@ class ModuleFormat:
     def groups(self, k: int) -> int:
         """Scale columns (fp8) or groups (int4) along an input of k columns."""
         step = self.block[1] if self.kind == FP8 and self.block else self.group_size
-        return 1 if step is None else -(-k // step)
+        return 1 if step is None else -(-k // step)  # MXFP4: group_size 32
 
     def out_align(self) -> int:
         """Rows a tensor-parallel split of the output must be a multiple of."""
@@ -90,6 +90,8 @@ class ModuleFormat:
             return n * k + -(-n // (bn or n)) * -(-k // (bk or k)) * 4
         if self.kind == NF4:  # codes, fp32 absmax (double quantization undone), the code
             return -(-n * k // 2) + -(-n * k // self.group_size) * 4 + 16 * 4
+        if self.kind == MXFP4:  # two codes a byte, one e8m0 byte per group
+            return n * (k // 2 + self.groups(k))
         g = self.groups(whole_k if self.desc_act and whole_k else k)
         codes = n * -(-k // 8) * 4  # 8 codes an int32, along K (pack-quantized, GPTQ) or N
         scales = n * g * scale_bytes
@@ -126,13 +128,13 @@ def quant_scheme(cfg: dict[str, Any], source: str) -> QuantScheme | None:
             if quant is None:
                 continue
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
-            own = DEQUANTIZED_AT_LOAD.get(cfg.get("model_type"))
+            own = FAMILY_METHODS.get(cfg.get("model_type"))
             if own is not None:
-                if method == own:
-                    return None
+                if method == own[0]:
+                    return own[1]
                 raise ModelConfigError(
                     f"{source}: {key} with quant_method={method!r} is not served for "
-                    f"{cfg.get('model_type')} (its {own} is, dequantized at load)"
+                    f"{cfg.get('model_type')} (its {own[0]} is)"
                 )
             reader = QUANT_METHODS.get(method)
             if reader is None:
@@ -261,6 +263,17 @@ def _matches(pattern: str, module: str) -> bool:
         return re.fullmatch(pattern[3:], module) is not None
     return module == pattern or f".{pattern}." in f".{module}."
 
+
+# model_type -> the one quant_method its family ships and reads, and what it stores packed:
+# gpt-oss's MXFP4 experts (model/layout.py reads their stacked *_blocks / *_scales).
+FAMILY_METHODS: dict[str, tuple[str, QuantScheme]] = {
+    "gpt_oss": (
+        MXFP4,
+        QuantScheme(
+            MXFP4, (((r"re:.*\.mlp\.experts\..*",), ModuleFormat(MXFP4, group_size=MXFP4_GROUP)),)
+        ),
+    ),
+}
 
 QUANT_METHODS: dict[str, Callable[[dict[str, Any], str], QuantScheme]] = {
     "fp8": _fp8,
