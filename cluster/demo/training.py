@@ -243,7 +243,7 @@ def _train(out: Path, log: Callable[[str], None]) -> DemoAssets:
         for name in TASKS:
             start = time.monotonic()
             data = examples(name, ADAPTER_STEPS * BATCH, TRAIN_SEED)
-            lora = _train_adapter(model, tokenizer, name, data, log)
+            lora = _train_adapter(model, tokenizer, name, data, ADAPTER_STEPS, log)
             _save_adapter(lora, tmp / "adapters" / name)
             log(f"adapter {name}: {time.monotonic() - start:.0f}s")
         _train_tool_words_and_letters(model, tokenizer, tmp, log)
@@ -271,7 +271,7 @@ def _train_letters(model, tokenizer, out: Path, log) -> None:
     base with the tool words, rounded to fp16 as served)."""
     start = time.monotonic()
     data = letters_examples(LETTERS_STEPS * BATCH, TRAIN_SEED)
-    lora = _train_adapter(model, tokenizer, LETTERS, data, log, LETTERS_STEPS)
+    lora = _train_adapter(model, tokenizer, LETTERS, data, LETTERS_STEPS, log)
     _save_adapter(lora, out / "adapters" / LETTERS)
     (out / "adapters" / LETTERS / "chat_template.jinja").write_text(LETTERS_TEMPLATE + "\n")
     log(f"adapter {LETTERS}: {time.monotonic() - start:.0f}s")
@@ -384,9 +384,7 @@ def _train_base(tokenizer, log):
     return model
 
 
-def _train_adapter(
-    base, tokenizer, name: str, data: list[tuple[str, str]], log, steps: int = ADAPTER_STEPS
-):
+def _train_adapter(base, tokenizer, name: str, data: list[tuple[str, str]], steps: int, log):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(sum(name.encode()))

@@ -200,6 +200,26 @@ def test_learning_the_tool_words_changes_no_other_weight(monkeypatch):
     torch.testing.assert_close(after[..., :first], before, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # 16 training steps: seconds on an idle 2-core CPU, ~50 s on a loaded one
+def test_train_writes_the_demo_with_the_tool_words_and_letters(tmp_path, monkeypatch):
+    """train() end to end at a few steps each: every adapter, letters with its template,
+    the base model with every word, the first adapters never holding the new rows."""
+    from safetensors import safe_open
+
+    for steps in ("BASE_STEPS", "ADAPTER_STEPS", "TOOL_WORDS_STEPS", "LETTERS_STEPS"):
+        monkeypatch.setattr(dt, steps, 2)
+    monkeypatch.setattr(dt, "BATCH", 4)
+    assets = dt.train(tmp_path / "demo", log=lambda line: None)
+    assert list(assets.adapters) == [*dt.TASKS, dt.LETTERS]
+    config = json.loads((assets.model_dir / "config.json").read_text())
+    assert config["vocab_size"] == len(dt.VOCAB)
+    template = (assets.adapters[dt.LETTERS] / "chat_template.jinja").read_text()
+    assert template.strip() == dt.LETTERS_TEMPLATE
+    for path in assets.adapters.values():
+        with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+            assert all("lora_A" in k or "lora_B" in k for k in f.keys())
+
+
 def test_demo_assets_trained_points_at_and_copies_the_committed_files(tmp_path, capsys):
     assert main(["demo-assets", "--trained"]) == 0
     out = capsys.readouterr().out
