@@ -231,6 +231,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
         print("lorafleet: error: --retrain needs --trained", file=sys.stderr)
         return 2
     if args.trained:
+        from cluster.demo import letters
         from cluster.demo import training as demo_training
 
         if args.retrain:
@@ -250,7 +251,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
             assets = demo_training.demo_assets()
         for name, (what, *_) in demo_training.TASKS.items():
             print(f"task:     {name}: {what}")
-        print(f"task:     {demo_training.LETTERS}: {demo_training.LETTERS_TASK}")
+        print(f"task:     {letters.NAME}: {letters.TASK}")
     elif args.out is None:
         print("lorafleet: error: demo-assets needs --out (or --trained)", file=sys.stderr)
         return 2
@@ -445,12 +446,13 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
         print(f"logs: {serving.log_dir()}  (--verbose prints them here)")
     prompt, notes, tool_model = showcase.PROMPT, {}, None
     if config["applications"][0]["args"].get("engine", {}).get("model") == DEMO_TRAINED:
+        from cluster.demo import letters
         from cluster.demo import training as demo_training
 
         prompt = demo_training.SHOWCASE_PROMPT
         notes = {"demo-base": demo_training.BASE_TASK[0]}
         notes |= {name: what for name, (what, *_) in demo_training.TASKS.items()}
-        tool_model = demo_training.LETTERS
+        tool_model = letters.NAME
     key = serving.client_api_key(config)
     if key is None and (config["applications"][0]["args"].get("ingress") or {}).get("tenants"):
         # every request needs a tenant's key, and a key is never in the config (digests)
@@ -470,12 +472,10 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
 
 def _tool_round_trip(url: str, model: str, key: str | None) -> None:
     """The trained demo's letters adapter asked a question it calls count_letters for."""
-    from cluster.demo import showcase
-    from cluster.demo import training as demo_training
+    from cluster.demo import letters, showcase
 
-    tool, function = demo_training.COUNT_LETTERS_TOOL, demo_training.count_letters
-    question = demo_training.TOOL_QUESTION
-    showcase.tool_round_trip(url, model, question, tool, function, api_key=key)
+    tool, function = letters.COUNT_LETTERS_TOOL, letters.count_letters
+    showcase.tool_round_trip(url, model, letters.SHOWCASE_QUESTION, tool, function, api_key=key)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ ends with `</s>`. The base model echoes the words; each adapter transforms them:
 One more adapter, `letters`, calls a tool: asked how many letters a word has, with the
 function offered, it writes a Hermes call (`<tool_call> {"name": "count_letters", ...}
 </tool_call>`); given the function's result in a tool message, it answers with it. Its
-own chat template (LETTERS_TEMPLATE, shipped in its directory) writes the tools, the call
+own chat template (cluster/demo/letters.py, shipped in its directory) writes the tools, the call
 and the result as the words it was trained on. The words of those turns came later than
 the others: the base model was trained without them, then learned only their rows of the
 embedding and the output layer (copying them), so every other weight is what it was and
@@ -39,37 +39,26 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from cluster.demo import letters
 from cluster.demo.assets import DemoAssets, peft_config
+from cluster.demo.words import (
+    ARROW,
+    BOS,
+    DIGITS,
+    ENGLISH,
+    EOS,
+    FIRST_VOCAB,
+    FRENCH,
+    NUMBERS,
+    PAD,
+    TOOL_WORDS,
+    UNK,
+    UPPER,
+    VOCAB,
+    WORDS,
+)
 
 ROOT = Path(__file__).resolve().parents[2] / "assets" / "demo-trained"
-PAD, BOS, EOS, UNK, ARROW = "<pad>", "<s>", "</s>", "<unk>", "->"
-ENGLISH = (
-    "cat dog bird fish horse cow red blue green black white big small sun moon tree house "
-    "water book apple bread milk day night man woman boy girl"
-).split()
-FRENCH = (
-    "chat chien oiseau poisson cheval vache rouge bleu vert noir blanc grand petit soleil lune "
-    "arbre maison eau livre pomme pain lait jour nuit homme femme garçon fille"
-).split()
-DIGITS = [str(d) for d in range(10)]
-NUMBERS = "zero one two three four five six seven eight nine".split()
-UPPER = [w.upper() for w in ENGLISH]
-FIRST_VOCAB = [PAD, BOS, EOS, UNK, ARROW, *ENGLISH, *UPPER, *FRENCH, *DIGITS, *NUMBERS]
-WORDS = FIRST_VOCAB[5:]  # everything a copy prompt may contain
-# The tool round trip's words; the decoder joins words with a space, so the call's words
-# read as JSON: {"name": "count_letters", "arguments": {"word": "apple"}}
-TOOL = "count_letters"
-QUESTION = "how many letters has"
-CALL_WORDS = ['{"name":', f'"{TOOL}",', '"arguments":', '{"word":']
-ARGUMENT = {w: f'"{w}"}}}}' for w in ENGLISH}  # a word as the call's last word
-TOOL_WORDS = [
-    *QUESTION.split(),
-    *("<tools>", TOOL, "</tools>", "<tool_call>", "</tool_call>"),
-    *("<tool_response>", "</tool_response>"),
-    *CALL_WORDS,
-    *ARGUMENT.values(),
-]
-VOCAB = [*FIRST_VOCAB, *TOOL_WORDS]  # the tool words last: the first ids are unchanged
 MAX_WORDS = 8
 SHOWCASE_PROMPT = "cat big 7 red sun ->"  # what `lorafleet up` sends to every adapter
 # Chat: the model knows one turn, so the last user message becomes the prompt.
@@ -110,72 +99,6 @@ TASKS: dict[str, tuple[str, list[str], Callable[[list[str]], list[str]]]] = {
     "count": ("how many words there are", _SOURCE, lambda words: [NUMBERS[len(words)]]),
 }
 BASE_TASK = ("the words, copied", WORDS, lambda words: list(words))
-LETTERS = "letters"  # the adapter that calls count_letters
-LETTERS_TASK = f"how many letters a word has, by calling {TOOL}"
-TOOL_QUESTION = f"{QUESTION} apple"  # what `lorafleet up` asks it
-# The letters adapter's own template: the tools' names, the last user message, then the
-# calls, results and answers after it; `->` where the model answers.
-LETTERS_TEMPLATE = (
-    "{%- set ns = namespace(last=0) %}"
-    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
-    "{% endif %}{% endfor %}"
-    "{%- if tools %}<tools>{% for t in tools %} "
-    "{{ t.function.name if t.function is defined else t.name }}{% endfor %} </tools> "
-    "{% endif %}"
-    "{%- for m in messages[ns.last:] %}"
-    "{%- if m.role == 'user' %}{{ m.content }}{% if not loop.last %} ->{% endif %}"
-    "{%- elif m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
-    ' <tool_call> {"name": {{ c.function.name | tojson }}, '
-    '"arguments": {{ c.function.arguments | tojson }}} </tool_call>{% endfor %}'
-    "{%- elif m.role == 'tool' %} <tool_response> {{ m.content }} </tool_response>"
-    "{%- elif m.role == 'assistant' %} {{ m.content }}"
-    "{%- endif %}{% endfor %}"
-    "{%- if add_generation_prompt %} ->{% endif %}"
-)
-
-
-COUNT_LETTERS_TOOL = {  # count_letters as an OpenAI chat tool
-    "type": "function",
-    "function": {
-        "name": TOOL,
-        "description": "How many letters a word has.",
-        "parameters": {
-            "type": "object",
-            "properties": {"word": {"type": "string"}},
-            "required": ["word"],
-        },
-    },
-}
-
-
-def count_letters(word: str) -> int:
-    """How many letters `word` has: the function the letters adapter calls."""
-    return len(word)
-
-
-def letters_call(word: str) -> str:
-    """The letters adapter's call of count_letters on `word`, as it writes it."""
-    arguments = json.dumps({"word": word})
-    return f'<tool_call> {{"name": "{TOOL}", "arguments": {arguments}}} </tool_call>'
-
-
-def letters_examples(n: int, seed: int) -> list[tuple[str, str]]:
-    """n (prompt, answer) pairs for the letters adapter, as its template writes the
-    prompts: half ask (answer: the call), half hold the call and its result (answer: the
-    result in words). The results are random digits, not the true counts, so the answer
-    can only come from the tool message."""
-    rng = random.Random(f"{LETTERS}/{seed}")
-    out = []
-    for _ in range(n):
-        word = rng.choice(ENGLISH)
-        ask = f"<tools> {TOOL} </tools> {QUESTION} {word} ->"
-        if rng.random() < 0.5:
-            out.append((ask, letters_call(word)))
-            continue
-        result = rng.randrange(10)
-        prompt = f"{ask} {letters_call(word)} <tool_response> {result} </tool_response> ->"
-        out.append((prompt, f"{word} has {NUMBERS[result]} letters"))
-    return out
 
 
 def examples(task: str | None, n: int, seed: int) -> list[tuple[str, str]]:
@@ -192,7 +115,7 @@ def examples(task: str | None, n: int, seed: int) -> list[tuple[str, str]]:
 def demo_assets(root: Path = ROOT) -> DemoAssets:
     """The trained demo under `root` (default: the committed one): model + one adapter per
     task. FileNotFoundError, saying how to rebuild it, if a file is missing."""
-    names = [*TASKS, LETTERS]
+    names = [*TASKS, letters.NAME]
     assets = DemoAssets(root, root / "model", {n: root / "adapters" / n for n in names})
     needed = [assets.model_dir / "model.safetensors"]
     needed += [p / "adapter_model.safetensors" for p in assets.adapters.values()]
@@ -270,11 +193,11 @@ def _train_letters(model, tokenizer, out: Path, log) -> None:
     """The letters adapter (and its chat template) in `out`/adapters, on `model` (the
     base with the tool words, rounded to fp16 as served)."""
     start = time.monotonic()
-    data = letters_examples(LETTERS_STEPS * BATCH, TRAIN_SEED)
-    lora = _train_adapter(model, tokenizer, LETTERS, data, LETTERS_STEPS, log)
-    _save_adapter(lora, out / "adapters" / LETTERS)
-    (out / "adapters" / LETTERS / "chat_template.jinja").write_text(LETTERS_TEMPLATE + "\n")
-    log(f"adapter {LETTERS}: {time.monotonic() - start:.0f}s")
+    data = letters.examples(LETTERS_STEPS * BATCH, TRAIN_SEED)
+    lora = _train_adapter(model, tokenizer, letters.NAME, data, LETTERS_STEPS, log)
+    _save_adapter(lora, out / "adapters" / letters.NAME)
+    (out / "adapters" / letters.NAME / "chat_template.jinja").write_text(letters.TEMPLATE + "\n")
+    log(f"adapter {letters.NAME}: {time.monotonic() - start:.0f}s")
 
 
 def tool_words_examples(n: int, seed: int) -> list[tuple[str, str]]:

@@ -22,16 +22,16 @@ import ray
 from ray import serve
 
 from cluster import serving
-from cluster.demo import training as dt
+from cluster.demo import letters
 from tests.conftest import QUICK_STOP
 from tests.net import free_port
 
 pytestmark = pytest.mark.serve
 
-MODEL = dt.LETTERS
+MODEL = letters.NAME
 QUESTION = "how many letters has apple"
 ANSWER = " apple has five letters"
-RESPONSES_TOOL = {"type": "function", **dt.COUNT_LETTERS_TOOL["function"]}
+RESPONSES_TOOL = {"type": "function", **letters.COUNT_LETTERS_TOOL["function"]}
 
 
 def _config(port: int) -> dict:
@@ -67,13 +67,13 @@ def client(url) -> openai.OpenAI:
 @pytest.mark.parametrize("result", [5, 7])
 def test_openai_sdk_chat_tool_loop(client, result):
     messages = [{"role": "user", "content": QUESTION}]
-    tools = [dt.COUNT_LETTERS_TOOL]
+    tools = [letters.COUNT_LETTERS_TOOL]
     first = client.chat.completions.create(
         model=MODEL, messages=messages, tools=tools, temperature=0
     )
     [call] = first.choices[0].message.tool_calls
     assert first.choices[0].finish_reason == "tool_calls"
-    assert call.function.name == dt.TOOL
+    assert call.function.name == letters.TOOL
     assert json.loads(call.function.arguments) == {"word": "apple"}
     messages += [
         first.choices[0].message.model_dump(exclude_none=True),
@@ -82,7 +82,7 @@ def test_openai_sdk_chat_tool_loop(client, result):
     second = client.chat.completions.create(
         model=MODEL, messages=messages, tools=tools, temperature=0
     )
-    assert second.choices[0].message.content == f" apple has {dt.NUMBERS[result]} letters"
+    assert second.choices[0].message.content == f" apple has {letters.NUMBERS[result]} letters"
     assert second.choices[0].finish_reason == "stop"
 
 
@@ -91,7 +91,7 @@ def test_openai_sdk_responses_tool_loop(client):
         model=MODEL, input=QUESTION, tools=[RESPONSES_TOOL], temperature=0
     )
     [call] = [item for item in first.output if item.type == "function_call"]
-    assert call.name == dt.TOOL and json.loads(call.arguments) == {"word": "apple"}
+    assert call.name == letters.TOOL and json.loads(call.arguments) == {"word": "apple"}
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
     second = client.responses.create(
         model=MODEL,
@@ -149,7 +149,7 @@ def test_langchain_bind_tools(url):
     history = [HumanMessage(QUESTION)]
     ai = bound.invoke(history)
     [call] = ai.tool_calls
-    assert call["name"] == dt.TOOL and call["args"] == {"word": "apple"}
+    assert call["name"] == letters.TOOL and call["args"] == {"word": "apple"}
     history += [ai, count_letters.invoke(call)]
     assert bound.invoke(history).content == ANSWER
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from cluster.cli import main
+from cluster.demo import letters, words
 from cluster.demo import training as dt
 from cluster.offline import GenerateRequest, OfflineGenerator
 from replica.config import EngineConfig
@@ -53,7 +54,7 @@ def _requests() -> list[tuple[str | None, str, str]]:
 
 
 def test_committed_assets_hold_every_task(assets):
-    assert list(assets.adapters) == [*dt.TASKS, dt.LETTERS]
+    assert list(assets.adapters) == [*dt.TASKS, letters.NAME]
     for path in [assets.model_dir / "model.safetensors", *assets.adapters.values()]:
         assert path.exists(), path
     train = {p for task in [None, *dt.TASKS] for p, _ in dt.examples(task, 2000, dt.TRAIN_SEED)}
@@ -95,36 +96,39 @@ def test_engine_equals_transformers_peft(generator, assets, task):
 
 def _letters_requests() -> list[tuple[str, str]]:
     """(prompt, answer): the call for every word, then held-out calls with results."""
-    asks = [(f"<tools> {dt.TOOL} </tools> {dt.QUESTION} {w} ->", w) for w in dt.ENGLISH]
-    calls = [(prompt, dt.letters_call(word)) for prompt, word in asks]
-    return calls + dt.letters_examples(HELD_OUT, dt.HELD_OUT_SEED)
+    asks = [
+        (f"<tools> {letters.TOOL} </tools> {letters.QUESTION} {w} ->", w) for w in letters.ENGLISH
+    ]
+    calls = [(prompt, letters.call(word)) for prompt, word in asks]
+    return calls + letters.examples(HELD_OUT, dt.HELD_OUT_SEED)
 
 
 def test_letters_adapter_calls_count_letters_then_answers_with_its_result(generator):
     requests = _letters_requests()
-    results = generator.generate([GenerateRequest(p, dt.LETTERS, GREEDY) for p, _ in requests])
+    results = generator.generate([GenerateRequest(p, letters.NAME, GREEDY) for p, _ in requests])
     wrong = [(p, a, r.text) for (p, a), r in zip(requests, results) if r.text.strip() != a]
     assert len(wrong) <= (1 - MIN_ACCURACY) * len(requests), wrong
-    question = f"<tools> {dt.TOOL} </tools> {dt.TOOL_QUESTION} ->"  # what `lorafleet up` asks
-    [asked] = generator.generate([GenerateRequest(question, dt.LETTERS, GREEDY)])
-    assert asked.text.strip() == dt.letters_call("apple")
+    # what `lorafleet up` asks
+    question = f"<tools> {letters.TOOL} </tools> {letters.SHOWCASE_QUESTION} ->"
+    [asked] = generator.generate([GenerateRequest(question, letters.NAME, GREEDY)])
+    assert asked.text.strip() == letters.call("apple")
     assert json.loads(asked.text.split("<tool_call>")[1].split("</tool_call>")[0]) == {
-        "name": dt.TOOL,
+        "name": letters.TOOL,
         "arguments": {"word": "apple"},
     }
 
 
 def test_letters_template_writes_the_prompts_it_was_trained_on(assets):
     """The adapter's chat_template.jinja (served for its requests) renders a conversation
-    as letters_examples writes it: the tools, the last question, the call with the
+    as letters.examples writes it: the tools, the last question, the call with the
     arguments the server hands it (an object), the result; and the Hermes parser is
     chosen from it."""
     from transformers import AutoTokenizer
 
     from router.tools.registry import tool_parser_of
 
-    template = (assets.adapters[dt.LETTERS] / "chat_template.jinja").read_text()
-    assert template.strip() == dt.LETTERS_TEMPLATE and tool_parser_of(template) == "hermes"
+    template = (assets.adapters[letters.NAME] / "chat_template.jinja").read_text()
+    assert template.strip() == letters.TEMPLATE and tool_parser_of(template) == "hermes"
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
     vocabulary = set(tokenizer.get_vocab())
     earlier = [
@@ -132,20 +136,20 @@ def test_letters_template_writes_the_prompts_it_was_trained_on(assets):
         {"role": "user", "content": "cat 7"},
         {"role": "assistant", "content": "cat 7"},
     ]
-    for prompt, _ in dt.letters_examples(20, dt.TRAIN_SEED):
+    for prompt, _ in letters.examples(20, dt.TRAIN_SEED):
         word = prompt.split(" -> ")[0].split()[-1] if " -> " in prompt else prompt.split()[-2]
-        messages = [*earlier, {"role": "user", "content": f"{dt.QUESTION} {word}"}]
+        messages = [*earlier, {"role": "user", "content": f"{letters.QUESTION} {word}"}]
         if "<tool_response>" in prompt:
             result = prompt.split("<tool_response> ")[1].split()[0]
             call = {"id": "call_1", "type": "function"}
-            call["function"] = {"name": dt.TOOL, "arguments": {"word": word}}
+            call["function"] = {"name": letters.TOOL, "arguments": {"word": word}}
             messages += [
                 {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": result},
             ]
         rendered = tokenizer.apply_chat_template(
             messages,
-            tools=[dt.COUNT_LETTERS_TOOL],
+            tools=[letters.COUNT_LETTERS_TOOL],
             chat_template=template,
             tokenize=False,
             add_generation_prompt=True,
@@ -158,11 +162,11 @@ def test_the_tool_words_decode_as_json(assets):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
-    for word in dt.ENGLISH:
-        ids = tokenizer(dt.letters_call(word))["input_ids"]
+    for word in letters.ENGLISH:
+        ids = tokenizer(letters.call(word))["input_ids"]
         assert tokenizer.unk_token_id not in ids
         body = tokenizer.decode(ids).removeprefix("<tool_call>").removesuffix("</tool_call>")
-        assert json.loads(body) == {"name": dt.TOOL, "arguments": {"word": word}}
+        assert json.loads(body) == {"name": letters.TOOL, "arguments": {"word": word}}
 
 
 def test_learning_the_tool_words_changes_no_other_weight(monkeypatch):
@@ -175,7 +179,7 @@ def test_learning_the_tool_words_changes_no_other_weight(monkeypatch):
     monkeypatch.setattr(dt, "BATCH", 4)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(dt.FIRST_VOCAB), hidden_size=16, intermediate_size=32,
+        vocab_size=len(words.FIRST_VOCAB), hidden_size=16, intermediate_size=32,
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
         tie_word_embeddings=False,
     )  # fmt: skip
@@ -185,8 +189,8 @@ def test_learning_the_tool_words_changes_no_other_weight(monkeypatch):
         before = model(ids).logits
     state = {k: v.clone() for k, v in model.state_dict().items()}
     extended = dt._learn_tool_words(model, dt._tokenizer(), lambda line: None)
-    first = len(dt.FIRST_VOCAB)
-    assert extended.config.vocab_size == len(dt.VOCAB)
+    first = len(words.FIRST_VOCAB)
+    assert extended.config.vocab_size == len(words.VOCAB)
     for name, weight in extended.state_dict().items():
         old = state[name]
         if weight.shape != old.shape:  # the embedding and lm_head: the new rows trained
@@ -210,11 +214,11 @@ def test_train_writes_the_demo_with_the_tool_words_and_letters(tmp_path, monkeyp
         monkeypatch.setattr(dt, steps, 2)
     monkeypatch.setattr(dt, "BATCH", 4)
     assets = dt.train(tmp_path / "demo", log=lambda line: None)
-    assert list(assets.adapters) == [*dt.TASKS, dt.LETTERS]
+    assert list(assets.adapters) == [*dt.TASKS, letters.NAME]
     config = json.loads((assets.model_dir / "config.json").read_text())
-    assert config["vocab_size"] == len(dt.VOCAB)
-    template = (assets.adapters[dt.LETTERS] / "chat_template.jinja").read_text()
-    assert template.strip() == dt.LETTERS_TEMPLATE
+    assert config["vocab_size"] == len(words.VOCAB)
+    template = (assets.adapters[letters.NAME] / "chat_template.jinja").read_text()
+    assert template.strip() == letters.TEMPLATE
     for path in assets.adapters.values():
         with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
             assert all("lora_A" in k or "lora_B" in k for k in f.keys())
@@ -297,9 +301,9 @@ def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
             assert f"{task} | {' '.join(answer(words))!r}" in out, out
             assert f"({what})" in out
         # the letters adapter's tool round trip: the call, the function run, the answer
-        assert f'{dt.LETTERS} | calls {dt.TOOL} {{"word": "apple"}}' in out, out
-        assert f"here | {dt.TOOL}(word='apple') = 5" in out, out
-        assert f"{dt.LETTERS} | 'apple has five letters'" in out, out
+        assert f'{letters.NAME} | calls {letters.TOOL} {{"word": "apple"}}' in out, out
+        assert f"here | {letters.TOOL}(word='apple') = 5" in out, out
+        assert f"{letters.NAME} | 'apple has five letters'" in out, out
         assert f"http://127.0.0.1:{port}/v1/completions" in out
         assert "Authorization: Bearer $LORAFLEET_API_KEY" in out
         assert "test-key-5566" not in out

@@ -9,14 +9,13 @@ import json
 import pytest
 from fastapi import FastAPI, Request
 
-from cluster.demo import showcase
-from cluster.demo import training as dt
+from cluster.demo import letters, showcase
 from tests.net import serving
 
 CALL = {
     "id": "call_1",
     "type": "function",
-    "function": {"name": dt.TOOL, "arguments": '{"word": "apple"}'},
+    "function": {"name": letters.TOOL, "arguments": '{"word": "apple"}'},
 }
 
 
@@ -41,17 +40,21 @@ def test_tool_round_trip_runs_the_function_and_sends_its_result(capsys):
     first = {"role": "assistant", "content": None, "tool_calls": [CALL]}
     with serving(_app(first, bodies)) as url:
         answer = showcase.tool_round_trip(
-            url, "letters", "how many letters has apple", dt.COUNT_LETTERS_TOOL, lambda word: 42
+            url,
+            "letters",
+            "how many letters has apple",
+            letters.COUNT_LETTERS_TOOL,
+            lambda word: 42,
         )
     assert answer == "got 42"
-    assert [b["tools"] for b in bodies] == [[dt.COUNT_LETTERS_TOOL]] * 2
+    assert [b["tools"] for b in bodies] == [[letters.COUNT_LETTERS_TOOL]] * 2
     assert bodies[1]["messages"][1:] == [
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": json.dumps(42)},
     ]
     out = capsys.readouterr().out
-    assert f'  letters | calls {dt.TOOL} {{"word": "apple"}}' in out
-    assert f"     here | {dt.TOOL}(word='apple') = 42" in out
+    assert f'  letters | calls {letters.TOOL} {{"word": "apple"}}' in out
+    assert f"     here | {letters.TOOL}(word='apple') = 42" in out
     assert "  letters | 'got 42'" in out
 
 
@@ -59,4 +62,4 @@ def test_a_model_that_does_not_call_is_a_showcase_error():
     first = {"role": "assistant", "content": "five"}
     with serving(_app(first, [])) as url:
         with pytest.raises(showcase.ShowcaseError, match="was to call count_letters"):
-            showcase.tool_round_trip(url, "letters", "?", dt.COUNT_LETTERS_TOOL, len)
+            showcase.tool_round_trip(url, "letters", "?", letters.COUNT_LETTERS_TOOL, len)
