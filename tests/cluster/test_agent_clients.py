@@ -86,6 +86,21 @@ def test_openai_sdk_chat_tool_loop(client, result):
     assert second.choices[0].finish_reason == "stop"
 
 
+def test_openai_sdk_streams_the_call_as_tool_call_deltas(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[letters.COUNT_LETTERS_TOOL], temperature=0,
+        stream=True,
+    )  # fmt: skip
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [d for c in deltas for d in c.delta.tool_calls or ()]
+    assert calls[0].index == 0 and calls[0].id and calls[0].function.name == letters.TOOL
+    arguments = "".join(d.function.arguments or "" for d in calls)
+    assert json.loads(arguments) == {"word": "apple"}
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert not "".join(c.delta.content or "" for c in deltas).strip()
+
+
 def test_openai_sdk_responses_tool_loop(client):
     first = client.responses.create(
         model=MODEL, input=QUESTION, tools=[RESPONSES_TOOL], temperature=0
