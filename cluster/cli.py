@@ -235,6 +235,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
         print("lorafleet: error: --retrain needs --trained", file=sys.stderr)
         return 2
     if args.trained:
+        from cluster.demo import letters
         from cluster.demo import training as demo_training
 
         if args.retrain:
@@ -254,6 +255,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
             assets = demo_training.demo_assets()
         for name, (what, *_) in demo_training.TASKS.items():
             print(f"task:     {name}: {what}")
+        print(f"task:     {letters.NAME}: {letters.TASK}")
     elif args.out is None:
         print("lorafleet: error: demo-assets needs --out (or --trained)", file=sys.stderr)
         return 2
@@ -311,11 +313,11 @@ def _demo(args: argparse.Namespace) -> int:
 
     assets = demo_training.demo_assets()
     prompt = args.prompt or demo_training.SHOWCASE_PROMPT
-    config = EngineConfig(
-        model=str(assets.model_dir), adapters={"num_slots": len(assets.adapters) + 1}
-    )
-    gen = OfflineGenerator(config, {n: str(p) for n, p in assets.adapters.items()})
-    names = [None, *assets.adapters]
+    # the adapters that answer such a prompt (not the letters one: it answers a question)
+    adapters = {n: str(assets.adapters[n]) for n in demo_training.TASKS}
+    config = EngineConfig(model=str(assets.model_dir), adapters={"num_slots": len(adapters) + 1})
+    gen = OfflineGenerator(config, adapters)
+    names = [None, *adapters]
     try:
         results = gen.generate(
             [GenerateRequest(prompt, a, SamplingParams(temperature=0)) for a in names]
@@ -446,13 +448,15 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
     print(f"lorafleet is serving at {url}  (Ctrl-C stops it)")
     if not args.verbose:
         print(f"logs: {serving.log_dir()}  (--verbose prints them here)")
-    prompt, notes = showcase.PROMPT, {}
+    prompt, notes, tool_model = showcase.PROMPT, {}, None
     if config["applications"][0]["args"].get("engine", {}).get("model") == DEMO_TRAINED:
+        from cluster.demo import letters
         from cluster.demo import training as demo_training
 
         prompt = demo_training.SHOWCASE_PROMPT
         notes = {"demo-base": demo_training.BASE_TASK[0]}
         notes |= {name: what for name, (what, *_) in demo_training.TASKS.items()}
+        tool_model = letters.NAME
     key = serving.client_api_key(config)
     if key is None and (config["applications"][0]["args"].get("ingress") or {}).get("tenants"):
         # every request needs a tenant's key, and a key is never in the config (digests)
@@ -462,9 +466,20 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
     if args.no_demo_requests:
         names = showcase.model_names(url, key)
     else:
-        names = showcase.show(url, prompt, notes=notes, api_key=key)
+        leave_out = [tool_model] if tool_model else []
+        names = showcase.show(url, prompt, notes=notes, api_key=key, leave_out=leave_out)
+        if tool_model in showcase.model_names(url, key):
+            _tool_round_trip(url, tool_model, key)
     key_env, exported = serving.key_for_commands(config)
     print(showcase.try_it(url, names[-1], prompt, key_env, exported), flush=True)
+
+
+def _tool_round_trip(url: str, model: str, key: str | None) -> None:
+    """The trained demo's letters adapter asked a question it calls count_letters for."""
+    from cluster.demo import letters, showcase
+
+    tool, function = letters.COUNT_LETTERS_TOOL, letters.count_letters
+    showcase.tool_round_trip(url, model, letters.SHOWCASE_QUESTION, tool, function, api_key=key)
 
 
 def _plan(args: argparse.Namespace) -> int:
