@@ -22,15 +22,17 @@ One reader per quant_method (QUANT_METHODS, the dispatch); each returns a QuantS
                       inputs): the one method its family reads (FAMILY_METHODS); its
                       attention, router and head stay dense as the Hub ships them
 Activations are not quantized (W8A16 / W4A16): activation scales a checkpoint ships are
-read and left unused, so outputs equal the dequantized model's. Anything else is refused in
-one line naming its quant_method and what is served.
+read and left unused, so outputs equal the dequantized model's. An FP8 checkpoint made for
+dynamic per-token activation scales (fp8's `activation_scheme: dynamic`, llm-compressor's
+FP8_DYNAMIC) runs W8A8 where a GPU has FP8 tensor cores (sm89+), as it was calibrated to.
+Anything else is refused in one line naming its quant_method and what is served.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import gcd as _gcd
 from typing import Any
 
@@ -56,6 +58,9 @@ class ModuleFormat:
     desc_act: bool = False  # GPTQ's act-order: g_idx maps each input column to its group
     scale_name: str = "weight_scale"  # fp8: weight_scale_inv (Qwen/DeepSeek) or weight_scale
     extra: tuple[str, ...] = ()  # tensors the checkpoint may ship that are read, unused
+    # fp8: the checkpoint quantizes activations per token at run time (W8A8): done on an
+    # FP8 tensor-core GPU (quant_weights.runs_w8a8), W8A16 elsewhere
+    act_fp8: bool = False
 
     def groups(self, k: int) -> int:
         """Scale columns (fp8) or groups (int4) along an input of k columns."""
@@ -154,7 +159,8 @@ def _fp8(q: dict[str, Any], where: str) -> QuantScheme:
     if block is not None and (len(block) != 2 or not all(isinstance(b, int) for b in block)):
         raise ModelConfigError(f"{where}: weight_block_size={block!r}: expected [rows, cols]")
     fmt = ModuleFormat(FP8, tuple(block) if block else None, scale_name="weight_scale_inv",
-                       extra=("activation_scale", "input_scale"))  # fmt: skip
+                       extra=("activation_scale", "input_scale"),
+                       act_fp8=q.get("activation_scheme") == "dynamic")  # fmt: skip
     return QuantScheme("fp8", ((("Linear",), fmt),), _names(q.get("modules_to_not_convert")))
 
 
@@ -164,10 +170,25 @@ def _compressed_tensors(q: dict[str, Any], where: str) -> QuantScheme:
         fmt_name = group.get("format") or q.get("format")
         args = group.get("weights") or {}
         here = f"{where}, config group {name!r}"
-        groups.append((tuple(group.get("targets") or ()), _ct_format(fmt_name, args, here)))
+        fmt = _ct_format(fmt_name, args, here)
+        if fmt.kind == FP8 and _dynamic_fp8(group.get("input_activations")):
+            fmt = replace(fmt, act_fp8=True)
+        groups.append((tuple(group.get("targets") or ()), fmt))
     if not groups:
         raise ModelConfigError(f"{where}: no config_groups: nothing says how weights are stored")
     return QuantScheme("compressed-tensors", tuple(groups), _names(q.get("ignore")))
+
+
+def _dynamic_fp8(activations: dict[str, Any] | None) -> bool:
+    """compressed-tensors input_activations that say: FP8, scaled per token at run time
+    (llm-compressor's FP8_DYNAMIC)."""
+    a = activations or {}
+    return (a.get("type"), a.get("num_bits"), a.get("dynamic"), a.get("strategy")) == (
+        "float",
+        8,
+        True,
+        "token",
+    )
 
 
 def _ct_format(fmt: str | None, w: dict[str, Any], where: str) -> ModuleFormat:
