@@ -83,8 +83,11 @@ def test_vision_tower_lora_is_skipped_and_the_rest_applied(gemma4, tmp_path):
 
 def test_each_quirk_bites():
     """Serving without any one of the per-layer inputs, the layer scalars, the value norm,
-    values from k_proj, the shared KV or the proportional rope changes the logits by far
-    more than the oracle's tolerance: the oracle test above checks each of them."""
+    values from k_proj, the shared KV, the proportional rope or the final soft-cap
+    changes the logits by far more than the oracle's tolerance: the oracle test above
+    checks each of them."""
+    from dataclasses import replace
+
     eng = engine_for(family_model_dir("gemma4"), {})
     p = prompts(eng.spec.vocab_size)[1]
     want = eng.score(p)
@@ -111,6 +114,10 @@ def test_each_quirk_bites():
             vars(layer).update(attrs)
         model.ropes = ropes
         assert torch.equal(eng.score(p), want), quirk
+    spec = model.spec
+    model.spec = replace(spec, final_soft_cap=None)
+    assert (eng.score(p) - want).abs().max() > 0.05, "final soft-cap"
+    model.spec = spec
 
 
 def test_kv_sharing_layers_hold_no_kv_of_their_own():
