@@ -159,7 +159,8 @@ def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(tmp_path):
 
     def engine(adapters: dict) -> LLMEngine:
         eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", block_size=4,
-                                     kv_cache_bytes=16 << 20, num_slots=17))  # fmt: skip
+                                     kv_cache_bytes=16 << 20,
+                                     adapters={"num_slots": 17}))  # fmt: skip
         for name, path in adapters.items():
             eng.load_adapter(name, path)
         return eng
