@@ -61,8 +61,11 @@ def tokens(seed: int, n: int, vocab: int = 300) -> list[int]:
 def held_bytes(model: CausalLM) -> int:
     """Return the bytes of every distinct tensor `model` holds."""
     tensors = {id(t): t for t in (model.embed, model.lm_head, model.norm.weight)}
+    if model.per_layer_inputs is not None:  # Gemma 4
+        ple = model.per_layer_inputs
+        tensors |= {id(t): t for t in [ple.embed, *ple.weights()]}
     for layer in model.layers:
         extra = [layer.rope.cos, layer.rope.sin, layer.qkv_proj.bias, layer.o_proj.bias,
-                 layer.sinks]  # fmt: skip
+                 layer.sinks, layer.scalar]  # fmt: skip
         tensors |= {id(t): t for t in [*layer.weights(), *extra] if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -41,7 +41,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def peft_adapter(
-    model_dir: Path, out: Path, targets: list[str], r: int, alpha: int, seed: int, **lora
+    model_dir: Path, out: Path, targets: list[str] | str, r: int, alpha: int, seed: int, **lora
 ) -> Path:
     """A LoRA adapter written by peft itself, with random A and B (not PEFT's zero B)."""
     from peft import LoraConfig, get_peft_model
@@ -72,6 +72,22 @@ EXPERTS = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_p
            "rank_pattern": {"layers.0.mlp.experts.down_proj": 4}}  # fmt: skip
 
 
+# Gemma 4's multimodal wrapper: its vision tower's projections are ClippableLinear (PEFT
+# cannot wrap them), so adapters target the language model by regex, "all" the tower's
+# inner .linear too (LoRA that the text path never reads)
+GEMMA4_MM = {
+    "attn": r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)",
+    "all": r".*(language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+    r"|per_layer_input_gate|per_layer_projection)|vision_tower.*\.(q_proj|v_proj)\.linear)",
+}
+# Gemma 4's per-layer-input projections, which its "all" adapters target too
+GEMMA4_PER_LAYER = ["per_layer_input_gate", "per_layer_projection"]
+
+
+GEMMA4_EXPERTS = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+                  "rank_pattern": {"layers.0.experts.down_proj": 4}}  # fmt: skip
+
+
 def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]:
     """Two peft adapters of a family's model: rank 8 on attention, rank 16 on everything
     (Phi-3's adapters target its fused qkv_proj and gate_up_proj; on a mixture of experts
@@ -80,7 +96,13 @@ def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]
     targets = PHI3 if family.startswith("phi3") else {"attn": ATTENTION, "all": EVERYTHING}
     if family == "gptoss":  # no dense MLP: attention and the stacked experts
         targets = {"attn": ATTENTION, "all": ATTENTION}
+    if family == "gemma4-mm":
+        targets = GEMMA4_MM
+    elif family.startswith("gemma4"):
+        targets = {"attn": ATTENTION, "all": EVERYTHING + GEMMA4_PER_LAYER}
     experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss") else {}
+    if family == "gemma4moe":  # its experts sit at layers.L.experts, beside the mlp
+        experts = GEMMA4_EXPERTS
     return {
         "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),
         "all": peft_adapter(

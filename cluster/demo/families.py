@@ -28,6 +28,19 @@ TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
 DEMO = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
         "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 2048,
         "max_position_embeddings": 2048}  # fmt: skip
+GEMMA4_QUIRKS: dict[str, Any] = {
+    "num_hidden_layers": 6, "head_dim": 16, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": True, "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 256, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"] * 3,
+    "final_logit_softcapping": 15.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 10000.0},
+    },
+}  # fmt: skip
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 24: heads × head_dim (96) ≠ hidden (64); a window on layer 1 only
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False,
@@ -67,6 +80,18 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                                     "truncate": False, "rope_theta": 10000.0,
                                                     "original_max_position_embeddings": 64},
                                 "tie_word_embeddings": False}),
+    # Gemma 4 with every quirk on: 6 layers, sliding (window 8, head_dim 16, 2 KV heads,
+    # rope base 100) and full (head_dim 32, 1 KV head, values = keys' projection,
+    # proportional rope over a quarter of the pairs) alternating; the last 2 layers read
+    # layers 2's and 3's KV and have a double-wide MLP; per-layer inputs of width 8; a
+    # final soft-cap that bites
+    "gemma4": ("Gemma4TextConfig", GEMMA4_QUIRKS),
+    # the same text model in Gemma4ForConditionalGeneration's layout, a tiny vision tower
+    "gemma4-mm": ("Gemma4Config", GEMMA4_QUIRKS),
+    # the MoE block: top-2 of 4 experts of 32 columns beside every layer's dense MLP
+    "gemma4moe": ("Gemma4TextConfig", {**GEMMA4_QUIRKS, "enable_moe_block": True,
+                                       "num_experts": 4, "top_k_experts": 2,
+                                       "moe_intermediate_size": 32}),
 }  # fmt: skip
 # At demo size (the bench's models) the shapes and settings of the real checkpoints instead
 # of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
@@ -132,6 +157,13 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
             text_config={**fields, **ids}, vision_config=vision, mm_tokens_per_image=4, **ids
         )
         model = transformers.Gemma3ForConditionalGeneration(config)
+    elif cls_name == "Gemma4Config":  # the text model nested, a tiny vision tower
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                  "patch_size": 4, "position_embedding_size": 64}  # fmt: skip
+        config = transformers.Gemma4Config(text_config={**fields, **ids}, vision_config=vision,
+                                           **ids)  # fmt: skip
+        model = transformers.Gemma4ForConditionalGeneration(config)
     else:
         config = getattr(transformers, cls_name)(**fields, **ids)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -142,6 +174,19 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
             p.copy_(_draw(name, tuple(p.shape), gen, gemma, fields["num_hidden_layers"]))
             if cls_name == "GptOssConfig":
                 p.copy_(_gpt_oss_draw(name, p, gen))
+            if cls_name.startswith("Gemma4") and "norm" in name:  # x̂·w: Gemma's 1+w,
+                p.add_(1.0)  # branches of a third of Gemma 3's (its 6 layers' sums stay in
+                if "post_" in name:  # fp32's reach of transformers' logits to 2e-4),
+                    p.div_(3.0)  # q·k of std ~2 (its scores are unscaled: q, k normed)
+                if "q_norm" in name or "k_norm" in name:
+                    p.mul_(0.5)
+            if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            if name.endswith("router.proj.weight"):  # Gemma 4's router reads a unit-norm
+                p.mul_(4.0 * math.sqrt(p.shape[-1]))  # input: logits of std ~4, as mlp.gate's
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's output scalars, away from 1
+                b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=gen))
     model.save_pretrained(out)
 
 

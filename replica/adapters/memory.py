@@ -42,6 +42,9 @@ def slot_bytes(
         shapes = TPShard(spec, 0, tp_size).lora_shapes()
     rows = 0
     for layer in range(spec.num_layers):
+        own = spec.layer(layer)  # the layer's own shapes, where layers differ (Gemma 4)
+        if own is not spec:
+            shapes = own.lora_shapes() if tp_size == 1 else TPShard(own, 0, tp_size).lora_shapes()
         for group, names in layer_groups(spec, layer).items():
             in_features = shapes[names[0]][0]
             out_total = sum(shapes[n][1] for n in names)

@@ -45,7 +45,7 @@ def unpack_adapter(
     for key, (a, b) in payload["weights"].items():
         layer, module = key.split(".", 1)
         if select is not None:
-            a, b = select(module, a, b)  # numpy views: nothing copied yet
+            a, b = select(module, a, b, layer=int(layer))  # numpy views: nothing copied
         weights[(int(layer), module)] = (_to_torch(a, dtype), _to_torch(b, dtype))
     return LoRAAdapterWeights(
         name or payload["name"],

@@ -35,7 +35,7 @@ bytes and no max_model_len set is the model's context capped at what the cache h
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -149,8 +149,10 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
     """What CausalLM holds on rank 0 of `tp_size`: its share of every projection and expert,
     its vocabulary rows of the embedding and the head (padded to a multiple of tp_size),
     the replicated norms (Gemma's in fp32), routers and q/k/v biases (gpt-oss's o_proj,
-    router and expert biases too, and its sinks in fp32), and one cos and one sin table
-    [max_position_embeddings, rotary_dim] per distinct rope."""
+    router and expert biases too, and its sinks in fp32), Gemma 4's replicated per-layer
+    inputs and layer scalars (and the zero k/v columns of its layers without their own),
+    and one cos and one sin table [max_position_embeddings, rotary_dim] per distinct rope
+    and rotary_dim."""
     local = local_spec(spec, tp_size)
     heads = 1 if spec.tie_word_embeddings else 2
     vocab_rows = -(-spec.vocab_size // tp_size)
@@ -163,17 +165,21 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         sparse = sum(spec.is_sparse(i) for i in range(spec.num_layers))
         per_expert = 1 + 2 * local.moe_intermediate_size + spec.hidden_size
         params += sparse * spec.num_experts * per_expert
-    ropes: list = []  # distinct ropes (RopeSpec holds a dict: compared, not hashed)
+    ropes: list = []  # distinct (rope, rotary_dim): RopeSpec holds a dict, compared
     for i in range(spec.num_layers):
-        if spec.rope(i) not in ropes:
-            ropes.append(spec.rope(i))
-    params += len(ropes) * 2 * spec.max_position_embeddings * spec.rotary_dim
+        if (spec.rope(i), spec.layer(i).rotary_dim) not in ropes:
+            ropes.append((spec.rope(i), spec.layer(i).rotary_dim))
+    params += sum(2 * spec.max_position_embeddings * dim for _, dim in ropes)
     extra = 0
     if spec.attn_sinks:  # one fp32 logit per query head and layer
         extra += spec.num_layers * local.num_heads * 4
-    if spec.gemma_norm:  # Gemma's norms are held as 1 + w in fp32
-        norms = (4 if spec.sandwich_norms else 2) * spec.hidden_size
-        norms = spec.num_layers * (norms + (2 * spec.head_dim if spec.qk_norm else 0))
+    if spec.gemma_norm or spec.norm_fp32_weight:  # Gemma's norms: 1 + w (4's: w) in fp32
+        norms = spec.num_layers * (4 if spec.sandwich_norms else 2) * spec.hidden_size
+        if spec.moe_beside_mlp:  # Gemma 4's MoE block: three norms more per sparse layer
+            norms += 3 * spec.hidden_size * sum(map(spec.is_sparse, range(spec.num_layers)))
+        if spec.qk_norm:  # q's and, where the layer keeps KV, k's
+            norms += sum((1 + (spec.kv_source(i) == i)) * spec.layer(i).head_dim
+                         for i in range(spec.num_layers))  # fmt: skip
         extra += (norms + spec.hidden_size) * (4 - dtype.itemsize)
     return params * dtype.itemsize + extra + _packed_difference(spec, local, dtype)
 
@@ -224,9 +230,10 @@ def step_bytes(
     """Estimated peak working memory of one forward of `tokens` tokens whose prefill
     attends over `context` positions (0: decode tokens, read from the cache in place),
     with `logit_rows` logit rows: what persists through the step (the residual stream,
-    the LoRA workspace) plus the largest of its phases. Per rank, with b the dtype's bytes,
-    T tokens, h hidden, q/kv/i this rank's query, KV and MLP widths, H/kvh its query and
-    KV heads, hd the head dim, C the context, V the vocabulary:
+    the LoRA workspace) plus the largest of its phases, for the widest layer (each of
+    head_dim, KV heads and MLP width at its largest over layers). Per rank, with b the
+    dtype's bytes, T tokens, h hidden, q/kv/i this rank's query, KV and MLP widths, H/kvh
+    its query and KV heads, hd the head dim, C the context, V the vocabulary:
       residual + LoRA   T·h·b + T·lora_cols·4 (one fp32 column block per projection slice)
       norm              T·h·(b + 8): fp32 x and its square, the normed output
       attention         T·(q + 2kv)·b + T·(q + kv)·b: the projection's q/k/v and the rotated
@@ -244,7 +251,7 @@ def step_bytes(
                         and the sum; router logits and fp32 probabilities; the sort's ints
       head              R·h·b + R·V_rank·b + (R·V·b gathered under TP) + R·V·4 in fp32
                         (fp32_logits; twice with a final soft cap) for R logit rows."""
-    s, b, f32 = local_spec(spec, config.tp_size), dtype.itemsize, 4
+    s, b, f32 = widest_layer(local_spec(spec, config.tp_size)), dtype.itemsize, 4
     h, q, kv, hd = s.hidden_size, s.q_size, s.kv_size, s.head_dim
     t, r, vocab = tokens, logit_rows, spec.vocab_size
     lora_cols = sum(
@@ -271,6 +278,20 @@ def step_bytes(
     if fp32_logits:
         head += r * vocab * f32 * (2 if s.final_soft_cap is not None else 1)
     return persistent + max(norm, attention, mlp, head)
+
+
+def widest_layer(spec: ModelSpec) -> ModelSpec:
+    """`spec` with every layer's largest head_dim, KV heads and MLP width (where layers
+    differ, as Gemma 4's: a step's working memory is bounded by its widest layer)."""
+    layers = [spec.layer(i) for i in range(spec.num_layers)]
+    if all(layer is spec for layer in layers):
+        return spec
+    return replace(
+        layers[0],
+        head_dim=max(layer.head_dim for layer in layers),
+        num_kv_heads=max(layer.num_kv_heads for layer in layers),
+        intermediate_size=max(layer.intermediate_size for layer in layers),
+    )
 
 
 def flash_prefill(spec: ModelSpec, dtype: torch.dtype, context: int) -> bool:

@@ -39,7 +39,7 @@ class ModelRunner(Executor):
         c = config
         self.block_size, self.device = c.block_size, device
         local = spec if tp is None else tp.shard.local_spec  # this rank's heads and KV heads
-        shapes = None if tp is None else tp.shard.lora_shapes()
+        shapes = None if tp is None else tp.shard.lora_shapes  # per layer
         self.lora = LoRASlotBuffers(
             spec, c.adapters.num_slots, c.max_lora_rank, device, dtype, shapes, c.lora_embeddings
         )

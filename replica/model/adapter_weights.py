@@ -81,11 +81,15 @@ WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # a multimodal Gemma 3 keeps its decoder under language_model (transformers 4 or 5 naming)
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.language_model\.|language_model\.model\.|model\.)"
-    r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"layers\.(\d+)\.(?:(?:self_attn|mlp)\.)?(\w+)\.lora_([AB])\.weight$"
 )
 _PEFT_PREFIX = "base_model.model."
-# LoRA on a multimodal checkpoint's vision side: images are not served, so it never applies
-_VISION = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+# LoRA on a multimodal checkpoint's vision or audio side: images and audio are not served,
+# so it never applies
+_VISION = re.compile(
+    r"^base_model\.model\.(?:model\.)?"
+    r"(?:vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+)
 # LoRA on the vocabulary modules: PEFT's embedding LoRA (lora_embedding_A [r, vocab],
 # lora_embedding_B [hidden, r]) and a head LoRA (lora_A [r, hidden], lora_B [vocab, r])
 _VOCAB_KEY = re.compile(
@@ -103,7 +107,7 @@ _VOCAB_COPY = re.compile(
 _EMBED_HEAD = re.compile(r"^base_model\.model\.(?:.*\.)?(?:embed_tokens|lm_head)\.")
 # (module, A [r, in], B [out, r]) -> the part of (A, B) to keep, as views: how a
 # tensor-parallel rank keeps only its shard (TPShard.slice_lora).
-SelectLoRA = Callable[[str, Any, Any], tuple[Any, Any]]
+SelectLoRA = Callable[..., tuple[Any, Any]]  # (module, A, B, layer=) -> (A, B)
 
 
 @dataclass
@@ -148,7 +152,7 @@ class LoRAAdapterWeights:
         rest is not referenced afterwards, so it can be freed)."""
         weights = {}
         for (layer, module), (a, b) in self.weights.items():
-            a, b = select(module, a, b)
+            a, b = select(module, a, b, layer=layer)
             weights[(layer, module)] = (_own(a), _own(b))
         return LoRAAdapterWeights(self.name, self.rank, self.scaling, self.target_modules, weights)
 
@@ -274,7 +278,7 @@ def convert_peft_tensors(
                 )
             raise AdapterFormatError(f"{name}: unsupported tensor {key!r}")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        layer_modules = spec.module_shapes()
+        layer_modules = spec.module_shapes() | spec.per_layer_input_shapes()
         if module not in layer_modules and module not in fused or module in _split_parts(fused):
             have = ", ".join(fused) + ", " if fused else ""
             have += ", ".join(m for m in layer_modules if m not in _split_parts(fused))
@@ -305,7 +309,9 @@ def convert_peft_tensors(
             missing = ({"A", "B"} - set(ab)).pop()
             raise AdapterFormatError(f"{name}: layer {layer} {module} lacks lora_{missing}")
         parts = fused.get(mod, (mod,))
-        in_f, out_f = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+        # the layer's own shapes (Gemma 4's layers differ)
+        own = shapes if layer == VOCAB_LAYER else spec.layer(layer).lora_shapes()
+        in_f, out_f = own[parts[0]][0], sum(own[p][1] for p in parts)
         r_key = pattern_key(rank_pattern, entry.path)
         r_m = rank_pattern.get(r_key, r)
         a, b = ab["A"], ab["B"]

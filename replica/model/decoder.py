@@ -21,11 +21,13 @@ import torch.nn.functional as F
 import kernels
 from kernels import QuantizedWeight, SegmentInfo
 from replica.model.attention import AttentionMetadata, paged_attention
+from replica.model.gemma4_moe import Gemma4Experts, moe_beside_mlp
 from replica.model.kv_cache import KVCache
 from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.moe import SparseMoE
+from replica.model.per_layer_inputs import PerLayerInputBlock, PerLayerInputs
 from replica.model.quant_weights import PackedLinear, tensors_of, to_device
 from replica.model.rope import RotaryEmbedding, Rotation
 from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
@@ -45,19 +47,42 @@ class ForwardBatch:
 
 
 class RMSNorm:
-    """x̂ = x / rms(x) in fp32; then w·x̂ rounded first (Llama, Qwen), or x̂·(1+w) in fp32
-    rounded last (Gemma: `gemma=True`)."""
+    """x̂ = x / rms(x) in fp32; then w·x̂ rounded first (Llama, Qwen), or x̂·(offset+w) in
+    fp32 rounded last (`gemma=True`: Gemma's offset 1, Gemma 4's 0)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float, gemma: bool = False) -> None:
-        self.weight = 1.0 + weight.float() if gemma else weight
+    def __init__(
+        self, weight: torch.Tensor, eps: float, gemma: bool = False, offset: float = 1.0
+    ) -> None:
+        self.weight = offset + weight.float() if gemma else weight
         self.eps, self.gemma = eps, gemma
+        # Gemma 4 as transformers writes it: pow(ms, -0.5), not rsqrt (ulps apart)
+        self.inv_rms = _pow_inv_rms if gemma and offset == 0.0 else torch.rsqrt
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * self.inv_rms(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
             return (h * self.weight).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+
+def _pow_inv_rms(mean_square: torch.Tensor) -> torch.Tensor:
+    return torch.pow(mean_square, -0.5)
+
+
+def spec_norm(weight: torch.Tensor, spec: ModelSpec) -> RMSNorm:
+    """The family's RMSNorm of `weight`: Llama's w·x̂, Gemma's x̂·(1+w), Gemma 4's x̂·w in
+    fp32."""
+    if spec.norm_fp32_weight:
+        return RMSNorm(weight, spec.rms_norm_eps, gemma=True, offset=0.0)
+    return RMSNorm(weight, spec.rms_norm_eps, spec.gemma_norm)
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim in fp32, rounded to x's dtype (a norm without weight:
+    Gemma 4's values)."""
+    h = x.float()
+    return (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
 
 
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> MLP hidden
@@ -127,9 +152,18 @@ class DecoderLayer:
 
         def norm(name: str, size: int) -> RMSNorm:
             w = layout.norm(index, name, size).to(device=device, dtype=dtype)
-            return RMSNorm(w, spec.rms_norm_eps, spec.gemma_norm)
+            return spec_norm(w, spec)
 
-        qkv_w = _fused([proj("q_proj"), proj("k_proj"), proj("v_proj")])
+        def kv_proj(module: str) -> torch.Tensor | QuantizedWeight:
+            # a layer without its own k/v projection (Gemma 4) computes zero columns in
+            # their place: the qkv group keeps one layout, and LoRA slices their offsets
+            if spec.has_kv_projection(index, module):
+                return proj(module)
+            return torch.zeros(spec.kv_size, spec.hidden_size, device=device, dtype=dtype)
+
+        self.owns_kv = spec.kv_source(index) == index  # else: reads an earlier layer's
+        self.k_eq_v = self.owns_kv and not spec.has_kv_projection(index, "v_proj")
+        qkv_w = _fused([proj("q_proj"), kv_proj("k_proj"), kv_proj("v_proj")])
         qkv_b = None
         if spec.qkv_bias:
             qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
@@ -147,7 +181,7 @@ class DecoderLayer:
             self.sinks = layout.sinks(index).to(device=device, dtype=torch.float32)
         glu = gated_activation(spec)
         self.mlp: DenseMLP | SparseMoE
-        if spec.is_sparse(index):
+        if spec.is_sparse(index) and not spec.moe_beside_mlp:
             self.mlp = SparseMoE(spec, layout, index, bufs, glu, device, dtype, tp)
         else:
             gate_up_w = _fused([proj("gate_proj"), proj("up_proj")])
@@ -163,20 +197,38 @@ class DecoderLayer:
         self.q_norm = self.k_norm = self.post_attn_out_norm = self.post_mlp_norm = None
         if spec.qk_norm:
             self.q_norm = norm("self_attn.q_norm.weight", spec.head_dim)
-            self.k_norm = norm("self_attn.k_norm.weight", spec.head_dim)
+            if self.owns_kv:  # a layer reading another's KV has no k_norm (Gemma 4)
+                self.k_norm = norm("self_attn.k_norm.weight", spec.head_dim)
+        self.v_norm = spec.v_norm
         if spec.sandwich_norms:  # Gemma: attention and MLP outputs normed, then MLP input
             self.post_attn_out_norm = norm("post_attention_layernorm.weight", h)
             self.pre_mlp_norm = norm("pre_feedforward_layernorm.weight", h)
             self.post_mlp_norm = norm("post_feedforward_layernorm.weight", h)
         else:
             self.pre_mlp_norm = norm("post_attention_layernorm.weight", h)
+        self.experts = None  # Gemma 4's MoE block: experts beside the dense MLP
+        if spec.is_sparse(index) and spec.moe_beside_mlp:
+            self.experts = Gemma4Experts(spec, layout, index, bufs, glu, device, dtype, tp)
+            self.experts_norms = tuple(norm(f"{n}.weight", h) for n in (
+                "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_2"))  # fmt: skip
+        self.per_layer_input = None  # Gemma 4: this layer's share of the per-layer inputs
+        if spec.per_layer_input_size:
+            self.per_layer_input = PerLayerInputBlock(spec, layout, index, bufs, device, dtype)
+        self.scalar = None  # Gemma 4: the layer's output times a stored scalar
+        if spec.layer_scalar:
+            self.scalar = layout.layer_scalar(index).to(device=device, dtype=dtype)
 
     def weights(self) -> list[torch.Tensor]:
         """Every tensor a step reads in full (bench: bytes per decode step)."""
         norms = (self.input_norm, self.q_norm, self.k_norm, self.post_attn_out_norm,
                  self.pre_mlp_norm, self.post_mlp_norm)  # fmt: skip
+        extra = [] if self.per_layer_input is None else self.per_layer_input.weights()
+        if self.experts is not None:
+            extra += self.experts.weights() + [n.weight for n in self.experts_norms]
         return (tensors_of(self.qkv_proj.weight) + tensors_of(self.o_proj.weight)
-                + self.mlp.weights() + [n.weight for n in norms if n is not None])  # fmt: skip
+                + self.mlp.weights() + [n.weight for n in norms if n is not None]
+                + extra)  # fmt: skip
 
     def __call__(
         self,
@@ -185,18 +237,28 @@ class DecoderLayer:
         kv: KVCache,
         ws: LoRAWorkspace | None,
         rotation: Rotation,  # self.rope at batch.positions
+        per_layer_input: torch.Tensor | None = None,  # [T, width]: Gemma 4's, this layer's
     ) -> torch.Tensor:
         s = self.spec
         t, heads, kv_heads, hd = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"], ws)
         v = qkv[:, s.q_size + s.kv_size :].view(t, kv_heads, hd)
+        if self.k_eq_v:  # values are the keys' projection, before k's norm and rope
+            v = qkv[:, s.q_size : s.q_size + s.kv_size].view(t, kv_heads, hd)
+        if self.v_norm:
+            v = unit_rms(v, s.rms_norm_eps)
         if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
             qk = qkv[:, : s.q_size + s.kv_size].view(t, heads + kv_heads, hd)
             q, k = rotation.rotate(qk).split([heads, kv_heads], dim=1)
         else:
-            q = self.q_norm(qkv[:, : s.q_size].view(t, heads, hd))
-            k = self.k_norm(qkv[:, s.q_size : s.q_size + s.kv_size].view(t, kv_heads, hd))
-            q, k = rotation.rotate(q), rotation.rotate(k)
+            q = rotation.rotate(self.q_norm(qkv[:, : s.q_size].view(t, heads, hd)))
+            k = qkv[:, s.q_size : s.q_size + s.kv_size].view(t, kv_heads, hd)
+            if self.k_norm is not None:
+                k = rotation.rotate(self.k_norm(k))
+        if not self.owns_kv:  # the source layer wrote this step's K/V: read, rewrite as is
+            slots = batch.attn.slot_mapping
+            k = kv.k[self.index].index_select(1, slots).transpose(0, 1)
+            v = kv.v[self.index].index_select(1, slots).transpose(0, 1)
         attn = paged_attention(
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.scale, self.window, self.soft_cap, self.sinks,
@@ -206,9 +268,14 @@ class DecoderLayer:
             out = self.post_attn_out_norm(out)
         x = x + out
         out = self.mlp(self.pre_mlp_norm(x), batch.lora, ws)
+        if self.experts is not None:
+            out = moe_beside_mlp(out, x, self.experts, self.experts_norms, batch.lora, ws)
         if self.post_mlp_norm is not None:
             out = self.post_mlp_norm(out)
-        return x + out
+        x = x + out
+        if self.per_layer_input is not None:
+            x = x + self.per_layer_input(x, per_layer_input, batch.lora, ws)
+        return x if self.scalar is None else x * self.scalar
 
 
 class CausalLM:
@@ -231,7 +298,7 @@ class CausalLM:
         self.device, self.dtype, self.tp = torch.device(device), dtype, tp
         self.lora_cols = 0 if lora is None else lora.workspace_cols
         self.vocab_lora: dict[str, LoRABuffers] = {} if lora is None else lora.vocab
-        layer_spec = spec if tp is None else tp.shard.local_spec
+        rank_spec = spec if tp is None else tp.shard.local_spec
         ckpt = open_checkpoint(model_dir, load_format, self.device, dtype,
                                0.0 if spec.gemma_norm else 1.0)  # fmt: skip
         layout = CheckpointLayout(ckpt, spec, None if tp is None else tp.shard)
@@ -239,18 +306,23 @@ class CausalLM:
         self.embed_scale = None
         if spec.embed_scale is not None:  # Gemma rounds sqrt(hidden) to the weights' dtype
             self.embed_scale = torch.tensor(spec.embed_scale).to(self.device, dtype)
-        ropes: list[tuple[RopeSpec, RotaryEmbedding]] = []
+        self.per_layer_inputs = None  # Gemma 4's per-layer input embeddings
+        if spec.per_layer_input_size:
+            self.per_layer_inputs = PerLayerInputs(spec, layout, self.device, dtype)
+        ropes: list[tuple[tuple[RopeSpec, int], RotaryEmbedding]] = []
         self.layers = []
         for i in range(spec.num_layers):
-            rope = next((r for key, r in ropes if key == spec.rope(i)), None)
+            layer_spec = rank_spec.layer(i)
+            key = (spec.rope(i), layer_spec.rotary_dim)
+            rope = next((r for k, r in ropes if k == key), None)
             if rope is None:  # one table per distinct rope (Gemma 3: local and global)
-                rope = self._rope(spec.rope(i))
-                ropes.append((spec.rope(i), rope))
+                rope = self._rope(spec.rope(i), layer_spec)
+                ropes.append((key, rope))
             self.layers.append(
                 DecoderLayer(layer_spec, layout, i, rope, lora, self.device, dtype, tp)
             )
         norm = layout.norm(None, "norm.weight", spec.hidden_size).to(self.device, dtype)
-        self.norm = RMSNorm(norm, spec.rms_norm_eps, spec.gemma_norm)
+        self.norm = spec_norm(norm, spec)
         if spec.tie_word_embeddings:
             self.lm_head = self.embed
         else:
@@ -260,10 +332,13 @@ class CausalLM:
 
     def step_weights(self) -> list[torch.Tensor]:
         """The tensors a decode step reads in full (the embedding is gathered by row)."""
-        return [self.lm_head, self.norm.weight] + [w for lay in self.layers for w in lay.weights()]
+        extra = [] if self.per_layer_inputs is None else self.per_layer_inputs.weights()
+        layers = [w for lay in self.layers for w in lay.weights()]
+        return [self.lm_head, self.norm.weight] + layers + extra
 
-    def _rope(self, rope: RopeSpec) -> RotaryEmbedding:
-        s = self.spec
+    def _rope(self, rope: RopeSpec, s: ModelSpec | None = None) -> RotaryEmbedding:
+        """`rope`'s table for layers of `s`'s head_dim (the model's by default)."""
+        s = s or self.spec
         return RotaryEmbedding(
             s.head_dim, s.max_position_embeddings, rope.theta, rope.scaling,
             self.device, self.dtype, rotary_dim=s.rotary_dim,
@@ -294,13 +369,17 @@ class CausalLM:
             kernels.lora_expand(x, inter, embed_lora.b, seg, embed_lora.slice_offsets)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        per_layer = None  # [T, layers, width]: Gemma 4's per-layer inputs
+        if self.per_layer_inputs is not None:
+            per_layer = self.per_layer_inputs(batch.input_ids, x)
         ws = None  # one zeroed intermediate for every LoRA projection of the step
         if self.lora_cols and any(seg.has_lora for seg in batch.lora.values()):
             ws = LoRAWorkspace(x.shape[0], self.lora_cols, x.device)
         # each distinct rope's cos and sin gathered once for the step, not once a layer
         rotations = {id(r): r.at(batch.positions) for r in self.ropes}
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, kv, ws, rotations[id(layer.rope)])
+            mine = None if per_layer is None else per_layer[:, i]
+            x = layer(x, batch, kv, ws, rotations[id(layer.rope)], mine)
             if layer_done is not None:
                 layer_done(i)
         if logit_rows is not None:

@@ -34,7 +34,12 @@ from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import ModelSpec
 
 EXPERT_MODULES = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
-_PREFIX = r"^base_model\.model\.model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\."
+# the experts' module path: model.layers.L.<block>.experts, Gemma 4's without a block
+# (model.layers.L.experts, or model.language_model.layers.L.experts in its wrapper)
+_PREFIX = (
+    r"^base_model\.model\.(model\.(?:language_model\.)?layers\.(\d+)\."
+    r"(?:(?:mlp|block_sparse_moe)\.)?experts)\."
+)
 _KEY_2D = re.compile(_PREFIX + r"(\d+)\.(\w+)\.lora_([AB])\.weight$")
 _KEY_3D = re.compile(_PREFIX + r"((?:base_layer\.)*)lora_([AB])\.weight$")
 _ANY_EXPERT = re.compile(r"\.experts\.")
@@ -64,15 +69,15 @@ def expert_parts(name: str, tensors: dict[str, torch.Tensor], spec: ModelSpec) -
             f"{name}: tensor {key!r} is expert LoRA, but model_type={spec.arch!r} has no experts"
         )
     flat: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
-    stacked: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    stacked: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m2, m3 = _KEY_2D.match(key), _KEY_3D.match(key)
         if m2 is not None:
-            layer, block, expert, proj, which = m2.groups()
-            flat.setdefault((int(layer), f"{block}.experts.{expert}", proj), {})[which] = tensor
+            stem, layer, expert, proj, which = m2.groups()
+            flat.setdefault((int(layer), f"{stem}.{expert}", proj), {})[which] = tensor
         elif m3 is not None:
-            layer, block, depth, which = m3.groups()
-            stacked.setdefault((int(layer), f"{block}.experts.{depth}"), {})[which] = tensor
+            stem, layer, depth, which = m3.groups()
+            stacked.setdefault((int(layer), stem, depth), {})[which] = tensor
         else:
             raise AdapterFormatError(
                 f"{name}: tensor {key!r} {tuple(tensor.shape)} is expert LoRA in a layout this "
@@ -83,9 +88,9 @@ def expert_parts(name: str, tensors: dict[str, torch.Tensor], spec: ModelSpec) -
     for layer, _where, _proj in flat:
         _check_layer(name, layer, spec)
     parts = [p for key, ab in flat.items() for p in _from_2d(name, key, ab, spec)]
-    for (layer, where), ab in stacked.items():
+    for (layer, stem, depth), ab in stacked.items():
         _check_layer(name, layer, spec)
-        parts += _from_3d(name, layer, where, ab, spec)
+        parts += _from_3d(name, layer, stem, depth, ab, spec)
     seen: set[tuple[int, str, int]] = set()
     for p in parts:
         if (p.layer, p.module, p.expert) in seen:
@@ -114,13 +119,14 @@ def _from_2d(
         )
     a, b = _pair(name, f"layer {layer} {where}.{proj}", ab)
     module = EXPERT_MODULES[spec.expert_names.index(proj)]
-    path = f"model.layers.{layer}.{where}.{proj}"
+    path = f"{where}.{proj}"
     return [ExpertPart(layer, module, expert, path, a, b)]
 
 
 def _from_3d(
-    name: str, layer: int, where: str, ab: dict[str, torch.Tensor], spec: ModelSpec
+    name: str, layer: int, stem: str, depth: str, ab: dict[str, torch.Tensor], spec: ModelSpec
 ) -> list[ExpertPart]:
+    where = f"{stem}.{depth}"
     a, b = _pair(name, f"layer {layer} {where}", ab)
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] % e:
@@ -141,7 +147,7 @@ def _from_3d(
     r = a.shape[0] // e
     a_e = a.reshape(e, r, a.shape[1])  # expert-major rows
     b_e = b.reshape(b.shape[0], r, e)  # rank-major columns: expert e's are e, e+E, ...
-    path = f"model.layers.{layer}.mlp.experts.{param}"
+    path = f"{stem}.{param}"
     interleaved = spec.expert_layout == "gpt_oss"
     parts = []
     for expert in range(e):

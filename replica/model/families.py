@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from replica.model.gemma4_config import GEMMA4_TEXT_DEFAULTS, gemma4_fields
 from replica.model.hf_config import (
     FULL,
     SLIDING,
@@ -53,6 +54,8 @@ CONFIG_DEFAULTS: dict[str, Config] = {
     "gemma3": GEMMA3_TEXT_DEFAULTS,
     "gemma3_text": GEMMA3_TEXT_DEFAULTS,
     "phi3": {"original_max_position_embeddings": 4096},
+    "gemma4": GEMMA4_TEXT_DEFAULTS,
+    "gemma4_text": GEMMA4_TEXT_DEFAULTS,
     "qwen3_moe": {"decoder_sparse_step": 1, "norm_topk_prob": False},
     "gpt_oss": {  # GptOssConfig's defaults, which the Hub's config.json leaves out
         "attention_bias": True,
@@ -75,6 +78,10 @@ CONFIG_DEFAULTS: dict[str, Config] = {
 # Where a multimodal Gemma 3 checkpoint keeps its language model: transformers 5 saves
 # model.language_model.*, the Hub's 4.x-era files hold language_model.model.*.
 GEMMA3_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+# Gemma 4's: Gemma4ForConditionalGeneration's language model, or Gemma4ForCausalLM's.
+GEMMA4_PREFIXES = ("model.language_model.", "model.")
 
 
 def family_config(cfg: Config, source: str) -> tuple[Config, FamilyFields]:
@@ -224,6 +231,30 @@ def _experts(cfg: Config, source: str, size_key: str) -> FamilyFields:
     return {"num_experts": experts, "num_experts_per_tok": k, "moe_intermediate_size": size}
 
 
+def _gemma4(cfg: Config, source: str) -> FamilyFields:
+    # Gemma 3's sandwich norms and q/k norms, with Gemma 4's differences: norms x̂·w in
+    # fp32, values normed too, scores unscaled; full layers with their own head_dim and KV
+    # heads (per_layer_config, or global_head_dim / num_global_key_value_heads), values from
+    # k_proj under attention_k_eq_v, and proportional partial rotary; the last
+    # num_kv_shared_layers layers read the KV of the last earlier layer of their type (and
+    # have a double-wide MLP under use_double_wide_mlp); per-layer input embeddings; a
+    # stored scalar per layer; a final soft-cap
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ModelConfigError(
+            f"{source}: use_bidirectional_attention='all' (an encoder) is not served: this "
+            "server generates text with causal attention"
+        )
+    common = _gemma_common({**cfg, "use_bidirectional_attention": None}, source)
+    return {
+        **common,
+        "gemma_norm": False,
+        "attn_scale": 1.0,
+        "final_soft_cap": _positive(cfg, "final_logit_softcapping", source, default=None),
+        "weight_prefixes": GEMMA4_PREFIXES,
+        **gemma4_fields(cfg, source),
+    }
+
+
 FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -236,6 +267,8 @@ FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "gpt_oss": _gpt_oss,
+    "gemma4": _gemma4,
+    "gemma4_text": _gemma4,
 }
 
 

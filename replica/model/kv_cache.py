@@ -30,13 +30,13 @@ class KVCache:
         dtype: torch.dtype,
         num_kv_heads: int | None = None,
     ) -> None:
-        kvh = num_kv_heads or spec.num_kv_heads
-        shape = (kvh, num_blocks * block_size, spec.head_dim)
-
-        def pool() -> torch.Tensor:
+        def pool(layer: int) -> torch.Tensor:  # a layer's own head_dim and KV heads
+            s = spec.layer(layer)
+            kvh = num_kv_heads or s.num_kv_heads
+            shape = (kvh, num_blocks * block_size, s.head_dim)
             return torch.zeros(shape, device=device, dtype=dtype)
 
-        owned = {i: (pool(), pool()) for i in spec.kv_layers}
+        owned = {i: (pool(i), pool(i)) for i in spec.kv_layers}
         sources = [spec.kv_source(i) for i in range(spec.num_layers)]
         self.k = [None if s is None else owned[s][0] for s in sources]
         self.v = [None if s is None else owned[s][1] for s in sources]
@@ -62,5 +62,5 @@ class KVCache:
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        layers = len(spec.kv_layers)
-        return 2 * layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+        per_token = sum(spec.layer(i).kv_size for i in spec.kv_layers)
+        return 2 * block_size * per_token * elem

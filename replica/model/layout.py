@@ -45,6 +45,9 @@ KNOWN_UNREAD = (
     KnownUnread(r"(model\.)?(vision_tower|multi_modal_projector)\.", "gemma3",
                 "a multimodal Gemma 3's vision tower and projector: images are not served, "
                 "the language model is"),
+    KnownUnread(r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.", "gemma4",
+                "a multimodal Gemma 4's vision and audio towers and their projections: "
+                "images and audio are not served, the language model is"),
 )  # fmt: skip
 
 
@@ -62,14 +65,15 @@ class CheckpointLayout:
     ) -> torch.Tensor | QuantizedWeight:
         """This rank's part of `module`'s weight [out, in] (or bias [out]) in `layer`: a
         tensor, or the packed weight (kernels.quant_formats) of a quantized checkpoint."""
-        whole = self.spec.module_shapes()
+        whole = self.spec.layer(layer).module_shapes()
         in_f, out_f = whole[module]
         rows, cols = (0, out_f), (0, in_f)
         if self.shard is not None:
+            shard = self.shard.layer(layer)  # the layer's own shapes' split
             if module in ("o_proj", "down_proj"):
-                cols = self.shard.in_range(module)
+                cols = shard.in_range(module)
             else:
-                rows = self.shard.out_range(module)
+                rows = shard.out_range(module)
         if module in self._fused:
             fused, parts = self._fused[module]
             offset = sum(whole[p][1] for p in parts[: parts.index(module)])
@@ -131,6 +135,8 @@ class CheckpointLayout:
         s = self.spec
         if s.expert_layout == "gpt_oss":
             return self._gpt_oss_experts(layer)
+        if s.expert_layout == "gemma4":
+            return self._gemma4_experts(layer)
         h, i = s.hidden_size, s.moe_intermediate_size
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
         where = f"{self.prefix}layers.{layer}.{s.moe_block}.experts"
@@ -186,6 +192,18 @@ class CheckpointLayout:
         down = self.ckpt.get(f"{where}.down_proj", (e, i, h)).transpose(1, 2)
         return self._split_gate_up(gate_up), down[:, :, lo:hi].contiguous()
 
+    def _gemma4_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma 4's stacks as transformers holds them: layers.L.experts.gate_up_proj
+        [E, 2I, hidden] (gate rows, then up rows) and down_proj [E, hidden, I]."""
+        s = self.spec
+        e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
+        where = f"{self.prefix}layers.{layer}.experts"
+        gate_up = self.ckpt.get(f"{where}.gate_up_proj", (e, 2 * i, h))
+        down = self.ckpt.get(f"{where}.down_proj", (e, h, i))
+        lo, hi = (0, i) if self.shard is None else self.shard.expert_range
+        gate_up = torch.cat([gate_up[:, lo:hi], gate_up[:, i + lo : i + hi]], dim=1)
+        return gate_up, down[:, :, lo:hi].contiguous()
+
     def _split_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gpt-oss's interleaved gate / up rows (gate j at 2j, up j at 2j+1) of
         [E, 2I, ...] -> this rank's gate rows then its up rows, [E, 2·I_rank, ...]."""
@@ -207,6 +225,15 @@ class CheckpointLayout:
         blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), (torch.uint8,))
         scales = self.ckpt.get_packed(f"{name}_scales", groups, (torch.uint8,))
         return blocks, scales
+
+    def tensor(self, layer: int | None, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A replicated tensor: `name` of layer `layer`, or of the model (None)."""
+        where = self.prefix if layer is None else f"{self.prefix}layers.{layer}."
+        return self.ckpt.get(where + name, shape)
+
+    def layer_scalar(self, layer: int) -> torch.Tensor:
+        """Gemma 4's stored scalar of `layer`'s output: [1]."""
+        return self.tensor(layer, "layer_scalar", (1,))
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""

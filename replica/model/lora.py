@@ -52,9 +52,20 @@ def layer_groups(spec: ModelSpec, layer: int) -> dict[str, tuple[str, ...]]:
         return (group,) if group in fused else MODULE_GROUPS[group]
 
     groups = {g: slices(g) for g in ("qkv_proj", "o_proj")}
-    if spec.is_sparse(layer):
-        return groups | EXPERT_GROUPS
-    return groups | {g: slices(g) for g in ("gate_up_proj", "down_proj")}
+    if spec.per_layer_input_size:
+        groups |= PER_LAYER_INPUT_GROUPS
+    dense = {g: slices(g) for g in ("gate_up_proj", "down_proj")}
+    if spec.is_sparse(layer):  # Gemma 4's experts run beside a dense MLP
+        return groups | (dense if spec.moe_beside_mlp else {}) | EXPERT_GROUPS
+    return groups | dense
+
+
+# Gemma 4's per-layer-input gate and projection: a group each, on every layer (replicated
+# under tensor parallelism, their LoRA whole on every rank).
+PER_LAYER_INPUT_GROUPS: dict[str, tuple[str, ...]] = {
+    "per_layer_input_gate": ("per_layer_input_gate",),
+    "per_layer_projection": ("per_layer_projection",),
+}
 
 
 # The vocabulary modules, model-level groups of one slice (with engine.lora_embeddings):

@@ -18,7 +18,7 @@ E x (gate, up, down) x rank rows per layer (replica/adapters/memory.py counts th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,7 @@ from replica.model.adapter_weights import VOCAB_LAYER, LoRAAdapterWeights
 from replica.model.lora import (
     EXPERT_GROUPS,
     MODULE_GROUPS,
+    PER_LAYER_INPUT_GROUPS,
     VOCAB_GROUPS,
     LoRABuffers,
     layer_groups,
@@ -91,6 +92,9 @@ class SlotTable:
     version: int = 0
 
 
+Shapes = dict[str, tuple[int, int]]  # module -> (in_features, out_features)
+
+
 class LoRASlotBuffers:
     def __init__(
         self,
@@ -99,25 +103,33 @@ class LoRASlotBuffers:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
-        shapes: dict[str, tuple[int, int]] | None = None,
+        shapes: Shapes | Callable[[int | None], Shapes] | None = None,
         vocab: bool = False,
     ) -> None:
         """Arenas of arena_rows(num_slots, max_rank) rows. `shapes`: (in, out) of A [r, in]
         and B [out, r] per module, when not the whole model's (a tensor-parallel rank's
-        share, TPShard.lora_shapes()). `vocab`: arenas for embed_tokens and lm_head too
-        (engine.lora_embeddings), read before the first layer and after the last."""
+        share: TPShard.lora_shapes, a function of the layer, or its dict for every layer).
+        `vocab`: arenas for embed_tokens and lm_head too (engine.lora_embeddings), read
+        before the first layer and after the last."""
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2 (slot 0 is the base model)")
         self.spec, self.max_rank = spec, max_rank
         self.num_rows = arena_rows(num_slots, max_rank)
         self.num_slots = num_slot_handles(self.num_rows)
-        shapes = shapes or spec.lora_shapes()
+        # per layer (Gemma 4's layers differ): a TP rank's shares, TPShard.lora_shapes
+        if callable(shapes):
+            layer_shapes, whole = shapes, shapes(None)
+        elif shapes is not None:
+            layer_shapes, whole = (lambda _: shapes), shapes
+        else:
+            layer_shapes, whole = (lambda i: spec.layer(i).lora_shapes()), spec.lora_shapes()
         # layers[i][group] -> LoRABuffers; each owns columns of a step's LoRAWorkspace
         # (expert groups excepted: their rows are (token, expert) pairs, not tokens)
         self.layers: list[dict[str, LoRABuffers]] = []
         self.workspace_cols = 0
         for layer in range(spec.num_layers):
             groups = {}
+            shapes = layer_shapes(layer)
             for group, names in layer_groups(spec, layer).items():
                 in_f = shapes[names[0]][0]
                 offsets = [0]
@@ -136,12 +148,14 @@ class LoRASlotBuffers:
         # workspace's: the head's rows are the logit rows, not the step's tokens)
         self.vocab: dict[str, LoRABuffers] = {}
         for group in VOCAB_GROUPS if vocab else ():
-            in_f, out_f = shapes[group]
+            in_f, out_f = whole[group]
             a = kernels.lora_a_buffer(1, self.num_rows, in_f, device, dtype)
             b = kernels.lora_b_buffer(out_f, self.num_rows, device, dtype)
             self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)
         experts = tuple(EXPERT_GROUPS) if spec.num_experts else ()
-        self.groups = (*MODULE_GROUPS, *experts, *self.vocab)  # the slot table's rank columns
+        ple = tuple(PER_LAYER_INPUT_GROUPS) if spec.per_layer_input_size else ()
+        # the slot table's rank columns
+        self.groups = (*MODULE_GROUPS, *ple, *experts, *self.vocab)
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         n = self.num_slots

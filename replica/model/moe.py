@@ -93,9 +93,10 @@ class SparseMoE:
         x: torch.Tensor,  # [T, H]
         lora: dict[str, SegmentInfo],
         ws: LoRAWorkspace | None = None,  # unused: expert LoRA's rows are pairs, not tokens
+        route_from: torch.Tensor | None = None,  # what the router reads, when not x (Gemma 4)
     ) -> torch.Tensor:  # [T, H]
         t, h = x.shape
-        weights, ids = self.route(x)
+        weights, ids = self.route(x if route_from is None else route_from)
         seg = lora.get("experts_gate_up", lora["qkv_proj"])  # the step's segments
         plan = kernels.make_expert_plan(ids, self.num_experts, seg)
         xs = x.index_select(0, plan.tokens)  # [P, H]: each pair's input, sorted

@@ -1,8 +1,8 @@
 """Rotary position embeddings (HF's rotate-half convention).
 
 Supported `rope_type`s, computed as transformers' modeling_rope_utils does: default, linear,
-llama3, yarn and longrope; plus partial rotary (only the first `rotary_dim` dims of each head
-are rotated, the rest pass through, as in Phi-3 / Phi-4-mini).
+llama3, yarn, longrope and proportional (Gemma 4); plus partial rotary (only the first
+`rotary_dim` dims of each head are rotated, the rest pass through, as in Phi-3 / Phi-4-mini).
 
 `scaling` is the checkpoint's rope dict (HF `rope_parameters` / `rope_scaling`, without
 `rope_theta`), or None for plain RoPE. The type is read from "rope_type" (or the legacy
@@ -14,6 +14,7 @@ are rotated, the rest pass through, as in Phi-3 / Phi-4-mini).
             max_position_embeddings / original_max_position_embeddings); optional
             beta_fast (32), beta_slow (1), truncate (True), attention_factor, mscale,
             mscale_all_dim
+  proportional  partial_rotary_factor (the share of frequency pairs rotated), factor
   longrope  short_factor, long_factor (rotary_dim / 2 floats each),
             original_max_position_embeddings, and factor or max_position_embeddings
             (factor = max_position_embeddings / original when factor is absent or None;
@@ -57,6 +58,8 @@ def inverse_frequencies(
         return _llama3(_base_inv_freq(dim, theta), scaling)
     if kind == "yarn":
         return _yarn(dim, theta, scaling)
+    if kind == "proportional":
+        return _proportional(dim, theta, scaling)
     if kind == "longrope":
         ext = scaling["long_factor" if long_context else "short_factor"]
         if len(ext) != dim // 2:
@@ -64,6 +67,16 @@ def inverse_frequencies(
         ext_factors = torch.tensor(ext, dtype=torch.float32)
         return 1.0 / (ext_factors * theta ** (torch.arange(0, dim, 2).float() / dim))
     raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _proportional(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Gemma 4's full layers: the first partial_rotary_factor of the dim / 2 frequency
+    pairs at theta^(-2j/dim) (over the whole head, not the rotated share), the rest 0 (cos
+    1, sin 0: passed through), all divided by factor."""
+    angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+    rotated = 1.0 / theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float32) / dim)
+    inv_freq = torch.cat([rotated, torch.zeros(dim // 2 - angles)])
+    return inv_freq / float(scaling.get("factor", 1.0))
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:

@@ -96,6 +96,20 @@ class ModelSpec:
     # (itself; an earlier layer's when the family shares KV, as Gemma 4's last layers do)
     # or None when it keeps no KV (a linear-attention layer); () = every layer its own ---
     kv_sources: tuple[int | None, ...] = ()
+    # --- per-layer shapes where layers differ (Gemma 4: full layers' wider heads and
+    # fewer KV heads, KV-sharing layers' double-wide MLP); () = every layer the above ---
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    # --- Gemma 4 ---
+    norm_fp32_weight: bool = False  # RMSNorm as x̂·w in fp32, rounded last (Gemma 4)
+    v_norm: bool = False  # values RMS-normed over head_dim, without a weight
+    k_eq_v: bool = False  # full layers have no v_proj: values are k_proj's output
+    per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
+    per_layer_vocab_size: int = 0  # rows of the per-layer input embedding
+    layer_scalar: bool = False  # each layer's output times its stored scalar
+    # the experts run beside the dense MLP, not in its place (Gemma 4's MoE block)
+    moe_beside_mlp: bool = False
 
     @property
     def q_size(self) -> int:
@@ -112,6 +126,28 @@ class ModelSpec:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer(self, layer: int) -> ModelSpec:
+        """The spec with `layer`'s own head_dim, KV heads and MLP width (itself when every
+        layer has the same shapes)."""
+        if not (self.layer_head_dims or self.layer_kv_heads or self.layer_intermediate_sizes):
+            return self
+        return replace(
+            self,
+            head_dim=_at(self.layer_head_dims, layer, self.head_dim),
+            num_kv_heads=_at(self.layer_kv_heads, layer, self.num_kv_heads),
+            intermediate_size=_at(self.layer_intermediate_sizes, layer, self.intermediate_size),
+            layer_head_dims=(),
+            layer_kv_heads=(),
+            layer_intermediate_sizes=(),
+        )
+
+    def has_kv_projection(self, layer: int, module: str) -> bool:
+        """Whether `layer` has its own k_proj / v_proj (Gemma 4's KV-sharing layers have
+        neither; its full layers with k_eq_v no v_proj)."""
+        if self.kv_source(layer) != layer:
+            return False
+        return not (module == "v_proj" and self.k_eq_v and not self.is_sliding(layer))
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
@@ -140,24 +176,33 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         """Weights the model holds (projections, embeddings, head, norms, routers and
-        experts; biases aside)."""
-        shapes = self.module_shapes()
-        attention = sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
-        dense = sum(i * o for m, (i, o) in shapes.items() if m in MLP_MODULES)
+        experts, Gemma 4's per-layer inputs and layer scalars; biases aside), each layer
+        of its own shapes."""
         experts = self.num_experts * (
             sum(i * o for i, o in self.expert_shapes().values()) + self.hidden_size
         )  # + the router's row per expert
-        per_layer = (4 if self.sandwich_norms else 2) * self.hidden_size
-        per_layer += 2 * self.head_dim if self.qk_norm else 0
-        sparse = sum(self.is_sparse(i) for i in range(self.num_layers))
         heads = 1 if self.tie_word_embeddings else 2
-        return (
-            self.num_layers * (attention + per_layer)
-            + sparse * experts
-            + (self.num_layers - sparse) * dense
-            + heads * self.vocab_size * self.hidden_size
-            + self.hidden_size
-        )
+        total = heads * self.vocab_size * self.hidden_size + self.hidden_size
+        for layer in range(self.num_layers):
+            own = self.layer(layer)
+            shapes = own.module_shapes()
+            total += sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
+            if self.is_sparse(layer):
+                total += experts
+            if not self.is_sparse(layer) or self.moe_beside_mlp:
+                total += sum(i * o for m, (i, o) in shapes.items() if m in MLP_MODULES)
+            total += (4 if self.sandwich_norms else 2) * self.hidden_size
+            if self.is_sparse(layer) and self.moe_beside_mlp:  # 3 norms, router scales
+                total += 4 * self.hidden_size + self.num_experts
+            if self.qk_norm:  # a layer reading another's KV has no k_norm (Gemma 4)
+                total += (1 + (self.kv_source(layer) == layer)) * own.head_dim
+        total += self.layer_scalar * self.num_layers
+        width, n = self.per_layer_input_size, self.num_layers
+        if width:  # the packed embedding, its projection and norm; each layer's gate,
+            # projection and norm
+            total += n * width * (self.per_layer_vocab_size + self.hidden_size) + width
+            total += n * (2 * width * self.hidden_size + self.hidden_size)
+        return total
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of one expert's gate, up and down projections, by
@@ -187,6 +232,14 @@ class ModelSpec:
             "down_proj": (i, h),
         }
 
+    def per_layer_input_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of Gemma 4's per-layer-input gate and projection
+        in every layer ({} without per-layer inputs)."""
+        h, w = self.hidden_size, self.per_layer_input_size
+        if not w:
+            return {}
+        return {"per_layer_input_gate": (h, w), "per_layer_projection": (w, h)}
+
     def vocab_module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of the LoRA-targetable vocabulary modules: the
         embedding (PEFT's lora_embedding_A [r, vocab], B [hidden, r]) and the head."""
@@ -204,7 +257,8 @@ class ModelSpec:
             name: (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
             for name, parts in self.fused_modules().items()
         }
-        return shapes | fused | self.vocab_module_shapes() | self.expert_shapes()
+        return (shapes | fused | self.vocab_module_shapes() | self.expert_shapes()
+                | self.per_layer_input_shapes())  # fmt: skip
 
     def fused_modules(self) -> dict[str, tuple[str, ...]]:
         """The checkpoint's fused projections (name -> its parts, in row order)."""
@@ -314,6 +368,10 @@ def _check_kv_sources(spec: ModelSpec, source: str) -> None:
             raise ModelConfigError(
                 f"{source}: layer {layer} reads the KV of layer {src}, which does not own one"
             )
+
+
+def _at(values: tuple[int, ...], layer: int, default: int) -> int:
+    return values[layer] if values else default
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

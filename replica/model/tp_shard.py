@@ -56,6 +56,8 @@ class TPShard:
                             f"multiple of {n}")  # fmt: skip
         if problems:
             raise ModelConfigError(f"tp_size={n} cannot split the model: {'; '.join(problems)}")
+        for layer in range(s.num_layers):  # layers of their own shapes (Gemma 4): each splits
+            self.layer(layer)
         cuts = self.quantization_cuts()
         if cuts:
             more = f" (and {len(cuts) - 1} more)" if len(cuts) > 1 else ""
@@ -108,16 +110,25 @@ class TPShard:
                                 f"{self.rank} cut its {unit} of {align}")  # fmt: skip
         return cuts
 
+    def layer(self, layer: int) -> TPShard:
+        """This rank's shard of `layer` alone, of the layer's own shapes (itself when every
+        layer has the same: ModelSpec.layer)."""
+        own = self.spec.layer(layer)
+        return self if own is self.spec else TPShard(own, self.rank, self.size)
+
     @property
     def local_spec(self) -> ModelSpec:
-        """The shape this rank computes with: its heads, KV heads and MLP columns."""
-        s = self.spec
+        """The shape this rank computes with: its heads, KV heads and MLP columns (each
+        layer's own too, where layers differ)."""
+        s, n = self.spec, self.size
         return replace(
             s,
-            num_heads=s.num_heads // self.size,
+            num_heads=s.num_heads // n,
             num_kv_heads=self.kv_heads,
-            intermediate_size=s.intermediate_size // self.size,
-            moe_intermediate_size=s.moe_intermediate_size // self.size,
+            intermediate_size=s.intermediate_size // n,
+            moe_intermediate_size=s.moe_intermediate_size // n,
+            layer_kv_heads=tuple(max(1, k // n) for k in s.layer_kv_heads),
+            layer_intermediate_sizes=tuple(i // n for i in s.layer_intermediate_sizes),
         )
 
     @property
@@ -171,10 +182,13 @@ class TPShard:
         """Token ids this rank embeds and scores; the last rank's may run past the vocab."""
         return self.rank * self.vocab_rows, (self.rank + 1) * self.vocab_rows
 
-    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+    def lora_shapes(self, layer: int | None = None) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of this rank's LoRA A [r, in] and B [out, r]: the
-        layers' projections, then the vocabulary modules (the embedding LoRA whole on every
-        rank, added after the embedding's all-reduce; the head's B by vocab rows)."""
+        layers' projections (`layer`'s own where layers differ), then the vocabulary
+        modules (the embedding LoRA whole on every rank, added after the embedding's
+        all-reduce; the head's B by vocab rows)."""
+        if layer is not None and self.layer(layer) is not self:
+            return self.layer(layer).lora_shapes()
         whole = self.spec.module_shapes()
         h = self.spec.hidden_size
         shapes = {"embed_tokens": (self.spec.vocab_size, h), "lm_head": (h, self.vocab_rows)}
@@ -186,18 +200,25 @@ class TPShard:
             shapes[m] = (stop - start, self.spec.hidden_size // self.size)
         for name, parts in self.spec.fused_modules().items():  # held fused: its parts' rows
             shapes[name] = (whole[parts[0]][0], sum(shapes[p][1] for p in parts))
+        shapes |= self.spec.per_layer_input_shapes()  # replicated: their LoRA whole
         if self.spec.num_experts:  # one expert's share, like the dense MLP's
             i = self.spec.moe_intermediate_size // self.size
             shapes |= {"expert_gate_proj": (h, i), "expert_up_proj": (h, i),
                        "expert_down_proj": (i, h // self.size)}  # fmt: skip
         return shapes
 
-    def slice_lora(self, module: str, a: Array, b: Array) -> tuple[Array, Array]:
-        """This rank's (A [r, in], B [out, r]) of one module's adapter weights: views
-        (the head's B of the last rank may be short of vocab_rows: the arena's rows past
-        the vocabulary stay zero)."""
-        if module == "embed_tokens":
-            return a, b
+    def slice_lora(
+        self, module: str, a: Array, b: Array, layer: int | None = None
+    ) -> tuple[Array, Array]:
+        """This rank's (A [r, in], B [out, r]) of one module's adapter weights in `layer`
+        (needed where layers differ in shape): views (the head's B of the last rank may be
+        short of vocab_rows: the arena's rows past the vocabulary stay zero)."""
+        if layer is not None and 0 <= layer < self.spec.num_layers:
+            shard = self.layer(layer)
+            if shard is not self:
+                return shard.slice_lora(module, a, b)
+        if module == "embed_tokens" or module in self.spec.per_layer_input_shapes():
+            return a, b  # replicated modules: their LoRA whole on every rank
         if module == "lm_head":
             start, stop = self.vocab_range
             return a, b[start:stop]

@@ -143,6 +143,8 @@ class DummyCheckpoint:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if len(shape) == 1:
             fill = self.norm_value if "norm" in name else 0.0
+            if name.endswith("layer_scalar"):  # Gemma 4's output scalar: identity too
+                fill = 1.0
             return torch.full(shape, fill, device=self.device, dtype=self.dtype)
         if self.device.type == "meta":  # shapes only (the memory plan's tests)
             return torch.empty(shape, device=self.device, dtype=self.dtype)

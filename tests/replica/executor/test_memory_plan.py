@@ -65,7 +65,7 @@ def test_kv_and_adapter_bytes_are_what_is_allocated(tp_size):
         kv = KVCache(local, 7, 16, META, BF16)
         allocated = sum(t.numel() * t.element_size() for t in kv.pools)
         assert allocated == 7 * mp.kv_block_bytes(spec, tp_size, 16, BF16), model_dir.name
-        shapes = None if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes()
+        shapes = None if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes
         lora = LoRASlotBuffers(spec, 5, 16, META, BF16, shapes)
         config = EngineConfig(
             model=str(model_dir),

@@ -333,14 +333,18 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
         assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss", "gemma4", "gemma4moe"]
+)
 def test_families_equal_tp1(family, tmp_path):
     """Qwen3 (q/k norms, head_dim ≠ hidden / heads), Gemma 2 (soft-caps, windows, four
     norms, scaled embedding), Phi-3 (fused checkpoint projections, partial rotary) and
     Qwen3-MoE (every expert's columns split, gate/up by rows and down by columns, their
     expert LoRA likewise; a dense layer between) and gpt-oss (sinks split with their
     heads, o_proj and down biases added once, interleaved gate/up and their biases split)
-    on 2 ranks: logits and a staggered mixed batch equal TP=1, adapters included."""
+    and Gemma 4 (each layer split by its own head_dim and KV heads, its one global KV head
+    kept on both ranks, shared KV, per-layer inputs replicated) on 2 ranks: logits and a
+    staggered mixed batch equal TP=1, adapters included."""
     from cluster.demo.families import family_model_dir
     from tests.oracle import family_adapters
 

@@ -188,7 +188,7 @@ def test_tables_computed_in_fp32_then_cast():
     assert torch.equal(bf16.sin, fp32.sin.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "proportional", "made-up"])
+@pytest.mark.parametrize("kind", ["dynamic", "made-up"])
 def test_unknown_rope_type_raises(kind):
     with pytest.raises(ValueError, match="unsupported rope_type"):
         RotaryEmbedding(
@@ -200,3 +200,24 @@ def test_unknown_rope_type_raises(kind):
 def test_bad_rotary_dim_raises(rotary_dim):
     with pytest.raises(ValueError, match="rotary_dim"):
         RotaryEmbedding(HEAD_DIM, 16, THETA, None, "cpu", torch.float32, rotary_dim=rotary_dim)
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_proportional_tables_match_gemma4(factor):
+    """Gemma 4's full layers: a quarter of the frequency pairs rotated at theta^(-2j/head_dim),
+    the rest passed through (sin 0), over the whole head; bit for bit transformers' table."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": factor}
+    config = Gemma4TextConfig(
+        hidden_size=128, num_hidden_layers=2, head_dim=16, global_head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {**scaling, "rope_theta": THETA}},
+    )  # fmt: skip
+    rope = RotaryEmbedding(HEAD_DIM, MAX_POS, THETA, scaling, "cpu", torch.float32, HEAD_DIM)
+    positions = torch.arange(MAX_POS)[None]
+    cos, sin = Gemma4TextRotaryEmbedding(config)(torch.zeros(1), positions, "full_attention")
+    assert torch.equal(rope.cos, cos[0]) and torch.equal(rope.sin, sin[0])
+    assert (rope.sin[:, HEAD_DIM // 8 : HEAD_DIM // 2] == 0).all()

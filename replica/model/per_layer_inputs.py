@@ -1,0 +1,104 @@
+"""Gemma 4's per-layer input embeddings (PLE): a second, narrow input per layer.
+
+Each token gets `width` extra inputs per layer: its row of a packed embedding
+[per_layer_vocab, layers · width] (times sqrt(width)) plus a projection of its input
+embedding (times hidden^-0.5, RMS-normed per layer), the two summed and halved in
+variance (· 2^-0.5). After its MLP, layer i adds
+norm(proj(gelu(gate(x)) · input_i)) to the residual stream (transformers'
+Gemma4TextModel.get_per_layer_inputs / project_per_layer_inputs and the decoder layer's
+per_layer_input_gate / per_layer_projection).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels import SegmentInfo
+from replica.model.layout import CheckpointLayout
+from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
+from replica.model.spec import ModelSpec
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm: x̂·w in fp32, rounded to x's dtype last."""
+    h = x.float()
+    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (h * weight.float()).to(x.dtype)
+
+
+class PerLayerInputs:
+    """The model-level half: a step's [T, layers, width] per-layer inputs."""
+
+    def __init__(
+        self, spec: ModelSpec, layout: CheckpointLayout, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        h, n, w = spec.hidden_size, spec.num_layers, spec.per_layer_input_size
+        self.layers, self.width, self.eps = n, w, spec.rms_norm_eps
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return layout.tensor(None, name, shape).to(device=device, dtype=dtype)
+
+        self.embed = get("embed_tokens_per_layer.weight", (spec.per_layer_vocab_size, n * w))
+        self.projection = get("per_layer_model_projection.weight", (n * w, h))
+        self.norm = get("per_layer_projection_norm.weight", (w,))
+        # transformers rounds sqrt(width) to the weights' dtype, as the main embedding's
+        self.embed_scale = torch.tensor(math.sqrt(w)).to(device, dtype)
+        self.projection_scale = h**-0.5
+
+    def weights(self) -> list[torch.Tensor]:
+        """The tensors a step reads in full (the embedding is gathered by row)."""
+        return [self.projection, self.norm]
+
+    def __call__(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] and their scaled input embeddings [T, hidden] -> [T, layers, width]."""
+        t = input_ids.shape[0]
+        tokens = (F.embedding(input_ids, self.embed) * self.embed_scale).view(t, self.layers, -1)
+        proj = F.linear(embeds, self.projection) * self.projection_scale
+        proj = _norm(proj.view(t, self.layers, self.width), self.norm, self.eps)
+        return (proj + tokens) * 2.0**-0.5
+
+
+class PerLayerInputBlock:
+    """The layer-level half: what layer `index` adds to its residual stream."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layout: CheckpointLayout,
+        index: int,
+        lora: dict[str, LoRABuffers] | None,  # the layer's arenas
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        h, w = spec.hidden_size, spec.per_layer_input_size
+        self.eps = spec.rms_norm_eps
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return layout.tensor(index, name, shape).to(device=device, dtype=dtype)
+
+        bufs = lora or {}
+        self.gate = LoRALinear(get("per_layer_input_gate.weight", (w, h)), None,
+                               bufs.get("per_layer_input_gate"))  # fmt: skip
+        self.projection = LoRALinear(get("per_layer_projection.weight", (h, w)), None,
+                                     bufs.get("per_layer_projection"))  # fmt: skip
+        self.norm = get("post_per_layer_input_norm.weight", (h,))
+
+    def weights(self) -> list[torch.Tensor]:
+        return [self.gate.weight, self.projection.weight, self.norm]
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        per_layer_input: torch.Tensor,
+        lora: dict[str, SegmentInfo],
+        ws: LoRAWorkspace | None,
+    ) -> torch.Tensor:
+        """x [T, hidden] (the layer's output so far), this layer's inputs [T, width], the
+        step's LoRA segments -> the [T, hidden] to add."""
+        gate = self.gate(x, lora.get("per_layer_input_gate"), ws)
+        g = F.gelu(gate, approximate="tanh") * per_layer_input
+        out = self.projection(g, lora.get("per_layer_projection"), ws)
+        return _norm(out, self.norm, self.eps)

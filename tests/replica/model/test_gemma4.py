@@ -1,0 +1,380 @@
+"""Gemma 4's text model against the outside oracle: transformers (eager) + PEFT, fp32.
+
+The tiny model (cluster/demo/families.py "gemma4", and "gemma4-mm" in
+Gemma4ForConditionalGeneration's layout with a vision tower) has every quirk biting:
+sliding layers (window 8 < the 40-token prompt, head_dim 16, 2 KV heads, rope base 100)
+and full layers (head_dim 32, 1 KV head, values from k_proj, proportional rope over a
+quarter of the frequency pairs) alternate; layers 4 and 5 read layers 2's and 3's KV and
+have a double-wide MLP; per-layer inputs of width 8; perturbed norms and layer scalars;
+a final soft-cap of 15. Prompts of 5 and 40 tokens prefill in 16-token chunks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster.demo.families import family_model_dir
+from replica.config import EngineConfig
+from replica.engine.engine import LLMEngine
+from replica.executor.memory_plan import kv_block_bytes
+from replica.model.adapter_weights import load_peft_adapter
+from replica.model.kv_cache import KVCache
+from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
+from replica.wire import SamplingParams
+from tests.oracle import (
+    GEMMA4_EXPERTS,
+    check_mixed_batch,
+    family_adapters,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+    peft_adapter,
+)
+from tests.replica.model.families import (
+    GREEDY,
+    LOGIT_ATOL,
+    MARGIN,
+    NEW_TOKENS,
+    engine_for,
+    prompts,
+    traced_static_decode,
+)
+
+
+@pytest.fixture(scope="module", params=["gemma4", "gemma4-mm"])
+def gemma4(request, tmp_path_factory):
+    """(family, model dir, {"attn", "all": peft adapter}) built once per layout."""
+    model_dir = family_model_dir(request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    return request.param, model_dir, family_adapters(request.param, model_dir, root)
+
+
+def test_gemma4_matches_transformers_and_peft_in_one_mixed_batch(gemma4):
+    """Every position's logits within 2e-4 and greedy tokens of one mixed batch (base and
+    two adapters, chunked prefill) equal transformers + PEFT, in both layouts."""
+    name, model_dir, adapters = gemma4
+    eng = engine_for(model_dir, adapters)
+    spec = eng.spec
+    assert spec.window(0) == 8 < len(prompts(256)[1]) and spec.window(1) is None
+    assert spec.kv_sources == (0, 1, 2, 3, 2, 3) and spec.layer_head_dims[:2] == (16, 32)
+    got = check_mixed_batch(eng, model_dir, adapters, prompts(spec.vocab_size), NEW_TOKENS)
+    assert got[None] != got["all"] and got[None] != got["attn"], name
+
+
+def test_vision_tower_lora_is_skipped_and_the_rest_applied(gemma4, tmp_path):
+    """The multimodal "all" adapter also holds LoRA on the vision tower (images are not
+    served: skipped, as for Gemma 3); every text module is applied on each layer that has
+    it: k_proj on the 4 layers keeping KV, v_proj on the 2 sliding ones of them (full
+    layers take values from k_proj), the rest (the per-layer-input projections too) on
+    all 6."""
+    name, model_dir, adapters = gemma4
+    tensors = load_file(adapters["all"] / "adapter_model.safetensors")
+    assert any("vision_tower" in k for k in tensors) == (name == "gemma4-mm")
+    spec = load_model_spec(model_dir)
+    applied = load_peft_adapter(adapters["all"], spec, 64, "all").applied()
+    six = {m: 6 for m in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                          "per_layer_input_gate", "per_layer_projection")}  # fmt: skip
+    assert applied == {**six, "k_proj": 4, "v_proj": 2}
+
+
+def test_each_quirk_bites():
+    """Serving without any one of the per-layer inputs, the layer scalars, the value norm,
+    values from k_proj, the shared KV, the proportional rope or the final soft-cap
+    changes the logits by far more than the oracle's tolerance: the oracle test above
+    checks each of them."""
+    from dataclasses import replace
+
+    eng = engine_for(family_model_dir("gemma4"), {})
+    p = prompts(eng.spec.vocab_size)[1]
+    want = eng.score(p)
+    model = eng.executor.model
+    plain = model._rope(model.spec.local_rope, model.layers[1].spec)  # default rope
+    changes = {
+        "per-layer inputs": lambda layer: setattr(layer, "per_layer_input", None),
+        "layer scalar": lambda layer: setattr(layer, "scalar", None),
+        "v_norm": lambda layer: setattr(layer, "v_norm", False),
+        "k_eq_v": lambda layer: setattr(layer, "k_eq_v", False),
+        "shared KV": lambda layer: setattr(layer, "owns_kv", True),
+        "proportional rope": lambda layer: setattr(layer, "rope", plain)
+        if layer.spec.head_dim == 32 else None,
+    }  # fmt: skip
+    ropes = model.ropes
+    for quirk, change in changes.items():
+        saved = [dict(vars(layer)) for layer in model.layers]
+        for layer in model.layers:
+            change(layer)
+        model.ropes = [*ropes, plain] if quirk == "proportional rope" else ropes
+        assert (eng.score(p) - want).abs().max() > 0.05, quirk
+        for layer, attrs in zip(model.layers, saved):
+            vars(layer).clear()
+            vars(layer).update(attrs)
+        model.ropes = ropes
+        assert torch.equal(eng.score(p), want), quirk
+    spec = model.spec
+    model.spec = replace(spec, final_soft_cap=None)
+    assert (eng.score(p) - want).abs().max() > 0.05, "final soft-cap"
+    model.spec = spec
+
+
+def test_kv_sharing_layers_hold_no_kv_of_their_own():
+    """Layers 4 and 5 read layers 2's and 3's pools: the cache holds 4 pairs of pools, each
+    layer's own shape, and the memory plan's block bytes count only those."""
+    spec = load_model_spec(family_model_dir("gemma4"))
+    cache = KVCache(spec, 3, 4, torch.device("cpu"), torch.float32)
+    assert len(cache.pools) == 2 * 4
+    assert cache.k[4] is cache.k[2] and cache.v[5] is cache.v[3]
+    assert [tuple(cache.k[i].shape) for i in range(4)] == [(2, 12, 16), (1, 12, 32)] * 2
+    per_token = 2 * (2 * 16 + 1 * 32)  # two sliding and two full layers own KV
+    assert kv_block_bytes(spec, 1, 4, torch.float32) == 2 * 4 * per_token * 4
+    unshared = spec_from_dict({**_text_config(), "num_kv_shared_layers": 0})
+    assert kv_block_bytes(unshared, 1, 4, torch.float32) == 2 * 4 * (3 * 64) * 4
+
+
+def test_an_adapter_on_one_module_kind_changes_the_output_as_peft(tmp_path):
+    """k_proj alone: on the full layers it changes the values too (they are its output)."""
+    model_dir = family_model_dir("gemma4")
+    path = peft_adapter(model_dir, tmp_path / "k", ["k_proj"], r=4, alpha=8, seed=5)
+    eng = engine_for(model_dir, {"k": path})
+    ref = hf_model(model_dir, path, eager=True)
+    p = prompts(eng.spec.vocab_size)[1]
+    got = eng.score(p, "k")
+    assert (got - hf_logits(ref, p)).abs().max().item() < LOGIT_ATOL
+    assert (got - eng.score(p)).abs().max().item() > 0.05
+
+
+def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(tmp_path):
+    """A base request with no adapter loaded, and with 16 loaded: greedy ids and logprobs
+    bit-identical when it runs alone; its greedy ids the same when the 16 run in its
+    batches (test_gpt_oss.py's test of the same says why its logprobs then may differ)."""
+    model_dir = family_model_dir("gemma4")
+    adapters = family_adapters("gemma4", model_dir, tmp_path)
+    paths = list(adapters.values())
+    many = {f"a{i}": paths[i % len(paths)] for i in range(16)}
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    ps = prompts(256)
+
+    def engine(adapters: dict) -> LLMEngine:
+        eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", block_size=4,
+                                     kv_cache_bytes=16 << 20,
+                                     adapters={"num_slots": 17}))  # fmt: skip
+        for name, path in adapters.items():
+            eng.load_adapter(name, path)
+        return eng
+
+    base = [(p, sampling, None) for p in ps]
+    want = engine({}).generate(base)
+    crowd = engine(many)
+    alone = crowd.generate(base)
+    assert [s.logprobs for s in alone] == [s.logprobs for s in want]
+    assert [s.output_ids for s in alone] == [s.output_ids for s in want]
+    beside = [(ps[i % 2], sampling, name) for i, name in enumerate(many)]
+    got = crowd.generate(base + beside)
+    assert [s.output_ids for s in got[: len(ps)]] == [s.output_ids for s in want]
+    assert any(s.output_ids != want[0].output_ids for s in got[len(ps) :])
+
+
+def _text_config() -> dict:
+    """A Hub-style Gemma 4 text config: global_head_dim and num_global_key_value_heads
+    at the top level, no per_layer_config (what transformers' own save writes instead)."""
+    return {
+        "model_type": "gemma4_text", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True, "num_kv_shared_layers": 2, "vocab_size": 256,
+        "layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": 8,
+    }  # fmt: skip
+
+
+def test_hub_config_reads_as_transformers_fills_it_in():
+    """The saved per_layer_config and the Hub's global_head_dim spelling read alike, as
+    transformers' Gemma4TextConfig reads them; its defaults fill what a config leaves out."""
+    from transformers import Gemma4TextConfig
+
+    cfg = _text_config()
+    ours = spec_from_dict(cfg)
+    saved = spec_from_dict({**Gemma4TextConfig(**cfg).to_dict(), "model_type": "gemma4_text"})
+    assert ours == saved
+    assert ours.layer_head_dims == (16, 32) * 3 and ours.layer_kv_heads == (2, 1) * 3
+    assert ours.kv_sources == (0, 1, 2, 3, 2, 3) and ours.kv_layers == (0, 1, 2, 3)
+    assert ours.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    assert ours.rope_theta == 1e6 and ours.local_rope.theta == 10_000.0
+    assert ours.per_layer_input_size == 256 and ours.attn_scale == 1.0
+    hf = Gemma4TextConfig(**cfg)
+    assert ours.per_layer_vocab_size == hf.vocab_size_per_layer_input
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    wide = spec_from_dict({**cfg, "use_double_wide_mlp": True})
+    assert wide.layer_intermediate_sizes == (96,) * 4 + (192,) * 2
+
+
+def test_configs_we_cannot_serve_are_refused_by_name():
+    cfg = _text_config()
+    refused = {
+        "enable_moe_block": {"enable_moe_block": True},
+        "use_bidirectional_attention='all'": {"use_bidirectional_attention": "all"},
+        "attention_bias": {"attention_bias": True},
+        "num_kv_shared_layers=6": {"num_kv_shared_layers": 6},
+        "per_layer_config\\[1\\] sets \\['sliding_window'\\]": {
+            "per_layer_config": {"1": {"sliding_window": 4}}
+        },
+    }
+    for message, change in refused.items():
+        with pytest.raises(ModelConfigError, match=message):
+            spec_from_dict({**cfg, **change})
+    vision = spec_from_dict({**cfg, "use_bidirectional_attention": "vision"})
+    assert vision.kv_sources  # text-only prompts are causal under "vision": served
+
+
+def test_prefix_cache_hits_give_the_uncached_output(tmp_path):
+    """A prompt extending an earlier one starts after its cached blocks, which the
+    sliding, full and KV-sharing layers all read: it equals transformers' output for the
+    whole prompt, base and adapter."""
+    model_dir = family_model_dir("gemma4")
+    adapters = family_adapters("gemma4", model_dir, tmp_path)
+    eng = engine_for(model_dir, adapters, enable_prefix_caching=True)
+    refs = {
+        None: hf_model(model_dir, eager=True),
+        "all": hf_model(model_dir, adapters["all"], True),
+    }
+    first = prompts(eng.spec.vocab_size)[1]  # 40 tokens: ten 4-token blocks
+    for adapter, ref in refs.items():
+        eng.generate([(first, GREEDY, adapter)])
+        longer = first + [5, 6, 7, 8, 9, 10]
+        (seq,) = eng.generate([(longer, GREEDY, adapter)])
+        assert seq.num_cached_tokens >= 36, (adapter, seq.num_cached_tokens)
+        assert seq.output_ids == hf_greedy(ref, longer, NEW_TOKENS), adapter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma4", "gemma4moe"])
+def test_static_decode_path_equals_eager(family, tmp_path):
+    """The fixed-shape decode step that CUDA graphs replay (its padded rows write a scratch
+    block, which the KV-sharing layers read back as they read real rows; the MoE block's
+    routing stays on the device): the eager engine's tokens, and no device value read
+    inside the step."""
+    model_dir = family_model_dir(family)
+    adapters = family_adapters(family, model_dir, tmp_path)
+    requests = [(p, GREEDY, a) for p in prompts(256) for a in (None, *adapters)]
+    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
+    eng = engine_for(model_dir, adapters)
+    used, reads = traced_static_decode(eng.executor, eng.config.max_num_seqs)
+    assert [s.output_ids for s in eng.generate(requests)] == want
+    assert used, "no step took the static decode path"
+    assert not reads, f"the static step read device values: {reads[:3]}"
+
+
+def test_plan_counts_only_the_kv_the_layers_own(capsys, tmp_path):
+    """`lorafleet plan` on Gemma 4: a KV block holds the 4 owning layers' K and V, each of
+    its own shape (2 x 16 or 1 x 32 per token), not 6 layers' of the widest."""
+    from tests.cluster.cli_runs import run_cli
+    from tests.model_dirs import config_only
+
+    def plan(model) -> dict:
+        code, out, err = run_cli(capsys, "plan", "--model", str(model), "--gpu-memory", "1GiB",
+                                 "--json")  # fmt: skip
+        assert code == 0, err
+        return json.loads(out.strip().splitlines()[-1])
+
+    model = family_model_dir("gemma4")
+    shared = plan(model)
+    unshared = plan(config_only(model, tmp_path / "unshared", num_kv_shared_layers=0))
+    block = shared["block_size"]
+    assert shared["kv_block_bytes"] == 2 * block * (2 * 16 + 1 * 32) * 2 * 2  # bf16
+    assert unshared["kv_block_bytes"] == 2 * block * (3 * 16 * 2 + 3 * 32) * 2
+    assert shared["kv_cache_tokens"] > unshared["kv_cache_tokens"]
+
+
+def test_moe_block_matches_transformers_and_peft_in_one_mixed_batch(tmp_path):
+    """enable_moe_block: top-2 of 4 experts beside every layer's dense MLP, routed from the
+    residual stream (its own norm, scale and per-expert scales). The base, an adapter on
+    attention, one on the experts only (PEFT target_parameters) and one on everything:
+    logits within 2e-4 and one mixed batch's greedy tokens equal transformers + PEFT, and
+    the experts-only adapter is applied on every layer and changes the continuation."""
+    model_dir = family_model_dir("gemma4moe")
+    adapters = family_adapters("gemma4moe", model_dir, tmp_path)
+    adapters["experts"] = peft_adapter(
+        model_dir, tmp_path / "experts", [], r=4, alpha=8, seed=3, **GEMMA4_EXPERTS
+    )
+    spec = load_model_spec(model_dir)
+    assert spec.moe_beside_mlp and spec.num_experts == 4 and spec.is_sparse(5)
+    applied = load_peft_adapter(adapters["experts"], spec, 64, "experts").applied()
+    assert applied == {m: 6 for m in ("expert_down_proj", "expert_gate_proj", "expert_up_proj")}
+    for adapter in (None, *adapters.values()):  # no expert choice within rounding
+        ref = hf_model(model_dir, adapter, eager=True)
+        assert all(_router_margin(ref, p) > MARGIN for p in prompts(256)), adapter
+    eng = engine_for(model_dir, adapters)
+    got = check_mixed_batch(eng, model_dir, adapters, prompts(spec.vocab_size), NEW_TOKENS)
+    assert got["experts"] != got[None] and got["all"] != got[None]
+
+
+def _router_margin(model, prompt: list[int]) -> float:
+    """The smallest gap between the 2nd and 3rd router logit of any token and layer."""
+    gaps = []
+
+    def hook(_module, _args, out):
+        logits = out.float().sort(dim=-1, descending=True).values
+        gaps.append((logits[:, 1] - logits[:, 2]).min().item())
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith("router.proj")]  # fmt: skip
+    try:
+        hf_logits(model, prompt)
+    finally:
+        for h in handles:
+            h.remove()
+    return min(gaps)
+
+
+@pytest.mark.parametrize("target", ["per_layer_model_projection", "router.proj"])
+def test_lora_on_modules_not_served_is_refused_by_name(target, tmp_path):
+    """The per-layer inputs' model-level projection and the router take no LoRA here: an
+    adapter on one is refused naming its tensor, never loaded without it."""
+    from replica.model.peft_config import AdapterFormatError
+
+    model_dir = family_model_dir("gemma4moe")
+    path = peft_adapter(model_dir, tmp_path / "a", [target], r=4, alpha=8, seed=4)
+    with pytest.raises(AdapterFormatError, match=target.replace(".", "\\.")):
+        load_peft_adapter(path, load_model_spec(model_dir), 64, "a")
+
+
+def test_per_layer_input_lora_equals_peft_in_one_mixed_batch(tmp_path):
+    """LoRA on each layer's per_layer_input_gate and per_layer_projection (and, in
+    another adapter, on every linear module of the layers besides): applied on all 6
+    layers, equal to transformers + PEFT beside the base in one mixed batch, and moving
+    the logits."""
+    model_dir = family_model_dir("gemma4")
+    ple = ["per_layer_input_gate", "per_layer_projection"]
+    everything = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                  "down_proj", *ple]  # fmt: skip
+    adapters = {
+        "ple": peft_adapter(model_dir, tmp_path / "ple", ple, r=4, alpha=8, seed=6),
+        "every": peft_adapter(model_dir, tmp_path / "every", everything, r=8, alpha=8, seed=7),
+    }
+    spec = load_model_spec(model_dir)
+    applied = load_peft_adapter(adapters["ple"], spec, 64, "ple").applied()
+    assert applied == {m: 6 for m in ple}
+    eng = engine_for(model_dir, adapters)
+    got = check_mixed_batch(eng, model_dir, adapters, prompts(spec.vocab_size), NEW_TOKENS)
+    assert got["every"] != got[None]
+    p = prompts(spec.vocab_size)[1]
+    assert (eng.score(p, "ple") - eng.score(p)).abs().max() > 0.05
+
+
+def test_step_memory_is_planned_for_the_widest_layer():
+    """The plan's working memory of a step takes each of head_dim (the full layers' 32),
+    KV heads (the sliding layers' 2) and MLP width (the sharing layers' 192) at its
+    largest: more than the sliding layers' shapes alone would give."""
+    from dataclasses import replace
+
+    from replica.executor.memory_plan import step_bytes, widest_layer
+
+    spec = load_model_spec(family_model_dir("gemma4"))
+    wide = widest_layer(spec)
+    assert (wide.head_dim, wide.num_kv_heads, wide.intermediate_size) == (32, 2, 192)
+    config = EngineConfig(model=str(family_model_dir("gemma4")), device="cpu")
+    uniform = replace(spec, layer_head_dims=(), layer_kv_heads=(), layer_intermediate_sizes=())
+    args = (config, torch.bfloat16, 64, 64, 1)
+    assert step_bytes(spec, *args) == step_bytes(wide, *args) > step_bytes(uniform, *args)
