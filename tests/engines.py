@@ -62,7 +62,8 @@ def held_bytes(model: CausalLM) -> int:
     """Return the bytes of every distinct tensor `model` holds."""
     tensors = {id(t): t for t in (model.embed, model.lm_head, model.norm.weight)}
     for layer in model.layers:
-        extra = [layer.rope.cos, layer.rope.sin, layer.qkv_proj.bias, layer.o_proj.bias,
-                 layer.sinks]  # fmt: skip
+        extra = [layer.rope.cos, layer.rope.sin, layer.sinks]
+        if layer.linear_attn is None:  # attention's biases (a Gated DeltaNet has none)
+            extra += [layer.qkv_proj.bias, layer.o_proj.bias]
         tensors |= {id(t): t for t in [*layer.weights(), *extra] if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -67,6 +67,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                                     "truncate": False, "rope_theta": 10000.0,
                                                     "original_max_position_embeddings": 64},
                                 "tie_word_embeddings": False}),
+    # Qwen3.5 in the Hub's multimodal layout (a tiny vision tower beside the language
+    # model): Gated DeltaNet layers 0 and 2, gated full attention on 1 and 3; linear
+    # attention with 2 key heads of 16 and 6 value heads of 12 (≠ the 4 attention heads
+    # of 32: heads × head_dim ≠ hidden), a 4-tap conv; partial rotary of 8 dims
+    "qwen35": ("Qwen3_5Config", {"head_dim": 32, "num_hidden_layers": 4,
+                                 "layer_types": ["linear_attention", "full_attention"] * 2,
+                                 "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+                                 "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                                 "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+                                 "rope_parameters": {"rope_type": "default",
+                                                     "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.25,
+                                                     "mrope_section": [1, 1, 2],
+                                                     "mrope_interleaved": True}}),
 }  # fmt: skip
 # At demo size (the bench's models) the shapes and settings of the real checkpoints instead
 # of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
@@ -125,7 +139,15 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
     import transformers
 
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    if cls_name == "Gemma3Config":  # multimodal: the text model nested, a tiny vision tower
+    if cls_name == "Qwen3_5Config":  # multimodal as on the Hub: text model nested, tiny vision
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                  "out_hidden_size": fields["hidden_size"], "patch_size": 14}  # fmt: skip
+        top = {"tie_word_embeddings": fields["tie_word_embeddings"], **ids}
+        config = transformers.Qwen3_5Config(
+            text_config={**fields, **ids}, vision_config=vision, **top
+        )
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    elif cls_name == "Gemma3Config":  # multimodal: the text model nested, a tiny vision tower
         vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
         config = transformers.Gemma3Config(
@@ -142,6 +164,8 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
             p.copy_(_draw(name, tuple(p.shape), gen, gemma, fields["num_hidden_layers"]))
             if cls_name == "GptOssConfig":
                 p.copy_(_gpt_oss_draw(name, p, gen))
+            if cls_name == "Qwen3_5Config":
+                p.copy_(_qwen3_5_draw(name, p, gen, fields["num_hidden_layers"]))
     model.save_pretrained(out)
 
 
@@ -155,6 +179,24 @@ def _gpt_oss_draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Ten
         return torch.randn(p.shape, generator=gen) * 4.0 / math.sqrt(p.shape[-1])
     if name.endswith("experts.gate_up_proj"):
         return torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+    return p
+
+
+def _qwen3_5_draw(name: str, p: torch.Tensor, gen: torch.Generator, layers: int) -> torch.Tensor:
+    """Qwen3.5's own parameters: its norms store w of x̂·(1+w) (near 0) but the linear
+    attention's gated norm w of w·x̂ (near 1); decays exp(A_log) of 0.5..2 and dt_bias
+    spread so that every head forgets at its own rate; out_proj writes like o_proj."""
+    noise = torch.randn(p.shape, generator=gen)
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.2 * noise
+    if "norm" in name:
+        return 0.2 * noise
+    if name.endswith("A_log"):
+        return 0.5 * noise
+    if name.endswith("dt_bias"):
+        return noise
+    if name.endswith("out_proj.weight"):
+        return noise * 6.0 / math.sqrt(2 * layers * p.shape[-1])
     return p
 
 

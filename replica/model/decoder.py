@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import QuantizedWeight, SegmentInfo
+from kernels import QuantizedWeight, SegmentInfo, StateBatch
 from replica.model.attention import AttentionMetadata, paged_attention
+from replica.model.gated_deltanet import GatedDeltaNet, gated_deltanet
 from replica.model.kv_cache import KVCache
 from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
@@ -42,6 +43,8 @@ class ForwardBatch:
     # lm_head LoRA's segments over the logit rows (None: the rows are every token, use
     # lora["lm_head"]); only with engine.lora_embeddings
     logit_lora: SegmentInfo | None = None
+    # the sequences' rows of the linear-attention state pools (hybrid models; else None)
+    linear: StateBatch | None = None
 
 
 class RMSNorm:
@@ -129,22 +132,13 @@ class DecoderLayer:
             w = layout.norm(index, name, size).to(device=device, dtype=dtype)
             return RMSNorm(w, spec.rms_norm_eps, spec.gemma_norm)
 
-        qkv_w = _fused([proj("q_proj"), proj("k_proj"), proj("v_proj")])
-        qkv_b = None
-        if spec.qkv_bias:
-            qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
-                               proj("v_proj", "bias")])  # fmt: skip
         bufs = lora.layers[index] if lora is not None else {}
-        self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
-        o_w = _fused([proj("o_proj")])
-        o_b = proj("o_proj", "bias") if spec.o_bias else None
-        if tp is None:
-            self.o_proj = LoRALinear(o_w, o_b, bufs.get("o_proj"))
-        else:  # input-split: partial outputs summed across ranks
-            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"), o_b)
-        self.sinks = None  # gpt-oss: each head's sink logit, fp32 as the softmax is
-        if spec.attn_sinks:
-            self.sinks = layout.sinks(index).to(device=device, dtype=torch.float32)
+        self.linear_attn: GatedDeltaNet | None = None
+        self.qkv_proj = self.o_proj = self.q_norm = self.k_norm = self.sinks = None
+        if spec.is_linear(index):  # a Gated DeltaNet layer: no q/k/v/o, no KV
+            self.linear_attn = gated_deltanet(spec, layout, index, bufs, device, dtype)
+        else:
+            self._init_attention(spec, layout, index, bufs, proj, norm, device, tp)
         glu = gated_activation(spec)
         self.mlp: DenseMLP | SparseMoE
         if spec.is_sparse(index):
@@ -160,10 +154,7 @@ class DecoderLayer:
             self.mlp = DenseMLP(gate_up, down, glu)
         h = spec.hidden_size
         self.input_norm = norm("input_layernorm.weight", h)
-        self.q_norm = self.k_norm = self.post_attn_out_norm = self.post_mlp_norm = None
-        if spec.qk_norm:
-            self.q_norm = norm("self_attn.q_norm.weight", spec.head_dim)
-            self.k_norm = norm("self_attn.k_norm.weight", spec.head_dim)
+        self.post_attn_out_norm = self.post_mlp_norm = None
         if spec.sandwich_norms:  # Gemma: attention and MLP outputs normed, then MLP input
             self.post_attn_out_norm = norm("post_attention_layernorm.weight", h)
             self.pre_mlp_norm = norm("pre_feedforward_layernorm.weight", h)
@@ -171,12 +162,47 @@ class DecoderLayer:
         else:
             self.pre_mlp_norm = norm("post_attention_layernorm.weight", h)
 
+    def _init_attention(
+        self,
+        spec: ModelSpec,
+        layout: CheckpointLayout,
+        index: int,
+        bufs: dict[str, LoRABuffers],
+        proj: Callable[..., torch.Tensor | QuantizedWeight],
+        norm: Callable[[str, int], RMSNorm],
+        device: torch.device,
+        tp: TPRank | None,
+    ) -> None:
+        """The attention projections, sinks and q/k norms of layer `index`."""
+        qkv_w = _fused([proj("q_proj"), proj("k_proj"), proj("v_proj")])
+        qkv_b = None
+        if spec.qkv_bias:
+            qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
+                               proj("v_proj", "bias")])  # fmt: skip
+        self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
+        o_w = _fused([proj("o_proj")])
+        o_b = proj("o_proj", "bias") if spec.o_bias else None
+        if tp is None:
+            self.o_proj = LoRALinear(o_w, o_b, bufs.get("o_proj"))
+        else:  # input-split: partial outputs summed across ranks
+            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"), o_b)
+        self.sinks = None  # gpt-oss: each head's sink logit, fp32 as the softmax is
+        if spec.attn_sinks:
+            self.sinks = layout.sinks(index).to(device=device, dtype=torch.float32)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = norm("self_attn.q_norm.weight", spec.head_dim)
+            self.k_norm = norm("self_attn.k_norm.weight", spec.head_dim)
+
     def weights(self) -> list[torch.Tensor]:
         """Every tensor a step reads in full (bench: bytes per decode step)."""
         norms = (self.input_norm, self.q_norm, self.k_norm, self.post_attn_out_norm,
                  self.pre_mlp_norm, self.post_mlp_norm)  # fmt: skip
-        return (tensors_of(self.qkv_proj.weight) + tensors_of(self.o_proj.weight)
-                + self.mlp.weights() + [n.weight for n in norms if n is not None])  # fmt: skip
+        if self.linear_attn is not None:
+            mixer = self.linear_attn.weights()
+        else:
+            mixer = tensors_of(self.qkv_proj.weight) + tensors_of(self.o_proj.weight)
+        return mixer + self.mlp.weights() + [n.weight for n in norms if n is not None]
 
     def __call__(
         self,
@@ -186,11 +212,41 @@ class DecoderLayer:
         ws: LoRAWorkspace | None,
         rotation: Rotation,  # self.rope at batch.positions
     ) -> torch.Tensor:
+        if self.linear_attn is not None:
+            i = self.index
+            out = self.linear_attn(self.input_norm(x), batch.lora, ws, batch.linear,
+                                   kv.states.conv[i], kv.states.recurrent[i])  # fmt: skip
+        else:
+            out = self._attend(self.input_norm(x), batch, kv, ws, rotation)
+        if self.post_attn_out_norm is not None:
+            out = self.post_attn_out_norm(out)
+        x = x + out
+        out = self.mlp(self.pre_mlp_norm(x), batch.lora, ws)
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        return x + out
+
+    def _attend(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the input norm's output
+        batch: ForwardBatch,
+        kv: KVCache,
+        ws: LoRAWorkspace | None,
+        rotation: Rotation,
+    ) -> torch.Tensor:
+        """The attention branch's output [T, hidden], before any post-attention norm."""
         s = self.spec
-        t, heads, kv_heads, hd = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
-        qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"], ws)
-        v = qkv[:, s.q_size + s.kv_size :].view(t, kv_heads, hd)
-        if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
+        t, heads, kv_heads, hd = h.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = self.qkv_proj(h, batch.lora["qkv_proj"], ws)
+        q_rows = s.q_proj_size
+        v = qkv[:, q_rows + s.kv_size :].view(t, kv_heads, hd)
+        gate = None
+        if s.attn_output_gate:  # q_proj's rows: [q_h, gate_h] per head
+            q_gate = qkv[:, :q_rows].view(t, heads, 2 * hd)
+            q, gate = q_gate[..., :hd], q_gate[..., hd:]
+            k = qkv[:, q_rows : q_rows + s.kv_size].view(t, kv_heads, hd)
+            q, k = rotation.rotate(self.q_norm(q)), rotation.rotate(self.k_norm(k))
+        elif self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
             qk = qkv[:, : s.q_size + s.kv_size].view(t, heads + kv_heads, hd)
             q, k = rotation.rotate(qk).split([heads, kv_heads], dim=1)
         else:
@@ -201,14 +257,9 @@ class DecoderLayer:
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.scale, self.window, self.soft_cap, self.sinks,
         )  # fmt: skip
-        out = self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"], ws)
-        if self.post_attn_out_norm is not None:
-            out = self.post_attn_out_norm(out)
-        x = x + out
-        out = self.mlp(self.pre_mlp_norm(x), batch.lora, ws)
-        if self.post_mlp_norm is not None:
-            out = self.post_mlp_norm(out)
-        return x + out
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        return self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"], ws)
 
 
 class CausalLM:

@@ -45,6 +45,11 @@ KNOWN_UNREAD = (
     KnownUnread(r"(model\.)?(vision_tower|multi_modal_projector)\.", "gemma3",
                 "a multimodal Gemma 3's vision tower and projector: images are not served, "
                 "the language model is"),
+    KnownUnread(r"model\.visual\.", "qwen3_5",
+                "Qwen3.5's vision tower: images are not served, the language model is"),
+    KnownUnread(r"mtp\.", "qwen3_5",
+                "Qwen3.5's multi-token-prediction layers: a speculative-decoding head that "
+                "next-token output does not read (speculative decoding is not served)"),
 )  # fmt: skip
 
 
@@ -198,6 +203,11 @@ class CheckpointLayout:
         blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), (torch.uint8,))
         scales = self.ckpt.get_packed(f"{name}_scales", groups, (torch.uint8,))
         return dequantize(Mxfp4Weight(blocks, scales))
+
+    def layer_tensor(self, layer: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A replicated tensor `name` of layer `layer` (a Gated DeltaNet's conv taps, decay
+        and norm): whole on every rank."""
+        return self.ckpt.get(f"{self.prefix}layers.{layer}.{name}", shape)
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""

@@ -29,6 +29,7 @@ from replica.device import StagedBuffer, StepProgress
 from replica.model.adapter_weights import VOCAB_LAYER, LoRAAdapterWeights
 from replica.model.lora import (
     EXPERT_GROUPS,
+    LINEAR_GROUPS,
     MODULE_GROUPS,
     VOCAB_GROUPS,
     LoRABuffers,
@@ -141,7 +142,9 @@ class LoRASlotBuffers:
             b = kernels.lora_b_buffer(out_f, self.num_rows, device, dtype)
             self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)
         experts = tuple(EXPERT_GROUPS) if spec.num_experts else ()
-        self.groups = (*MODULE_GROUPS, *experts, *self.vocab)  # the slot table's rank columns
+        linear = tuple(LINEAR_GROUPS) if spec.linear_attention is not None else ()
+        # the slot table's rank columns
+        self.groups = (*MODULE_GROUPS, *linear, *experts, *self.vocab)
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         n = self.num_slots

@@ -24,6 +24,7 @@ from replica.model.hf_config import (
     rope_scaling,
     rope_theta,
 )
+from replica.model.hybrid import LINEAR_MODULES, LinearAttentionSpec
 from replica.model.quant_config import QuantScheme, quant_scheme
 
 __all__ = ["ModelConfigError", "ModelSpec", "RopeSpec", "load_model_spec", "spec_from_dict"]
@@ -96,6 +97,12 @@ class ModelSpec:
     # (itself; an earlier layer's when the family shares KV, as Gemma 4's last layers do)
     # or None when it keeps no KV (a linear-attention layer); () = every layer its own ---
     kv_sources: tuple[int | None, ...] = ()
+    # --- hybrid linear attention (Qwen3.5/3.6): the Gated DeltaNet layers and their
+    # shapes (model/hybrid.py); None: every layer attends ---
+    linear_attention: LinearAttentionSpec | None = None
+    # q_proj gives each head a gate too ([q_h, gate_h] per head): attention's output is
+    # multiplied by sigmoid(gate) before o_proj (Qwen3.5's full-attention layers)
+    attn_output_gate: bool = False
 
     @property
     def q_size(self) -> int:
@@ -134,6 +141,21 @@ class ModelSpec:
         """The layers that own a KV pool: the cache allocates one per such layer."""
         return tuple(i for i in range(self.num_layers) if self.kv_source(i) == i)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` mixes tokens by linear attention (a Gated DeltaNet layer)."""
+        return self.linear_attention is not None and layer in self.linear_attention.layers
+
+    @property
+    def attention_layers(self) -> int:
+        """How many layers attend (the rest are linear attention)."""
+        linear = self.linear_attention
+        return self.num_layers - (0 if linear is None else len(linear.layers))
+
+    @property
+    def q_proj_size(self) -> int:
+        """q_proj's output rows: the queries, and with attn_output_gate each head's gate."""
+        return self.q_size * (2 if self.attn_output_gate else 1)
+
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -142,17 +164,26 @@ class ModelSpec:
         """Weights the model holds (projections, embeddings, head, norms, routers and
         experts; biases aside)."""
         shapes = self.module_shapes()
-        attention = sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
+        attention = sum(i * o for m, (i, o) in shapes.items()
+                        if m not in MLP_MODULES and m not in LINEAR_MODULES)  # fmt: skip
         dense = sum(i * o for m, (i, o) in shapes.items() if m in MLP_MODULES)
         experts = self.num_experts * (
             sum(i * o for i, o in self.expert_shapes().values()) + self.hidden_size
         )  # + the router's row per expert
         per_layer = (4 if self.sandwich_norms else 2) * self.hidden_size
-        per_layer += 2 * self.head_dim if self.qk_norm else 0
+        qk_norms = self.attention_layers * 2 * self.head_dim if self.qk_norm else 0
         sparse = sum(self.is_sparse(i) for i in range(self.num_layers))
         heads = 1 if self.tie_word_embeddings else 2
+        mixers = self.num_layers * attention
+        if self.linear_attention is not None:  # its layers mix by linear attention instead
+            linear = self.linear_attention
+            mixers += len(linear.layers) * (
+                linear.parameters_per_layer(self.hidden_size) - attention
+            )
         return (
-            self.num_layers * (attention + per_layer)
+            mixers
+            + self.num_layers * per_layer
+            + qk_norms
             + sparse * experts
             + (self.num_layers - sparse) * dense
             + heads * self.vocab_size * self.hidden_size
@@ -171,14 +202,17 @@ class ModelSpec:
         """Where a checkpoint keeps projection `module` of `layer` (its tensors' names less
         the .weight / .qweight suffix); `prefix`: the checkpoint's, else the first one."""
         group = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        if module in LINEAR_MODULES:
+            group = "linear_attn"
         prefix = self.weight_prefixes[0] if prefix is None else prefix
         return f"{prefix}layers.{layer}.{group}.{module}"
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, self.q_size),
+        linear = {} if self.linear_attention is None else self.linear_attention.module_shapes(h)
+        return linear | {
+            "q_proj": (h, self.q_proj_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),

@@ -51,6 +51,9 @@ class TPShard:
             )
             if value % n
         ]
+        if s.linear_attention is not None and n > 1:
+            problems.append("its linear-attention (Gated DeltaNet) layers are not split "
+                            "across ranks: serve it with tp_size=1")  # fmt: skip
         if s.num_kv_heads % n and n % s.num_kv_heads:
             problems.append(f"num_key_value_heads={s.num_kv_heads} neither divides nor is a "
                             f"multiple of {n}")  # fmt: skip

@@ -52,6 +52,8 @@ def test_weight_bytes_are_what_every_family_holds(tp_size):
     byte, whole and as tensor-parallel rank 0's shard."""
     for model_dir in family_dirs():
         spec = load_model_spec(model_dir)
+        if tp_size > 1 and spec.linear_attention is not None:
+            continue  # refused: test_hybrid_models_are_refused_tensor_parallelism
         rank = None if tp_size == 1 else TPRank(TPShard(spec, 0, tp_size), None)
         model = CausalLM(model_dir, META, BF16, None, spec, rank, "dummy")
         assert mp.weight_bytes(spec, tp_size, BF16) == held_bytes(model), model_dir.name
@@ -61,6 +63,8 @@ def test_weight_bytes_are_what_every_family_holds(tp_size):
 def test_kv_and_adapter_bytes_are_what_is_allocated(tp_size):
     for model_dir in family_dirs():
         spec = load_model_spec(model_dir)
+        if tp_size > 1 and spec.linear_attention is not None:
+            continue  # refused: test_hybrid_models_are_refused_tensor_parallelism
         local = mp.local_spec(spec, tp_size)
         kv = KVCache(local, 7, 16, META, BF16)
         allocated = sum(t.numel() * t.element_size() for t in kv.pools)
@@ -354,3 +358,31 @@ def test_the_start_line_says_kv_tokens_blocks_concurrency_and_adapter_rows(tiny,
     for words in ("337,952 tokens in 21,122 blocks of 16", "2.58 sequences of max_model_len",
                   "2752 rank rows per projection group", "CUDA graphs 0.05 GiB"):  # fmt: skip
         assert words in summary
+
+
+def test_the_state_pool_of_a_hybrid_model_is_planned():
+    """Qwen3.5: KV only for the attention layers, and the linear-attention state of
+    max_num_seqs sequences and the scratch row, as the pool allocates it, in the plan
+    before the adapters and the KV cache."""
+    from replica.model.gated_deltanet import StatePool
+
+    model_dir = family_model_dir("qwen35")
+    spec = load_model_spec(model_dir)
+    config = EngineConfig(model=str(model_dir), max_num_seqs=6, num_slots=3)
+    plan = plan_memory(spec, config, BF16, 1 * GiB)
+    pool = StatePool(spec.linear_attention, spec.num_layers, 7, META, BF16)
+    held = sum(t.numel() * t.element_size() for t in pool.conv + pool.recurrent if t is not None)
+    assert plan.state_pool_bytes == held > 0
+    assert "state pool" in plan.summary()
+    kv = KVCache(spec, 7, 16, META, BF16)
+    assert len(kv.pools) == 2 * len(spec.kv_layers) == 4
+    assert plan.kv_block_bytes == sum(t.numel() * t.element_size() for t in kv.pools) // 7
+    assert plan.planned_bytes == plan.budget_bytes - plan.free_bytes
+
+
+def test_hybrid_models_are_refused_tensor_parallelism():
+    from replica.model.spec import ModelConfigError
+
+    spec = load_model_spec(family_model_dir("qwen35"))
+    with pytest.raises(ModelConfigError, match="linear-attention"):
+        TPShard(spec, 0, 2)
