@@ -658,22 +658,8 @@ def _check_prefill_attention(
     out: torch.Tensor | None,
 ) -> None:
     name = "prefill_attention"
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(
-            f"{name}: q {tuple(q.shape)} must be [n, H, hd], k {tuple(k.shape)} and "
-            f"v {tuple(v.shape)} one [KVH, S, hd] shape"
-        )
-    n, h, hd = q.shape
-    kvh = k.shape[0]
-    if k.shape[2] != hd or kvh == 0 or h % kvh:
-        raise ValueError(
-            f"{name}: q {tuple(q.shape)} [n, H, hd] needs k [KVH, S, {hd}] with H % KVH == 0; "
-            f"got k {tuple(k.shape)}"
-        )
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"{name}: q {q.dtype}, k {k.dtype}, v {v.dtype} must share one of {_DTYPES}"
-        )
+    _check_qkv(name, q, ("k", k), ("v", v), "n", "S")
+    n = q.shape[0]
     if slots is not None and (slots.dim() != 1 or slots.dtype != torch.int64):
         raise ValueError(f"{name}: slots {tuple(slots.shape)} {slots.dtype} must be [ctx] int64")
     ctx = k.shape[1] if slots is None else slots.shape[0]
@@ -689,6 +675,35 @@ def _check_prefill_attention(
         raise ValueError(
             f"{name}: q, k, v, slots, out must share one device; got "
             f"{[str(t.device) for t in tensors]}"
+        )
+
+
+def _check_qkv(
+    name: str,
+    q: torch.Tensor,
+    named_k: tuple[str, torch.Tensor],
+    named_v: tuple[str, torch.Tensor],
+    rows: str,
+    positions: str,
+) -> None:
+    """Raise unless q is [rows, H, hd] and k, v one [KVH, positions, hd] shape with
+    H % KVH == 0, all three of one supported dtype (the attention kernels' shared terms)."""
+    (kn, k), (vn, v) = named_k, named_v
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} must be [{rows}, H, hd], {kn} {tuple(k.shape)} and "
+            f"{vn} {tuple(v.shape)} one [KVH, {positions}, hd] shape"
+        )
+    h, hd = q.shape[1:]
+    kvh = k.shape[0]
+    if k.shape[2] != hd or kvh == 0 or h % kvh:
+        raise ValueError(
+            f"{name}: q {tuple(q.shape)} [{rows}, H, hd] needs {kn} [KVH, {positions}, {hd}] "
+            f"with H % KVH == 0; got {kn} {tuple(k.shape)}"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"{name}: q {q.dtype}, {kn} {k.dtype}, {vn} {v.dtype} must share one of {_DTYPES}"
         )
 
 
@@ -714,23 +729,8 @@ def _check_paged_attention(
     out: torch.Tensor | None,
 ) -> None:
     name = "paged_decode_attention"
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"{name}: q {tuple(q.shape)} must be [D, H, hd], k_cache {tuple(k_cache.shape)} "
-            f"and v_cache {tuple(v_cache.shape)} one [KVH, slots, hd] shape"
-        )
-    d, h, hd = q.shape
-    kvh = k_cache.shape[0]
-    if k_cache.shape[2] != hd or kvh == 0 or h % kvh:
-        raise ValueError(
-            f"{name}: q {tuple(q.shape)} [D, H, hd] needs k_cache [KVH, slots, {hd}] with "
-            f"H % KVH == 0; got k_cache {tuple(k_cache.shape)}"
-        )
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(
-            f"{name}: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} must "
-            f"share one of {_DTYPES}"
-        )
+    _check_qkv(name, q, ("k_cache", k_cache), ("v_cache", v_cache), "D", "slots")
+    d = q.shape[0]
     if not isinstance(block_size, int) or block_size <= 0 or k_cache.shape[1] % block_size:
         raise ValueError(
             f"{name}: block_size {block_size!r} must be a positive int dividing the cache's "

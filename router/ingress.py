@@ -6,8 +6,8 @@ request router picks which) and turns the token stream into text: incremental
 detokenization, stop strings, SSE chunks. No tensors here.
 
 By job: `http_app` (the FastAPI app, error bodies, middlewares), `adapter_routes` (what
-models a caller sees and names, load/unload), `streams` (the replicas' reply streams),
-`responses` (whole answers and SSE), `tenancy` (keys, scopes, quotas, metering); this
+models a caller sees and names, load/unload), `streams` (the replicas' reply streams, whole
+answers and SSE), `tenancy` (keys, scopes, quotas, metering); this
 module the service endpoints, tokenization and the generation path.
 """
 
@@ -33,9 +33,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from replica.wire import AdapterInfo, AdapterKey, GenerateRequest
 from router import extra_protocol as xp
 from router import protocol as p
-from router import responses
-from router.adapter_routes import AdapterRoutes
-from router.catalog import Catalog
+from router import streams
+from router.adapter_routes import AdapterRoutes, Catalog
 from router.choices import LogprobFormatter, Prompt, RequestOutput, TextOptions
 from router.errors import APIError, BadRequestError, ServiceUnavailableError
 from router.http_app import AUTHORIZATION, app, log, refuse_invalid_unicode
@@ -278,8 +277,6 @@ class Ingress(AdapterRoutes):
             raise BadRequestError(f"chat template: {e}", "messages") from None
         return text, self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    # -- adapters (vLLM's endpoints) -----------------------------------------------------------
-
     # -- generation ----------------------------------------------------------------------------
 
     @app.post("/v1/completions")
@@ -371,11 +368,11 @@ class Ingress(AdapterRoutes):
         chat: bool,
         start: float,
         caller: Caller,
-        front: Any = responses,
+        front: Any = streams,
     ) -> Any:
         """`prepare(adapter)`: the request's prompts, and for chat how its answers read;
         `front`: what shapes the answer (`response`) and its stream (`sse`): the chat and
-        completions APIs' (router.responses) or the Responses API's."""
+        completions APIs' (router.streams) or the Responses API's."""
         n = body.n or 1
         wants_logprobs = body.num_logprobs() is not None
         output = RequestOutput(self.tokenizer, [], n, start)  # until the prompts are known

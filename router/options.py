@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.tools.registry import (
     REASONING_PARSERS,
@@ -86,24 +87,18 @@ _REASONING_PARSER_HELP = (
     "template implies."
 )
 
+# a parser's name, refused at load unless registered (router/tools/registry.py)
+ToolParserName = Annotated[str | None, AfterValidator(check_tool_parser)]
+ReasoningParserName = Annotated[str | None, AfterValidator(check_reasoning_parser)]
+
 
 class ChatParsers(BaseModel):
     """The parsers of a model's answers, where the chat template's own choice is wrong."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tool_parser: str | None = Field(None, description=_TOOL_PARSER_HELP)
-    reasoning_parser: str | None = Field(None, description=_REASONING_PARSER_HELP)
-
-    @field_validator("tool_parser")
-    @classmethod
-    def _known_tool_parser(cls, name: str | None) -> str | None:
-        return check_tool_parser(name)
-
-    @field_validator("reasoning_parser")
-    @classmethod
-    def _known_reasoning_parser(cls, name: str | None) -> str | None:
-        return check_reasoning_parser(name)
+    tool_parser: ToolParserName = Field(None, description=_TOOL_PARSER_HELP)
+    reasoning_parser: ReasoningParserName = Field(None, description=_REASONING_PARSER_HELP)
 
 
 class IngressOptions(BaseModel):
@@ -145,8 +140,10 @@ class IngressOptions(BaseModel):
         description="The window of requests_per_minute and tokens_per_minute (a bucket "
         "refills fully in this long); other than 60 only for tests.",
     )
-    tool_parser: str | None = Field(None, description=_TOOL_PARSER_HELP + " (base model)")
-    reasoning_parser: str | None = Field(None, description=_REASONING_PARSER_HELP + " (base model)")
+    tool_parser: ToolParserName = Field(None, description=_TOOL_PARSER_HELP + " (base model)")
+    reasoning_parser: ReasoningParserName = Field(
+        None, description=_REASONING_PARSER_HELP + " (base model)"
+    )
     adapter_parsers: dict[str, ChatParsers] = Field(
         default_factory=dict,
         description="Parsers per adapter: fnmatch glob of adapter names -> tool_parser, "
@@ -159,16 +156,6 @@ class IngressOptions(BaseModel):
         description="Tenants (the first this many of `tenants`) and adapters (the first this "
         "many seen) named in the per-tenant metrics' labels; the rest are 'other'.",
     )
-
-    @field_validator("tool_parser")
-    @classmethod
-    def _known_tool_parser(cls, name: str | None) -> str | None:
-        return check_tool_parser(name)
-
-    @field_validator("reasoning_parser")
-    @classmethod
-    def _known_reasoning_parser(cls, name: str | None) -> str | None:
-        return check_reasoning_parser(name)
 
     @field_validator("tenants")
     @classmethod

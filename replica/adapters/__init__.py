@@ -5,8 +5,8 @@ sources.py       the source protocols and PEFT directories as a source
 object_store.py  the cluster's source: converted weights in Ray's object store
 packing.py       converted weights <-> the arrays put in the object store
 host_cache.py    adapters staged in pinned host memory, LRU under a byte budget
-slot_pool.py     which adapter is in which device slot; slot 0 is the pinned base model
-eviction.py      LRU and FIFO victim selection
+slot_pool.py     which adapter is in which device slot (slot 0 is the pinned base model),
+                 and the LRU/FIFO policies that pick a victim
 prefetcher.py    S-LoRA prefetch from the waiting queue, loads overlapped with steps
 sharded.py       tensor parallelism: each rank stages its shard into rank 0's chosen slot
 

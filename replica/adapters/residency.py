@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from replica.adapters.eviction import make_policy
 from replica.adapters.host_cache import HostCache
 from replica.adapters.prefetcher import LoadFailure, Prefetcher
-from replica.adapters.slot_pool import AdapterSlotPool, SlotState
+from replica.adapters.slot_pool import AdapterSlotPool, SlotState, make_policy
 from replica.adapters.sources import AdapterLocator, AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
 from replica.device import InlineLoader, SideStreamLoader, StepProgress

@@ -18,9 +18,8 @@ from pydantic import RootModel
 
 from replica.wire import Reply
 from router.choices import LogprobFormatter, RequestOutput
-from router.responses import deltas, error_event
 from router.responses_api.request import ResponsesRequest
-from router.streams import Streams
+from router.streams import Streams, deltas, error_event
 from router.tools.message import DeltaParts, MessageAssembler
 
 ResponseBody = RootModel[dict[str, Any]]

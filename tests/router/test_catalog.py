@@ -11,15 +11,15 @@ from dataclasses import dataclass
 import pytest
 
 from replica.wire import Listing
-from router import catalog as catalog_module
-from router.catalog import Catalog
+from router import adapter_routes as catalog_module
+from router.adapter_routes import Catalog
 from router.errors import NotFoundError
 from tests.fakes import FakeStore, registered
 from tests.router.client import COMPLETION, ingress_client
 
 
 class Clock:
-    """time.monotonic for router.catalog, moved by hand."""
+    """time.monotonic for router.adapter_routes, moved by hand."""
 
     def __init__(self, monkeypatch) -> None:
         self.now = 1000.0

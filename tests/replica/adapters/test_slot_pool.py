@@ -8,8 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.adapters.eviction import FIFOPolicy, LRUPolicy, make_policy
-from replica.adapters.slot_pool import AdapterSlotPool, SlotState
+from replica.adapters.slot_pool import (
+    AdapterSlotPool,
+    FIFOPolicy,
+    LRUPolicy,
+    SlotState,
+    make_policy,
+)
 
 
 def test_lru_and_fifo_pick_different_victims():

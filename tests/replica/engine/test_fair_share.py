@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.adapters.eviction import make_policy as make_eviction
 from replica.adapters.slot_pool import AdapterSlotPool
+from replica.adapters.slot_pool import make_policy as make_eviction
 from replica.engine.block_allocator import BlockAllocator
 from replica.engine.fair_share import FCFS, VTC, W_IN, W_OUT, AdmissionPolicy, make_policy
 from replica.engine.scheduler import Scheduler

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from cluster.store.paths import AdapterRoots
 from router.errors import BadRequestError
+from router.options import ChatParsers, IngressOptions
 from router.tools.template import ChatTemplate, Templates, adapter_template_text
 
 BASE = ChatTemplate.chosen("{{ messages }}", "tokenizer")
@@ -56,3 +58,13 @@ def test_each_version_is_chosen_once_and_the_cache_is_bounded(tmp_path):
     templates.of("c", 1, adapter(tmp_path, "c"))  # evicts ("a", 1)
     assert templates.of("a", 1, path).text == "changed"
     assert templates.of("b", 1, str(tmp_path / "b")) is BASE  # none of its own: the base's
+
+
+@pytest.mark.parametrize("field", ["tool_parser", "reasoning_parser"])
+def test_a_parser_name_nobody_registered_is_refused_in_every_place_it_is_set(field):
+    for model in (IngressOptions, ChatParsers):
+        with pytest.raises(ValidationError, match=f"unknown {field.replace('_', ' ')}"):
+            model(**{field: "no-such-parser"})
+        assert getattr(model(**{field: "none"}), field) == "none"
+    with pytest.raises(ValidationError, match="unknown tool parser"):
+        IngressOptions(adapter_parsers={"acme-*": {"tool_parser": "no-such-parser"}})
