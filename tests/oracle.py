@@ -64,6 +64,8 @@ def peft_adapter(
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EVERYTHING = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+# Qwen3.5's Gated DeltaNet projections (its attention layers have q/k/v/o)
+LINEAR_ATTENTION = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 PHI3 = {"attn": ["qkv_proj", "o_proj"], "all": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
@@ -80,6 +82,8 @@ def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]
     targets = PHI3 if family.startswith("phi3") else {"attn": ATTENTION, "all": EVERYTHING}
     if family == "gptoss":  # no dense MLP: attention and the stacked experts
         targets = {"attn": ATTENTION, "all": ATTENTION}
+    if family.startswith("qwen35"):  # every linear module, the linear attention's too
+        targets = {"attn": ATTENTION, "all": EVERYTHING + LINEAR_ATTENTION}
     experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss") else {}
     return {
         "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),

@@ -360,9 +360,10 @@ def _adapter_arenas(
 def state_pool_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -> int:
     """A hybrid model's state pool on one rank: max_num_seqs rows and the scratch row (0
     without linear-attention layers)."""
-    if spec.linear_attention is None:
+    linear = local_spec(spec, config.tp_size).linear_attention  # this rank's heads
+    if linear is None:
         return 0
-    return (config.max_num_seqs + 1) * spec.linear_attention.state_bytes_per_seq(dtype)
+    return (config.max_num_seqs + 1) * linear.state_bytes_per_seq(dtype)
 
 
 def wanted_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

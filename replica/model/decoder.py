@@ -136,7 +136,7 @@ class DecoderLayer:
         self.linear_attn: GatedDeltaNet | None = None
         self.qkv_proj = self.o_proj = self.q_norm = self.k_norm = self.sinks = None
         if spec.is_linear(index):  # a Gated DeltaNet layer: no q/k/v/o, no KV
-            self.linear_attn = gated_deltanet(spec, layout, index, bufs, device, dtype)
+            self.linear_attn = gated_deltanet(spec, layout, index, bufs, device, dtype, tp)
         else:
             self._init_attention(spec, layout, index, bufs, proj, norm, device, tp)
         glu = gated_activation(spec)

@@ -28,6 +28,7 @@ from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.quant_weights import tensors_of
 from replica.model.spec import ModelSpec
+from replica.model.tp_layers import RowParallelLoRALinear, TPRank
 from replica.model.weights import WeightLoadError
 
 
@@ -87,7 +88,7 @@ class GatedDeltaNet:
         self,
         linear: LinearAttentionSpec,
         in_weight: torch.Tensor,  # [conv_dim + value_dim + 2·HV, hidden]: qkv, z, b, a rows
-        out_weight: torch.Tensor,  # [hidden, value_dim]
+        out_proj: torch.Tensor | RowParallelLoRALinear,  # [hidden, value_dim] or its TP rank's
         conv_weight: torch.Tensor,  # [conv_dim, conv_kernel]
         a_log: torch.Tensor,  # [HV]
         dt_bias: torch.Tensor,  # [HV]
@@ -97,7 +98,9 @@ class GatedDeltaNet:
     ) -> None:
         self.linear = linear
         self.in_proj = LoRALinear(in_weight, None, bufs.get("in_proj"))
-        self.out_proj = LoRALinear(out_weight, None, bufs.get("out_proj"))
+        if isinstance(out_proj, torch.Tensor):
+            out_proj = LoRALinear(out_proj, None, bufs.get("out_proj"))
+        self.out_proj = out_proj
         self.conv_weight, self.a_log, self.dt_bias = conv_weight, a_log, dt_bias
         self.norm = GatedRMSNorm(norm_weight, eps)
 
@@ -137,10 +140,13 @@ def gated_deltanet(
     bufs: dict[str, LoRABuffers],
     device: torch.device,
     dtype: torch.dtype,
+    tp: TPRank | None = None,
 ) -> GatedDeltaNet:
-    """Layer `index`'s Gated DeltaNet from the checkpoint (its linear_attn.* tensors)."""
-    linear = spec.linear_attention
-    assert linear is not None
+    """Layer `index`'s Gated DeltaNet from the checkpoint (its linear_attn.* tensors);
+    `spec`: this rank's shapes (its heads under tensor parallelism, out_proj then
+    row-parallel)."""
+    linear, whole = spec.linear_attention, layout.spec.linear_attention
+    assert linear is not None and whole is not None
 
     def load(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return layout.layer_tensor(index, f"linear_attn.{name}", shape).to(device, dtype)
@@ -154,15 +160,16 @@ def gated_deltanet(
             )
         return w.to(device=device, dtype=dtype)
 
-    hv = linear.num_value_heads
+    hv = whole.num_value_heads
+    out = proj("out_proj")
     return GatedDeltaNet(
         linear,
         torch.cat([proj(m) for m in LINEAR_IN_MODULES]),
-        proj("out_proj"),
-        load("conv1d.weight", (linear.conv_dim, 1, linear.conv_kernel))[:, 0].contiguous(),
+        out if tp is None else tp.row_linear(out, bufs.get("out_proj")),
+        load("conv1d.weight", (whole.conv_dim, 1, whole.conv_kernel))[:, 0].contiguous(),
         load("A_log", (hv,)),
         load("dt_bias", (hv,)),
-        load("norm.weight", (linear.value_head_dim,)),
+        load("norm.weight", (whole.value_head_dim,)),
         spec.rms_norm_eps,
         bufs,
     )

@@ -71,7 +71,12 @@ class CheckpointLayout:
         in_f, out_f = whole[module]
         rows, cols = (0, out_f), (0, in_f)
         if self.shard is not None:
-            if module in ("o_proj", "down_proj"):
+            if module == "in_proj_qkv":  # three row ranges: q, k and v heads
+                name = self._name(layer, module, kind)
+                parts = [self.ckpt.get_part(name, (out_f, in_f), 0, lo, hi)
+                         for lo, hi in self.shard.qkv_rows()]  # fmt: skip
+                return torch.cat(parts)
+            if module in ("o_proj", "down_proj", "out_proj"):
                 cols = self.shard.in_range(module)
             else:
                 rows = self.shard.out_range(module)
@@ -205,9 +210,17 @@ class CheckpointLayout:
         return dequantize(Mxfp4Weight(blocks, scales))
 
     def layer_tensor(self, layer: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A replicated tensor `name` of layer `layer` (a Gated DeltaNet's conv taps, decay
-        and norm): whole on every rank."""
-        return self.ckpt.get(f"{self.prefix}layers.{layer}.{name}", shape)
+        """A tensor `name` of layer `layer` whole (a Gated DeltaNet's norm), or this
+        rank's part of one split by heads along dim 0 (its conv taps by the channels of
+        in_proj_qkv, A_log and dt_bias by value heads)."""
+        name = f"{self.prefix}layers.{layer}.{name}"
+        if self.shard is None or name.endswith("norm.weight"):
+            return self.ckpt.get(name, shape)
+        if name.endswith("conv1d.weight"):
+            rows = self.shard.qkv_rows()
+        else:
+            rows = [self.shard.value_head_range]
+        return torch.cat([self.ckpt.get_part(name, shape, 0, lo, hi) for lo, hi in rows])
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""

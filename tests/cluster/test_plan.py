@@ -96,9 +96,8 @@ def test_plan_reports_the_checkpoint_index_total_size(capsys, tmp_path):
 
 def test_plan_covers_every_family_of_the_repo(capsys):
     for family in FAMILY_CONFIGS:
-        tp = "1" if family == "qwen35" else "2"  # a hybrid model is not split (tp_shard.py)
         got = plan_json(capsys, "--model", str(family_model_dir(family)), "--gpu-memory", "1GiB",
-                        "--tp", tp)  # fmt: skip
+                        "--tp", "2")  # fmt: skip
         assert got["kv_cache_tokens"] >= got["max_model_len"] > 0, family
 
 

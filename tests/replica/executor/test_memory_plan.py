@@ -52,8 +52,6 @@ def test_weight_bytes_are_what_every_family_holds(tp_size):
     byte, whole and as tensor-parallel rank 0's shard."""
     for model_dir in family_dirs():
         spec = load_model_spec(model_dir)
-        if tp_size > 1 and spec.linear_attention is not None:
-            continue  # refused: test_hybrid_models_are_refused_tensor_parallelism
         rank = None if tp_size == 1 else TPRank(TPShard(spec, 0, tp_size), None)
         model = CausalLM(model_dir, META, BF16, None, spec, rank, "dummy")
         assert mp.weight_bytes(spec, tp_size, BF16) == held_bytes(model), model_dir.name
@@ -63,8 +61,6 @@ def test_weight_bytes_are_what_every_family_holds(tp_size):
 def test_kv_and_adapter_bytes_are_what_is_allocated(tp_size):
     for model_dir in family_dirs():
         spec = load_model_spec(model_dir)
-        if tp_size > 1 and spec.linear_attention is not None:
-            continue  # refused: test_hybrid_models_are_refused_tensor_parallelism
         local = mp.local_spec(spec, tp_size)
         kv = KVCache(local, 7, 16, META, BF16)
         allocated = sum(t.numel() * t.element_size() for t in kv.pools)
@@ -378,11 +374,3 @@ def test_the_state_pool_of_a_hybrid_model_is_planned():
     assert len(kv.pools) == 2 * len(spec.kv_layers) == 4
     assert plan.kv_block_bytes == sum(t.numel() * t.element_size() for t in kv.pools) // 7
     assert plan.planned_bytes == plan.budget_bytes - plan.free_bytes
-
-
-def test_hybrid_models_are_refused_tensor_parallelism():
-    from replica.model.spec import ModelConfigError
-
-    spec = load_model_spec(family_model_dir("qwen35"))
-    with pytest.raises(ModelConfigError, match="linear-attention"):
-        TPShard(spec, 0, 2)

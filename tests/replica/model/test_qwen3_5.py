@@ -25,7 +25,15 @@ from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import load_model_spec, spec_from_dict
 from replica.wire import SamplingParams
 from tests.engines import make_engine
-from tests.oracle import ATTENTION, EVERYTHING, check_mixed_batch, hf_logits, hf_model, peft_adapter
+from tests.oracle import (
+    ATTENTION,
+    EVERYTHING,
+    LINEAR_ATTENTION,
+    check_mixed_batch,
+    hf_logits,
+    hf_model,
+    peft_adapter,
+)
 from tests.replica.model.families import (
     GREEDY,
     NEW_TOKENS,
@@ -34,7 +42,7 @@ from tests.replica.model.families import (
     traced_static_decode,
 )
 
-LINEAR = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+LINEAR = LINEAR_ATTENTION
 
 
 @pytest.fixture(scope="module")
