@@ -82,9 +82,11 @@ def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]
     targets = PHI3 if family.startswith("phi3") else {"attn": ATTENTION, "all": EVERYTHING}
     if family == "gptoss":  # no dense MLP: attention and the stacked experts
         targets = {"attn": ATTENTION, "all": ATTENTION}
-    if family.startswith("qwen35"):  # every linear module, the linear attention's too
+    if family == "qwen35":  # every linear module, the linear attention's too
         targets = {"attn": ATTENTION, "all": EVERYTHING + LINEAR_ATTENTION}
-    experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss") else {}
+    if family == "qwen35moe":  # no dense MLP (gate_proj would name the shared expert's)
+        targets = {"attn": ATTENTION, "all": ATTENTION + LINEAR_ATTENTION}
+    experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss", "qwen35moe") else {}
     return {
         "attn": peft_adapter(model_dir, root / "attn", targets["attn"], r=8, alpha=16, seed=1),
         "all": peft_adapter(

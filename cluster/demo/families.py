@@ -81,6 +81,22 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                                      "partial_rotary_factor": 0.25,
                                                      "mrope_section": [1, 1, 2],
                                                      "mrope_interleaved": True}}),
+    # Qwen3.5-MoE: qwen35's layers, every MLP top-2 of 4 experts of 32 columns
+    # (renormalised) plus a shared expert of 48 behind its sigmoid gate
+    "qwen35moe": ("Qwen3_5MoeConfig", {"head_dim": 32, "num_hidden_layers": 4,
+                                       "layer_types": ["linear_attention",
+                                                       "full_attention"] * 2,
+                                       "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                                       "linear_conv_kernel_dim": 4, "num_experts": 4,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "shared_expert_intermediate_size": 48,
+                                       "tie_word_embeddings": False,
+                                       "rope_parameters": {"rope_type": "default",
+                                                           "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.25,
+                                                           "mrope_section": [1, 1, 2],
+                                                           "mrope_interleaved": True}}),
 }  # fmt: skip
 # At demo size (the bench's models) the shapes and settings of the real checkpoints instead
 # of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
@@ -104,6 +120,11 @@ DEMO_QUIRKS: dict[str, dict[str, Any]] = {
                                    "rope_theta": 150000.0,
                                    "original_max_position_embeddings": 4096}},
 }  # fmt: skip
+
+
+# Qwen3.5's config classes and their multimodal model (the Hub's layout)
+QWEN3_5 = {"Qwen3_5Config": "Qwen3_5ForConditionalGeneration",
+           "Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration"}  # fmt: skip
 
 
 def family_model_dir(
@@ -139,14 +160,14 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
     import transformers
 
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    if cls_name == "Qwen3_5Config":  # multimodal as on the Hub: text model nested, tiny vision
+    if cls_name in QWEN3_5:  # multimodal as on the Hub: text model nested, tiny vision
         vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                   "out_hidden_size": fields["hidden_size"], "patch_size": 14}  # fmt: skip
         top = {"tie_word_embeddings": fields["tie_word_embeddings"], **ids}
-        config = transformers.Qwen3_5Config(
+        config = getattr(transformers, cls_name)(
             text_config={**fields, **ids}, vision_config=vision, **top
         )
-        model = transformers.Qwen3_5ForConditionalGeneration(config)
+        model = getattr(transformers, QWEN3_5[cls_name])(config)
     elif cls_name == "Gemma3Config":  # multimodal: the text model nested, a tiny vision tower
         vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
@@ -164,7 +185,7 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
             p.copy_(_draw(name, tuple(p.shape), gen, gemma, fields["num_hidden_layers"]))
             if cls_name == "GptOssConfig":
                 p.copy_(_gpt_oss_draw(name, p, gen))
-            if cls_name == "Qwen3_5Config":
+            if cls_name in QWEN3_5:
                 p.copy_(_qwen3_5_draw(name, p, gen, fields["num_hidden_layers"]))
     model.save_pretrained(out)
 

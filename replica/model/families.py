@@ -69,6 +69,8 @@ CONFIG_DEFAULTS: dict[str, Config] = {
     "qwen3_moe": {"decoder_sparse_step": 1, "norm_topk_prob": False},
     "qwen3_5": QWEN3_5_TEXT_DEFAULTS,
     "qwen3_5_text": QWEN3_5_TEXT_DEFAULTS,
+    "qwen3_5_moe": {**QWEN3_5_TEXT_DEFAULTS, "intermediate_size": 0},  # no dense MLP
+    "qwen3_5_moe_text": {**QWEN3_5_TEXT_DEFAULTS, "intermediate_size": 0},
     "gpt_oss": {  # GptOssConfig's defaults, which the Hub's config.json leaves out
         "attention_bias": True,
         "head_dim": 64,
@@ -278,6 +280,21 @@ def _qwen3_5(cfg: Config, source: str) -> FamilyFields:
     }
 
 
+def _qwen3_5_moe(cfg: Config, source: str) -> FamilyFields:
+    # Qwen3.5's layers, every MLP sparse: softmax over the experts, top-k renormalised,
+    # plus a shared expert (shared_expert_intermediate_size) scaled by
+    # sigmoid(shared_expert_gate(x)); experts as the Hub ships them, per expert
+    experts = {**cfg, "shared_expert_intermediate_size": 0}
+    fields = {**_qwen3_5(cfg, source), **_experts(experts, source, "moe_intermediate_size")}
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if not fields["num_experts"] or shared <= 0:
+        raise ModelConfigError(
+            f"{source}: qwen3_5_moe needs num_experts >= 1 and "
+            f"shared_expert_intermediate_size >= 1 (got {fields['num_experts']}, {shared})"
+        )
+    return {**fields, "norm_topk_prob": True, "shared_expert_size": shared}
+
+
 def _experts(cfg: Config, source: str, size_key: str) -> FamilyFields:
     # the Hub's Qwen3-MoE configs say num_experts, transformers 5 saves num_local_experts
     experts = cfg.get("num_local_experts", cfg.get("num_experts")) or 0
@@ -305,6 +322,8 @@ FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
     "gpt_oss": _gpt_oss,
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "qwen3_5_moe_text": _qwen3_5_moe,
 }
 
 

@@ -45,11 +45,13 @@ KNOWN_UNREAD = (
     KnownUnread(r"(model\.)?(vision_tower|multi_modal_projector)\.", "gemma3",
                 "a multimodal Gemma 3's vision tower and projector: images are not served, "
                 "the language model is"),
-    KnownUnread(r"model\.visual\.", "qwen3_5",
-                "Qwen3.5's vision tower: images are not served, the language model is"),
-    KnownUnread(r"mtp\.", "qwen3_5",
-                "Qwen3.5's multi-token-prediction layers: a speculative-decoding head that "
-                "next-token output does not read (speculative decoding is not served)"),
+    *(KnownUnread(r"model\.visual\.", arch,
+                  "Qwen3.5's vision tower: images are not served, the language model is")
+      for arch in ("qwen3_5", "qwen3_5_moe")),
+    *(KnownUnread(r"mtp\.", arch,
+                  "Qwen3.5's multi-token-prediction layers: a speculative-decoding head that "
+                  "next-token output does not read (speculative decoding is not served)")
+      for arch in ("qwen3_5", "qwen3_5_moe")),
 )  # fmt: skip
 
 
@@ -114,6 +116,19 @@ class CheckpointLayout:
         name = f"{self.prefix}layers.{layer}.{s.moe_block}.{s.router_name}.{kind}"
         shape = (s.num_experts, s.hidden_size) if kind == "weight" else (s.num_experts,)
         return self.ckpt.get(name, shape)
+
+    def shared_expert(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's shared expert of sparse layer `layer` (Qwen3.5-MoE): gate and up
+        rows [2·S_rank, hidden] (gate's, then up's), down [hidden, S_rank], and its gate
+        [1, hidden] whole; S_rank = this rank's columns of shared_expert_size."""
+        s = self.spec
+        h, size = s.hidden_size, s.shared_expert_size
+        lo, hi = (0, size) if self.shard is None else self.shard.shared_expert_range
+        where = f"{self.prefix}layers.{layer}.mlp.shared_expert"
+        gate_up = [self.ckpt.get_part(f"{where}.{m}.weight", (size, h), 0, lo, hi)
+                   for m in ("gate_proj", "up_proj")]  # fmt: skip
+        down = self.ckpt.get_part(f"{where}.down_proj.weight", (h, size), 1, lo, hi)
+        return torch.cat(gate_up), down, self.ckpt.get(f"{where}_gate.weight", (1, h))
 
     def sinks(self, layer: int) -> torch.Tensor:
         """This rank's query heads' sink logits of `layer` (gpt-oss): [heads_rank]."""

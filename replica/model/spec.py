@@ -103,6 +103,9 @@ class ModelSpec:
     # q_proj gives each head a gate too ([q_h, gate_h] per head): attention's output is
     # multiplied by sigmoid(gate) before o_proj (Qwen3.5's full-attention layers)
     attn_output_gate: bool = False
+    # a shared expert of this intermediate size beside the routed ones on every sparse
+    # layer, its output times sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE); 0: none
+    shared_expert_size: int = 0
 
     @property
     def q_size(self) -> int:
@@ -170,6 +173,8 @@ class ModelSpec:
         experts = self.num_experts * (
             sum(i * o for i, o in self.expert_shapes().values()) + self.hidden_size
         )  # + the router's row per expert
+        if self.shared_expert_size:  # Qwen3.5-MoE's shared expert and its gate's row
+            experts += (3 * self.shared_expert_size + 1) * self.hidden_size
         per_layer = (4 if self.sandwich_norms else 2) * self.hidden_size
         qk_norms = self.attention_layers * 2 * self.head_dim if self.qk_norm else 0
         sparse = sum(self.is_sparse(i) for i in range(self.num_layers))

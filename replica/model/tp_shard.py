@@ -55,6 +55,7 @@ class TPShard:
                 ("intermediate_size", s.intermediate_size),
                 ("hidden_size", s.hidden_size),
                 ("moe_intermediate_size", s.moe_intermediate_size),
+                ("shared_expert_intermediate_size", s.shared_expert_size),
             )
             if value % n
         ]
@@ -138,6 +139,7 @@ class TPShard:
             num_kv_heads=self.kv_heads,
             intermediate_size=s.intermediate_size // self.size,
             moe_intermediate_size=s.moe_intermediate_size // self.size,
+            shared_expert_size=s.shared_expert_size // self.size,
         )
 
     @property
@@ -145,6 +147,11 @@ class TPShard:
         """Each expert's intermediate columns on this rank (rows of its gate/up, columns
         of its down)."""
         return self._split(self.spec.moe_intermediate_size)
+
+    @property
+    def shared_expert_range(self) -> tuple[int, int]:
+        """The shared expert's intermediate columns on this rank (Qwen3.5-MoE)."""
+        return self._split(self.spec.shared_expert_size)
 
     @property
     def head_range(self) -> tuple[int, int]:

@@ -333,7 +333,9 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
         assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss", "qwen35"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss", "qwen35", "qwen35moe"]
+)
 def test_families_equal_tp1(family, tmp_path):
     """Qwen3 (q/k norms, head_dim ≠ hidden / heads), Gemma 2 (soft-caps, windows, four
     norms, scaled embedding), Phi-3 (fused checkpoint projections, partial rotary) and
@@ -341,8 +343,9 @@ def test_families_equal_tp1(family, tmp_path):
     expert LoRA likewise; a dense layer between) and gpt-oss (sinks split with their
     heads, o_proj and down biases added once, interleaved gate/up and their biases split)
     and Qwen3.5 (Gated DeltaNet heads, their conv channels, decays and states split, the
-    gated attention's q and gate rows with their heads; LoRA on in_proj_* and out_proj)
-    on 2 ranks: logits and a staggered mixed batch equal TP=1, adapters included."""
+    gated attention's q and gate rows with their heads; LoRA on in_proj_* and out_proj;
+    Qwen3.5-MoE's shared expert split like the dense MLP, its gate whole) on 2 ranks:
+    logits and a staggered mixed batch equal TP=1, adapters included."""
     from cluster.demo.families import family_model_dir
     from tests.oracle import family_adapters
 
