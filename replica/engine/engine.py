@@ -200,11 +200,6 @@ class LLMEngine:
         request = self.limits.bounded(request)
         adapter = None if request.adapter is None else str(request.adapter)
         self.limits.check(request, adapter)
-        if request.sampling.n > 1 and self.scheduler.states is not None:
-            raise RequestError(
-                f"n={request.sampling.n}: several choices of one request are not served for "
-                f"{self.spec.arch} (forking would need a copy of the linear-attention state)"
-            )
         arrival = next(self._arrivals)
         pinned = self.config.adapters.pin_base_slot
         key = adapter if adapter is not None else (None if pinned else BASE_KEY)
@@ -257,6 +252,7 @@ class LLMEngine:
         stats.steps += 1
         work = scheduled.ordered()
         plan, sampled, scored = plan_step(work, self.config.block_size)
+        plan.state_copies, self.scheduler.state_copies = self.scheduler.state_copies, []
         logits = self._forward(plan, sampled)
         draw = StepDraw(step_draws(sampled), scored)
         packed = draw.sample(self.sampler, logits, len(sampled), self._bitmask(draw))
@@ -339,6 +335,7 @@ class LLMEngine:
         seq.state_slot = None if states is None else states.acquire()
         try:
             plan, _ = plan_batch([(seq, len(prompt_ids))], self.config.block_size)
+            plan.state_copies, self.scheduler.state_copies = self.scheduler.state_copies, []
             return self.executor.execute(plan, self.executor.lora.table, all_rows=True)
         finally:
             allocator.free(seq.blocks)

@@ -68,6 +68,9 @@ class Scheduler:
         self.max_loras, self.aging_steps = max_loras_per_batch, aging_steps
         self.policy = policy or FCFS()
         self.states = states
+        # (parent row, child row) of choices forked since the last forward: the next
+        # forward copies them first (no forward writes a row in between)
+        self.state_copies: list[tuple[int, int]] = []
         self.waiting: list[Sequence] = []  # arrival order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,6 +133,9 @@ class Scheduler:
             child.num_cached_blocks = min(parent.num_cached_blocks, full)
             child.num_cached_tokens = parent.num_cached_tokens
             child.slot, child.status = parent.slot, SeqStatus.RUNNING
+            if self.states is not None:
+                child.state_slot = self.states.acquire()
+                self.state_copies.append((parent.state_slot, child.state_slot))
             self.pool.acquire(child.slot)
             self.running.append(child)
             src += partial

@@ -39,6 +39,9 @@ class BatchPlan:
     # whether it starts from that row (a later chunk, a decode) or from zeros (its first)
     state_slots: list[int] = field(default_factory=list)
     state_initial: list[bool] = field(default_factory=list)
+    # (src, dst) state rows to copy before the forward: forked choices start from their
+    # parent's state after its prefill (every rank copies, the plan reaching them all)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def build_batch(

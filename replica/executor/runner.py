@@ -103,6 +103,9 @@ class ModelRunner(Executor):
         progress: StepProgress | None = None,
     ) -> torch.Tensor:
         self.slot_tensors.update(slots)
+        if plan.state_copies:  # forked choices: their parent's state, before any write
+            src, dst = zip(*plan.state_copies)
+            self.kv.states.copy_slots(list(src), list(dst))
         static = self.static_decode
         # the path depends on (plan, all_rows) alone: every rank of a group takes the same
         if static is not None and not all_rows and static.fits(plan):

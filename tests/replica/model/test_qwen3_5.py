@@ -167,14 +167,23 @@ def test_state_rows_follow_the_sequences(qwen35):
     assert eng.scheduler.states.num_free == 4 and all(s.state_slot is None for s in seqs)
 
 
-def test_several_choices_are_refused(qwen35):
-    from replica.errors import RequestError
-    from replica.wire import GenerateRequest
+def test_forked_choices_start_from_their_parents_state(qwen35, monkeypatch):
+    """n = 3 greedy choices of one prompt: choices 1 and 2 fork from choice 0's prefill
+    (their own state rows, the parent's state copied in before the next forward), and all
+    three give the tokens of the prompt alone; every row is back at the end."""
+    from replica.engine.scheduler import Scheduler
 
     model_dir, _ = qwen35
+    p = prompts(256)[1]
+    want = engine_for(model_dir, {}).generate([(p, GREEDY, None)])[0].output_ids
     eng = engine_for(model_dir, {})
-    with pytest.raises(RequestError, match="linear-attention state"):
-        eng.add_request(GenerateRequest([5, 6, 7], SamplingParams(max_tokens=2, n=2), None))
+    forks = []
+    fork = Scheduler.fork
+    monkeypatch.setattr(Scheduler, "fork", lambda s, *a: forks.append(1) or fork(s, *a))
+    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=3)
+    (first,) = eng.generate([(p, sampling, None)])
+    assert forks and [c.output_ids for c in first.choices] == [want] * 3
+    assert eng.scheduler.states.num_free == eng.config.max_num_seqs
 
 
 def test_lora_on_a_module_the_layer_lacks_is_refused_by_name(qwen35, tmp_path):
