@@ -6,7 +6,9 @@ mixed, over the engine's paged KV cache. What differs between families (norm sty
 count, q/k norms, attention scale and soft-caps, sliding layers and their rope, MLP
 activation, embedding scale, a sparse layer's experts) is a field of ModelSpec
 (model/spec.py), chosen once at load. A layer's MLP is dense (DenseMLP) or a mixture of
-experts (model/moe.py's SparseMoE); both take the same inputs.
+experts (model/moe.py's SparseMoE); both take the same inputs. A hybrid model's
+linear-attention layers mix tokens by model/gated_deltanet.py's GatedDeltaNet over the
+per-sequence state pool instead of attending over KV.
 """
 
 from __future__ import annotations

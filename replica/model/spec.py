@@ -1,12 +1,13 @@
 """The model's shape and its family's differences, read once from a Hugging Face config.json.
 
 One decoder (model/decoder.py) serves every family; what differs between Llama, Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen3-MoE and gpt-oss is data on
-ModelSpec, filled in by model/families.py from the config: norm style and count, q/k
-norms, attention scale, soft-caps and sinks, which layers slide and their rope, fused
-checkpoint projections and biases, the MLP's activation, the embedding scale, and for
-mixtures of experts the experts, the router's rule, biases and checkpoint layout and
-which layers are sparse.
+Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen3-MoE, gpt-oss and Qwen3.5 (dense and
+MoE) is data on ModelSpec, filled in by model/families.py from the config: norm style and
+count, q/k norms, attention scale, soft-caps and sinks, an attention output gate, which
+layers slide and their rope, which layers are linear attention (Gated DeltaNet) and their
+shapes, fused checkpoint projections and biases, the MLP's activation, the embedding
+scale, and for mixtures of experts the experts, the router's rule, biases, a shared expert,
+checkpoint layout and which layers are sparse.
 """
 
 from __future__ import annotations

@@ -146,12 +146,15 @@ def test_base_requests_are_unchanged_by_adapters_beside_them(qwen35):
     assert any(s.output_ids != want[0].output_ids for s in got[len(ps) :])
 
 
-def test_state_rows_follow_the_sequences(qwen35):
+def test_state_rows_follow_the_sequences(qwen35, caplog):
     """Each running sequence holds its own state row, taken at admission and given back
-    when it ends or is aborted; the prefix cache is off (a hit would skip the state)."""
+    when it ends or is aborted; the prefix cache is off, said in one line at start (a hit
+    would skip the state)."""
     model_dir, _ = qwen35
-    eng = engine_for(model_dir, {}, max_num_seqs=4)
+    with caplog.at_level("INFO", logger="replica.engine.engine"):
+        eng = engine_for(model_dir, {}, max_num_seqs=4, enable_prefix_caching=True)
     assert not eng.scheduler.prefix.enabled
+    assert "prefix caching is off for qwen3_5" in caplog.text
     p = prompts(eng.spec.vocab_size)
     long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     from replica.wire import GenerateRequest
