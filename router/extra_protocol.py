@@ -1,16 +1,8 @@
-"""The ingress's requests beyond OpenAI's API (vLLM's /tokenize and /detokenize), and the
-text check every request body passes.
-
-JSON can spell a lone UTF-16 surrogate ("\\ud800"): Python's parser turns it into a string
-that is not valid Unicode, which pydantic accepts and the tokenizer (Rust) then cannot take.
-`find_invalid_unicode` finds such a string anywhere in a body so the ingress can refuse it
-with a 400 naming the field. NULs and any normalization form are valid text: not refused.
-Plain Python: nothing here touches Ray or tensors.
-"""
+"""The ingress's requests beyond OpenAI's API: vLLM's /tokenize and /detokenize.
+Plain Python: nothing here touches Ray or tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -74,40 +66,3 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-def find_invalid_unicode(value: Any, path: str = "") -> tuple[str, str] | None:
-    """(the field's dotted path, a message) for the first string in `value` (a pydantic
-    model, or JSON-like dicts, lists and strings) holding a lone surrogate; else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")  # C speed; fails exactly on surrogates
-        except UnicodeEncodeError as e:
-            where, code = path or "body", f"U+{ord(value[e.start]):04X}"
-            return (
-                where,
-                f"{where}: invalid Unicode: a lone surrogate ({code}) at character {e.start}",
-            )
-        return None
-    if isinstance(value, BaseModel):
-        for name, field in type(value).model_fields.items():
-            found = find_invalid_unicode(getattr(value, name), _join(path, field.alias or name))
-            if found:
-                return found
-        return find_invalid_unicode(value.model_extra or {}, path)
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            found = find_invalid_unicode(key, path) or find_invalid_unicode(
-                item, _join(path, str(key))
-            )
-            if found:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            if found := find_invalid_unicode(item, _join(path, str(i))):
-                return found
-    return None
-
-
-def _join(path: str, part: str) -> str:
-    return f"{path}.{part}" if path else part

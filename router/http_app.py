@@ -15,7 +15,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router import extra_protocol as xp
 from router import protocol as p
 from router.errors import APIError, BadRequestError
 
@@ -161,7 +160,48 @@ AUTHORIZATION = Header(None, include_in_schema=False)
 
 def refuse_invalid_unicode(body: BaseModel) -> None:
     """A lone surrogate anywhere in the body: 400 naming the field (the tokenizer, and any
-    UTF-8 encoder, would fail on it)."""
-    if found := xp.find_invalid_unicode(body):
+    UTF-8 encoder, would fail on it).
+
+    JSON can spell a lone UTF-16 surrogate ("\\ud800"): Python's parser turns it into a
+    string that is not valid Unicode, which pydantic accepts and the tokenizer (Rust) then
+    cannot take. NULs and any normalization form are valid text: not refused."""
+    if found := find_invalid_unicode(body):
         param, message = found
         raise BadRequestError(message, param)
+
+
+def find_invalid_unicode(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(the field's dotted path, a message) for the first string in `value` (a pydantic
+    model, or JSON-like dicts, lists and strings) holding a lone surrogate; else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # C speed; fails exactly on surrogates
+        except UnicodeEncodeError as e:
+            where, code = path or "body", f"U+{ord(value[e.start]):04X}"
+            return (
+                where,
+                f"{where}: invalid Unicode: a lone surrogate ({code}) at character {e.start}",
+            )
+        return None
+    if isinstance(value, BaseModel):
+        for name, field in type(value).model_fields.items():
+            found = find_invalid_unicode(getattr(value, name), _join(path, field.alias or name))
+            if found:
+                return found
+        return find_invalid_unicode(value.model_extra or {}, path)
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = find_invalid_unicode(key, path) or find_invalid_unicode(
+                item, _join(path, str(key))
+            )
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if found := find_invalid_unicode(item, _join(path, str(i))):
+                return found
+    return None
+
+
+def _join(path: str, part: str) -> str:
+    return f"{path}.{part}" if path else part

@@ -40,3 +40,21 @@ def tiny_assets(arch: str, **overrides) -> DemoAssets:
 # serve.shutdown of a test app took ~7 s here, ~2 s with this. Requests in flight are still
 # waited for (up to graceful_shutdown_timeout_s), only looked for more often.
 QUICK_STOP = {"graceful_shutdown_wait_loop_s": 0.1}
+
+
+@pytest.fixture(autouse=True)
+def _config_in_the_current_shape(request: pytest.FixtureRequest, monkeypatch) -> None:
+    """A deprecated flat config key fails the test that wrote it, unless it is marked
+    old_config_keys (the tests of the deprecation path): the suite exercises the shape
+    users are told to write."""
+    if request.node.get_closest_marker("old_config_keys"):
+        return
+
+    def refuse(old: str, new: str) -> None:
+        raise AssertionError(f"the test writes the deprecated config key {old}: write {new}")
+
+    import cluster.config
+    import replica.config
+
+    monkeypatch.setattr(replica.config, "moved_key", refuse)
+    monkeypatch.setattr(cluster.config, "moved_key", refuse)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OURS = ("cluster", "router", "replica", "kernels")
 # What a completion on a resident adapter may cross: a budget that a new file on the
 # path has to argue for, and that files leaving it lower; issue 39 asks for 30.
-MAX_FILES = 42
+MAX_FILES = 41
 GOAL_FILES = 30
 
 _END = object()

@@ -56,6 +56,7 @@ def line(old: str, new: str) -> str:
     return f"config key {old} is deprecated: write {new} (the old key goes next release)"
 
 
+@pytest.mark.old_config_keys
 def test_old_flat_keys_are_read_with_one_line_naming_each_new_path(caplog):
     caplog.set_level(logging.WARNING)
     old = AppConfig.model_validate(FLAT)
@@ -71,6 +72,7 @@ def test_the_nested_shape_is_read_without_a_deprecation_line(caplog):
     assert config.store.resolvers == ["local"] and config.ingress.default_max_tokens == 32
 
 
+@pytest.mark.old_config_keys
 def test_a_key_given_both_ways_is_refused():
     with pytest.raises(pydantic.ValidationError, match="load_bound_floor and routing"):
         AppConfig.model_validate({**NESTED, "load_bound_floor": 3})
@@ -78,6 +80,7 @@ def test_a_key_given_both_ways_is_refused():
         AppConfig.model_validate({**NESTED, "engine": {**NESTED["engine"], "num_slots": 3}})
 
 
+@pytest.mark.old_config_keys
 def test_set_takes_nested_paths_and_old_flat_ones_with_a_deprecation_line(caplog):
     caplog.set_level(logging.WARNING)
     base = serving.load_config(serving.DEFAULT_CONFIG)
@@ -98,6 +101,7 @@ def test_set_takes_nested_paths_and_old_flat_ones_with_a_deprecation_line(caplog
     AppConfig.model_validate(args)
 
 
+@pytest.mark.old_config_keys
 def test_an_old_shape_file_is_upgraded_at_load_and_a_set_sizing_replaces_its_own(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     config = serving.load_config(serving.DEFAULT_CONFIG)

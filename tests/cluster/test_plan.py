@@ -58,6 +58,7 @@ def test_plan_refuses_a_max_model_len_without_room_and_honours_a_shorter_one(cap
     assert got["max_model_len"] == 8192 and got["max_concurrency_at_max_model_len"] >= 1
 
 
+@pytest.mark.old_config_keys  # engine.num_slots, the previous release's path, read once
 def test_plan_takes_engine_settings_and_sizes(capsys):
     llama = str(PUBLISHED / "Llama-3.1-8B")
     base = plan_json(capsys, "--model", llama, "--gpu-memory", "80GiB")

@@ -259,10 +259,12 @@ def test_tenants_add_the_shared_ledger_and_default_to_fair_share(tiny):
     assert plain.init_args[5] is None  # no tenants: no ledger, the engine's default order
     assert plain.init_args[0]._bound_deployment.init_args[0]["scheduling"] is None
     tenant = {"name": "t", "key_sha256": ["0" * 64], "requests_per_minute": 5}
-    ingress = build_app({"engine": engine, "tenants": [tenant]})._bound_deployment
+    ingress = build_app({"engine": engine, "ingress": {"tenants": [tenant]}})._bound_deployment
     ledger = ingress.init_args[5]._bound_deployment
     assert ledger.name == "TenantLedger" and ledger.init_args == ({"t": (5, None)}, 60.0)
     assert ingress.init_args[0]._bound_deployment.init_args[0]["scheduling"] == "vtc"
-    chosen = build_app({"engine": {**engine, "scheduling": "fcfs"}, "tenants": [tenant]})
+    chosen = build_app(
+        {"engine": {**engine, "scheduling": "fcfs"}, "ingress": {"tenants": [tenant]}}
+    )
     replica = chosen._bound_deployment.init_args[0]._bound_deployment
     assert replica.init_args[0]["scheduling"] == "fcfs"

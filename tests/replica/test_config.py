@@ -17,6 +17,7 @@ def deprecations(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
 
 
+@pytest.mark.old_config_keys
 def test_flat_residency_keys_move_under_adapters_with_a_line_each(caplog):
     caplog.set_level(logging.WARNING)
     old = EngineConfig(model="m", num_slots=4, adapter_loading="sync")

@@ -35,7 +35,7 @@ def assets():
 @pytest.fixture(scope="module")
 def generator(assets):
     config = EngineConfig(
-        model=str(assets.model_dir), device="cpu", num_slots=len(assets.adapters) + 1
+        model=str(assets.model_dir), device="cpu", adapters={"num_slots": len(assets.adapters) + 1}
     )
     gen = OfflineGenerator(config, {n: str(p) for n, p in assets.adapters.items()})
     yield gen

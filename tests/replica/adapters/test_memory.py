@@ -96,7 +96,9 @@ def test_num_parameters_counts_the_checkpoint(tiny):
 def test_a_budget_below_one_adapter_of_max_rank_is_a_config_error_at_start(tiny):
     spec = load_model_spec(tiny.model_dir)
     per_slot = slot_bytes(spec, 64, torch.float32)
-    cfg = EngineConfig(model=str(tiny.model_dir), device="cpu", adapter_memory_bytes=per_slot - 1)
+    cfg = EngineConfig(
+        model=str(tiny.model_dir), device="cpu", adapters={"adapter_memory_bytes": per_slot - 1}
+    )
     with pytest.raises(ValueError, match="less than one adapter of max_lora_rank 64.*Raise"):
         LLMEngine(cfg)
     # a smaller max rank makes the same budget enough: 3 adapters of rank 16
@@ -104,7 +106,7 @@ def test_a_budget_below_one_adapter_of_max_rank_is_a_config_error_at_start(tiny)
     assert eng.residency()["num_slots"] == 4
     assert eng.residency()["adapter_rows"] == 48 * 4  # in each of the 4 groups' arenas
     with pytest.raises(ValidationError, match="not both"):
-        EngineConfig(model="m", num_slots=4, adapter_memory_bytes=1 << 20)
+        EngineConfig(model="m", adapters={"num_slots": 4, "adapter_memory_bytes": 1 << 20})
 
 
 def test_more_adapters_than_the_old_seven_run_in_one_batch_like_peft(tiny):
@@ -114,9 +116,15 @@ def test_more_adapters_than_the_old_seven_run_in_one_batch_like_peft(tiny):
     spec = load_model_spec(tiny.model_dir)
     budget = 11 * slot_bytes(spec, 64, torch.float32)
     cfg = EngineConfig(
-        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20,
-        adapter_memory_bytes=budget, adapter_loading="sync", max_loads_in_flight=10,
-    )  # fmt: skip
+        model=str(tiny.model_dir),
+        device="cpu",
+        kv_cache_bytes=16 << 20,
+        adapters={
+            "adapter_memory_bytes": budget,
+            "adapter_loading": "sync",
+            "max_loads_in_flight": 10,
+        },
+    )
     eng = LLMEngine(cfg)
     assert (eng.config.adapters.num_slots, eng.config.adapters.max_loras_per_batch) == (12, 11)
     dirs = list(tiny.adapters.values())
@@ -157,9 +165,16 @@ def test_adapters_hold_their_own_rank_and_five_share_two_max_rank_blocks_like_pe
     adapters targeting it (rank 64 and 8 target every group, 16 attention, 32 q/v)."""
     spec = load_model_spec(tiny.model_dir)
     cfg = EngineConfig(
-        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=3,
-        max_loras_per_batch=5, adapter_loading="sync", max_loads_in_flight=5,
-    )  # fmt: skip
+        model=str(tiny.model_dir),
+        device="cpu",
+        kv_cache_bytes=16 << 20,
+        adapters={
+            "num_slots": 3,
+            "max_loras_per_batch": 5,
+            "adapter_loading": "sync",
+            "max_loads_in_flight": 5,
+        },
+    )
     eng = LLMEngine(cfg)
     row = slot_bytes(spec, 1, torch.float32)
     assert eng.executor.lora.nbytes() == 128 * row  # no slot padded to max_lora_rank
@@ -189,7 +204,7 @@ def test_a_load_reserves_exactly_its_ranks_before_the_weights_are_in_host_memory
     rank-16 adapter of the attention modules reserves 16 rows of qkv_proj and o_proj and
     none of the MLP's, from its first load on, and holds just those."""
     cfg = EngineConfig(
-        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=3
+        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, adapters={"num_slots": 3}
     )
     eng = LLMEngine(cfg)
     pool = eng.adapters.pool
@@ -232,9 +247,16 @@ def test_adapters_of_different_groups_share_memory_at_their_own_offsets_like_pef
                              target_modules=["gate_proj", "up_proj", "down_proj"])  # fmt: skip
     every = next(p for p in tiny.adapters.values() if peft_rank(p) == 8)
     cfg = EngineConfig(
-        model=str(tiny.model_dir), device="cpu", kv_cache_bytes=16 << 20, num_slots=2,
-        max_loras_per_batch=3, adapter_loading="sync", max_loads_in_flight=3,
-    )  # fmt: skip
+        model=str(tiny.model_dir),
+        device="cpu",
+        kv_cache_bytes=16 << 20,
+        adapters={
+            "num_slots": 2,
+            "max_loras_per_batch": 3,
+            "adapter_loading": "sync",
+            "max_loads_in_flight": 3,
+        },
+    )
     eng = LLMEngine(cfg)
     assert eng.adapters.pool.num_rows == 64
 

@@ -67,8 +67,13 @@ def test_kv_and_adapter_bytes_are_what_is_allocated(tp_size):
         assert allocated == 7 * mp.kv_block_bytes(spec, tp_size, 16, BF16), model_dir.name
         shapes = None if tp_size == 1 else TPShard(spec, 0, tp_size).lora_shapes()
         lora = LoRASlotBuffers(spec, 5, 16, META, BF16, shapes)
-        config = EngineConfig(model=str(model_dir), num_slots=5, max_lora_rank=16,
-                              tp_size=tp_size, kv_cache_bytes=1 << 20)  # fmt: skip
+        config = EngineConfig(
+            model=str(model_dir),
+            max_lora_rank=16,
+            tp_size=tp_size,
+            kv_cache_bytes=1 << 20,
+            adapters={"num_slots": 5},
+        )
         plan = plan_memory(spec, config, BF16, 80 * GiB)
         assert plan.adapter_memory_bytes == lora.nbytes(), model_dir.name
 
@@ -254,8 +259,13 @@ def test_a_single_rank_profiles_the_largest_step_and_plans_from_it(tiny, monkeyp
     max_model_len (KV for the whole sequence), LoRA on in every group at max_lora_rank, a
     logit row per token; its peak and the device's numbers make the plan."""
     cuda = FakeCuda(monkeypatch, total=8 * GiB, others=GiB)
-    cfg = EngineConfig(model=str(tiny.model_dir), num_slots=3, max_lora_rank=16,
-                       max_num_batched_tokens=48, max_model_len=200)  # fmt: skip
+    cfg = EngineConfig(
+        model=str(tiny.model_dir),
+        max_lora_rank=16,
+        max_num_batched_tokens=48,
+        max_model_len=200,
+        adapters={"num_slots": 3},
+    )
     spec = load_model_spec(tiny.model_dir)
     lora = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
     model = CausalLM(tiny.model_dir, "cpu", torch.float32, lora, spec)
@@ -330,11 +340,18 @@ def test_a_cuda_engine_sizes_from_the_device_before_loading_weights(monkeypatch)
 def test_cpu_keeps_its_byte_budgets_and_caps_only_a_default_max_model_len(tiny, caplog):
     """Off CUDA the KV cache is 256 MiB unless set. A max_model_len from the config that
     does not fit is refused; the model's own context is capped, with a warning."""
-    eng = LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu", num_slots=2))
+    eng = LLMEngine(
+        EngineConfig(model=str(tiny.model_dir), device="cpu", adapters={"num_slots": 2})
+    )
     per_block = KVCache.bytes_per_block(eng.spec, 16, torch.float32)
     assert eng.executor.num_blocks == 256 * 2**20 // per_block
     assert eng.executor.memory_plan is None
-    small = dict(model=str(tiny.model_dir), device="cpu", num_slots=2, kv_cache_bytes=4 * per_block)
+    small = dict(
+        model=str(tiny.model_dir),
+        device="cpu",
+        kv_cache_bytes=4 * per_block,
+        adapters={"num_slots": 2},
+    )
     with caplog.at_level(logging.WARNING, logger=memory_profile.__name__):
         eng = LLMEngine(EngineConfig(**small))
     assert eng.max_model_len == 64 and "max_model_len is 64 tokens" in caplog.text
@@ -344,8 +361,11 @@ def test_cpu_keeps_its_byte_budgets_and_caps_only_a_default_max_model_len(tiny, 
 
 def test_the_start_line_says_kv_tokens_blocks_concurrency_and_adapter_rows(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="replica.engine.engine"):
-        LLMEngine(EngineConfig(model=str(tiny.model_dir), device="cpu", num_slots=3,
-                               max_lora_rank=16))  # fmt: skip
+        LLMEngine(
+            EngineConfig(
+                model=str(tiny.model_dir), device="cpu", max_lora_rank=16, adapters={"num_slots": 3}
+            )
+        )
     [line] = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
     assert "tokens in" in line and "blocks of 16" in line and "sequences of max_model_len" in line
     assert "32 rank rows per projection group" in line and "2 adapters at rank 16" in line

@@ -21,7 +21,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 def test_a_dummy_engine_generates_from_config_and_tokenizer_alone(tiny, tmp_path):
     model_dir = config_only(tiny.model_dir, tmp_path / "model")
     assert not list(model_dir.glob("*.safetensors"))
-    cfg = EngineConfig(model=str(model_dir), device="cpu", load_format="dummy", num_slots=2)
+    cfg = EngineConfig(
+        model=str(model_dir), device="cpu", load_format="dummy", adapters={"num_slots": 2}
+    )
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     runs = []
     for _ in range(2):
@@ -40,8 +42,15 @@ def test_a_dummy_engine_generates_from_config_and_tokenizer_alone(tiny, tmp_path
 def test_dummy_weights_stay_finite_in_bf16_at_depth(tiny, tmp_path):
     """48 layers in bf16: the residual stream and the logits stay finite."""
     model_dir = config_only(tiny.model_dir, tmp_path / "deep", num_hidden_layers=48)
-    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16",
-                                 load_format="dummy", num_slots=2))  # fmt: skip
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="bfloat16",
+            load_format="dummy",
+            adapters={"num_slots": 2},
+        )
+    )
     logits = eng.score(list(range(3, 40)))
     assert torch.isfinite(logits).all()
     assert 0.1 < logits.std().item() < 100

@@ -154,8 +154,15 @@ def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(gpt_oss):
     ps = prompts(256)
 
     def engine(adapters: dict) -> LLMEngine:
-        eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", block_size=4,
-                                     kv_cache_bytes=16 << 20, num_slots=17))  # fmt: skip
+        eng = LLMEngine(
+            EngineConfig(
+                model=str(model_dir),
+                device="cpu",
+                block_size=4,
+                kv_cache_bytes=16 << 20,
+                adapters={"num_slots": 17},
+            )
+        )
         for name, path in adapters.items():
             eng.load_adapter(name, path)
         return eng

@@ -172,7 +172,7 @@ def test_an_unserved_quant_method_is_refused_by_the_spec_the_model_and_the_engin
     with pytest.raises(ModelConfigError, match=refusal):
         CausalLM(model_dir)
     with pytest.raises(ModelConfigError, match=refusal):
-        LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_slots=2))
+        LLMEngine(EngineConfig(model=str(model_dir), device="cpu", adapters={"num_slots": 2}))
     # a multimodal checkpoint may declare it in its text_config
     eetq = {"quantization_config": {"quant_method": "eetq"}}
     with pytest.raises(ModelConfigError, match="quant_method='eetq'"):
