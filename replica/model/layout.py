@@ -125,6 +125,11 @@ class CheckpointLayout:
         h, size = s.hidden_size, s.shared_expert_size
         lo, hi = (0, size) if self.shard is None else self.shard.shared_expert_range
         where = f"{self.prefix}layers.{layer}.mlp.shared_expert"
+        if s.quant is not None and s.quant.format_of(f"{where}.gate_proj") is not None:
+            raise WeightLoadError(
+                f"{self.ckpt.dir}: {where} is quantized ({s.quant.method}): a packed shared "
+                "expert is not served (only its dense form)"
+            )
         gate_up = [self.ckpt.get_part(f"{where}.{m}.weight", (size, h), 0, lo, hi)
                    for m in ("gate_proj", "up_proj")]  # fmt: skip
         down = self.ckpt.get_part(f"{where}.down_proj.weight", (h, size), 1, lo, hi)

@@ -384,7 +384,7 @@ def test_the_state_pool_of_a_hybrid_model_is_planned():
 
     model_dir = family_model_dir("qwen35")
     spec = load_model_spec(model_dir)
-    config = EngineConfig(model=str(model_dir), max_num_seqs=6, num_slots=3)
+    config = EngineConfig(model=str(model_dir), max_num_seqs=6, adapters={"num_slots": 3})
     plan = plan_memory(spec, config, BF16, 1 * GiB)
     pool = StatePool(spec.linear_attention, spec.num_layers, 7, META, BF16)
     held = sum(t.numel() * t.element_size() for t in pool.conv + pool.recurrent if t is not None)
@@ -401,7 +401,7 @@ def test_a_hybrid_model_profiles_its_largest_step_over_a_state_row(monkeypatch):
     DeltaNet layers read and write a state row (one, beside the KV for that sequence)."""
     FakeCuda(monkeypatch, total=8 * GiB, others=GiB)
     model_dir = family_model_dir("qwen35")
-    cfg = EngineConfig(model=str(model_dir), num_slots=3, max_lora_rank=16,
+    cfg = EngineConfig(model=str(model_dir), adapters={"num_slots": 3}, max_lora_rank=16,
                        max_num_batched_tokens=48, max_model_len=200)  # fmt: skip
     spec = load_model_spec(model_dir)
     lora = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
