@@ -109,6 +109,15 @@ DEMO_QUIRKS: dict[str, dict[str, Any]] = {
     "qwen3moe": {"head_dim": 64, "moe_intermediate_size": 256, "num_hidden_layers": 8,
                  "mlp_only_layers": [], "norm_topk_prob": True},
     "mixtral": {"intermediate_size": 384},
+    # a small Qwen3.5 with the real head and state shapes (Qwen3.5-0.8B's): attention heads
+    # of 256 with 2 KV heads, linear attention of 128-dim heads (4 key, 8 value), a 4-tap
+    # conv; 3 of every 4 layers linear
+    "qwen35": {"head_dim": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_hidden_layers": 8,
+               "layer_types": ["linear_attention"] * 3 + ["full_attention"]
+                              + ["linear_attention"] * 3 + ["full_attention"],
+               "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+               "linear_key_head_dim": 128, "linear_value_head_dim": 128},
     "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     # a small gpt-oss: 8 experts of 256 columns, top-2; gpt-oss-20b's head_dim 64, window
