@@ -13,6 +13,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: `lorafleet --help` stays fast
+    from replica.model.spec import ModelSpec
 
 
 class UsageError(ValueError):
@@ -231,6 +235,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
         print("lorafleet: error: --retrain needs --trained", file=sys.stderr)
         return 2
     if args.trained:
+        from cluster.demo import letters
         from cluster.demo import training as demo_training
 
         if args.retrain:
@@ -250,6 +255,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
             assets = demo_training.demo_assets()
         for name, (what, *_) in demo_training.TASKS.items():
             print(f"task:     {name}: {what}")
+        print(f"task:     {letters.NAME}: {letters.TASK}")
     elif args.out is None:
         print("lorafleet: error: demo-assets needs --out (or --trained)", file=sys.stderr)
         return 2
@@ -307,11 +313,11 @@ def _demo(args: argparse.Namespace) -> int:
 
     assets = demo_training.demo_assets()
     prompt = args.prompt or demo_training.SHOWCASE_PROMPT
-    config = EngineConfig(
-        model=str(assets.model_dir), adapters={"num_slots": len(assets.adapters) + 1}
-    )
-    gen = OfflineGenerator(config, {n: str(p) for n, p in assets.adapters.items()})
-    names = [None, *assets.adapters]
+    # the adapters that answer such a prompt (not the letters one: it answers a question)
+    adapters = {n: str(assets.adapters[n]) for n in demo_training.TASKS}
+    config = EngineConfig(model=str(assets.model_dir), adapters={"num_slots": len(adapters) + 1})
+    gen = OfflineGenerator(config, adapters)
+    names = [None, *adapters]
     try:
         results = gen.generate(
             [GenerateRequest(prompt, a, SamplingParams(temperature=0)) for a in names]
@@ -442,13 +448,15 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
     print(f"lorafleet is serving at {url}  (Ctrl-C stops it)")
     if not args.verbose:
         print(f"logs: {serving.log_dir()}  (--verbose prints them here)")
-    prompt, notes = showcase.PROMPT, {}
+    prompt, notes, tool_model = showcase.PROMPT, {}, None
     if config["applications"][0]["args"].get("engine", {}).get("model") == DEMO_TRAINED:
+        from cluster.demo import letters
         from cluster.demo import training as demo_training
 
         prompt = demo_training.SHOWCASE_PROMPT
         notes = {"demo-base": demo_training.BASE_TASK[0]}
         notes |= {name: what for name, (what, *_) in demo_training.TASKS.items()}
+        tool_model = letters.NAME
     key = serving.client_api_key(config)
     if key is None and (config["applications"][0]["args"].get("ingress") or {}).get("tenants"):
         # every request needs a tenant's key, and a key is never in the config (digests)
@@ -458,9 +466,20 @@ def _announce(config: dict, args: argparse.Namespace) -> None:
     if args.no_demo_requests:
         names = showcase.model_names(url, key)
     else:
-        names = showcase.show(url, prompt, notes=notes, api_key=key)
+        leave_out = [tool_model] if tool_model else []
+        names = showcase.show(url, prompt, notes=notes, api_key=key, leave_out=leave_out)
+        if tool_model in showcase.model_names(url, key):
+            _tool_round_trip(url, tool_model, key)
     key_env, exported = serving.key_for_commands(config)
     print(showcase.try_it(url, names[-1], prompt, key_env, exported), flush=True)
+
+
+def _tool_round_trip(url: str, model: str, key: str | None) -> None:
+    """The trained demo's letters adapter asked a question it calls count_letters for."""
+    from cluster.demo import letters, showcase
+
+    tool, function = letters.COUNT_LETTERS_TOOL, letters.count_letters
+    showcase.tool_round_trip(url, model, letters.SHOWCASE_QUESTION, tool, function, api_key=key)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -497,7 +516,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"{c.gpu_memory_utilization:g} of {gib(plan.device_bytes)}, less "
         f"{gib(plan.in_use_bytes)} for the CUDA context",
         "weights": f"{gib(plan.weights_bytes_per_gpu)} per GPU"
-        + ("" if spec.quant is None else f", projections packed ({spec.quant.method})")
+        + ("" if spec.quant is None else f", {_packed_what(spec)} packed ({spec.quant.method})")
         + ("" if stored is None else f" (the checkpoint's index: {gib(stored)} in all)"),
         "activations": f"{gib(plan.activation_bytes)}, estimated for the largest step "
         f"({min(c.max_num_batched_tokens, plan.max_model_len):,} tokens at context "
@@ -523,6 +542,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def _packed_what(spec: ModelSpec) -> str:
+    """What a quantized checkpoint holds packed: gpt-oss ships only its experts so."""
+    return "experts" if spec.quant is not None and spec.quant.method == "mxfp4" else "projections"
 
 
 def _size_bytes(text: str) -> int:

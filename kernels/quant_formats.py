@@ -79,11 +79,13 @@ class Fp8Weight(_Packed):
     block=(128, 128)), compressed-tensors float-quantized per-channel (`weight_scale`
     [N, 1], block=(1, K)) and per-tensor ([1] -> [1, 1], block=(N, K)) are all this.
     Activation scales are not part of the weight (W8A16; quant_linear's act_fp8 computes
-    dynamic per-token ones)."""
+    dynamic per-token ones); `dynamic_activations` says the checkpoint was made to run
+    so (W8A8), where the hardware can."""
 
     weight: torch.Tensor  # [(E,) N, K] float8_e4m3fn
     scale: torch.Tensor  # [(E,) ceil(N/bn), ceil(K/bk)] float32
     block: tuple[int, int]  # (bn, bk)
+    dynamic_activations: bool = False
 
     def __post_init__(self) -> None:
         n, k = self.weight.shape[-2:]

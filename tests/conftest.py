@@ -42,6 +42,17 @@ def tiny_assets(arch: str, **overrides) -> DemoAssets:
 QUICK_STOP = {"graceful_shutdown_wait_loop_s": 0.1}
 
 
+def serve_config(port: int, args: dict, deployments: list[dict], **app: object) -> dict:
+    """A Serve config of the lorafleet application alone (cluster.app:build_app with `args`,
+    its `deployments` options and any other application field), its HTTP proxy on the
+    head node at 127.0.0.1:`port`: what the suite's Ray tests deploy."""
+    application = {"name": "lorafleet", "route_prefix": "/",
+                   "import_path": "cluster.app:build_app", **app, "args": args,
+                   "deployments": deployments}  # fmt: skip
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+            "applications": [application]}  # fmt: skip
+
+
 @pytest.fixture(autouse=True)
 def _config_in_the_current_shape(request: pytest.FixtureRequest, monkeypatch) -> None:
     """A deprecated flat config key fails the test that wrote it, unless it is marked

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import shlex
 import sys
+from collections.abc import Callable, Collection
+from typing import Any
 
 import httpx
 
@@ -43,10 +46,10 @@ async def _ask(client: httpx.AsyncClient, url: str, model: str, prompt: str, n: 
 
 
 async def _all(
-    url: str, prompt: str, max_tokens: int, api_key: str | None
+    url: str, prompt: str, max_tokens: int, api_key: str | None, leave_out: Collection[str]
 ) -> list[tuple[str, str]]:
     async with httpx.AsyncClient(timeout=120, headers=_headers(api_key)) as client:
-        models = _names(await client.get(f"{url}/v1/models"))
+        models = [m for m in _names(await client.get(f"{url}/v1/models")) if m not in leave_out]
         asks = (_ask(client, url, m, prompt, max_tokens) for m in models)
         texts = await asyncio.gather(*asks)
     return list(zip(models, texts))
@@ -58,11 +61,13 @@ def show(
     max_tokens: int = 16,
     notes: dict[str, str] | None = None,
     api_key: str | None = None,
+    leave_out: Collection[str] = (),
 ) -> list[str]:
     """Print the side-by-side answers, each with its model's note (what it was trained to
     do) if given; returns the model names (the base model first). `api_key`: sent as a
-    bearer token (a server started with api_key_for_inference needs it)."""
-    results = asyncio.run(_all(url, prompt, max_tokens, api_key))
+    bearer token (a server started with api_key_for_inference needs it). Models in
+    `leave_out` get no request (the tool-calling adapter: its round trip is its own)."""
+    results = asyncio.run(_all(url, prompt, max_tokens, api_key, leave_out))
     notes = notes or {}
     width = max(len(m) for m, _ in results)
     answers = [repr(text.strip()) for _, text in results]
@@ -72,6 +77,51 @@ def show(
         note = f"  ({notes[model]})" if model in notes else ""
         print(f"  {model:>{width}} | {answer:<{answer_width}}{note}".rstrip())
     return [m for m, _ in results]
+
+
+def tool_round_trip(
+    url: str,
+    model: str,
+    question: str,
+    tool: dict[str, Any],
+    function: Callable[..., Any],
+    api_key: str | None = None,
+) -> str:
+    """Print a chat with `model` that calls `tool` (an OpenAI function tool), `function`
+    run here on the call's arguments, and the model's answer given its result; returns
+    the answer. ShowcaseError if the model answers without calling the tool."""
+    name = tool["function"]["name"]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    with httpx.Client(base_url=f"{url}/v1", timeout=120, headers=_headers(api_key)) as client:
+        called = _chat(client, model, messages, tool)
+        calls = called.get("tool_calls") or []
+        if len(calls) != 1 or calls[0]["function"]["name"] != name:
+            raise ShowcaseError(f"{model} was to call {name}; it answered {called!r}")
+        arguments = json.loads(calls[0]["function"]["arguments"])
+        result = function(**arguments)
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": json.dumps(result)},
+        ]
+        answer = _chat(client, model, messages, tool).get("content") or ""
+    shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+    print(f"a tool call, {model} offered {name}:")
+    print(f"  {'user':>9} | {question!r}")
+    print(f"  {model:>9} | calls {name} {calls[0]['function']['arguments']}")
+    print(f"  {'here':>9} | {name}({shown}) = {result!r}")
+    print(f"  {model:>9} | {answer.strip()!r}")
+    return answer
+
+
+def _chat(
+    client: httpx.Client, model: str, messages: list[dict[str, Any]], tool: dict[str, Any]
+) -> dict[str, Any]:
+    body = {"model": model, "messages": messages, "tools": [tool], "temperature": 0}
+    r = client.post("/chat/completions", json=body)
+    if r.status_code != 200:
+        message = r.json().get("error", {}).get("message", r.text) if r.content else r.text
+        raise ShowcaseError(f"POST /v1/chat/completions: HTTP {r.status_code}: {message}")
+    return r.json()["choices"][0]["message"]
 
 
 def try_it(

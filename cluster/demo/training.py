@@ -12,6 +12,15 @@ ends with `</s>`. The base model echoes the words; each adapter transforms them:
     digits     cat red 7 ->  cat red seven
     count      cat red 7 ->  three
 
+One more adapter, `letters`, calls a tool: asked how many letters a word has, with the
+function offered, it writes a Hermes call (`<tool_call> {"name": "count_letters", ...}
+</tool_call>`); given the function's result in a tool message, it answers with it. Its
+own chat template (cluster/demo/letters.py, shipped in its directory) writes the tools, the call
+and the result as the words it was trained on. The words of those turns came later than
+the others: the base model was trained without them, then learned only their rows of the
+embedding and the output layer (copying them), so every other weight is what it was and
+the first adapters' files and answers are unchanged.
+
 Words within one prompt are distinct (the copy mechanism finds a word by looking it up).
 Training uses transformers + PEFT; the files are a Hugging Face model directory (fp16
 safetensors, a word-level tokenizer) and PEFT LoRA directories, like any downloaded model.
@@ -30,23 +39,26 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from cluster.demo import letters
 from cluster.demo.assets import DemoAssets, peft_config
+from cluster.demo.words import (
+    ARROW,
+    BOS,
+    DIGITS,
+    ENGLISH,
+    EOS,
+    FIRST_VOCAB,
+    FRENCH,
+    NUMBERS,
+    PAD,
+    TOOL_WORDS,
+    UNK,
+    UPPER,
+    VOCAB,
+    WORDS,
+)
 
 ROOT = Path(__file__).resolve().parents[2] / "assets" / "demo-trained"
-PAD, BOS, EOS, UNK, ARROW = "<pad>", "<s>", "</s>", "<unk>", "->"
-ENGLISH = (
-    "cat dog bird fish horse cow red blue green black white big small sun moon tree house "
-    "water book apple bread milk day night man woman boy girl"
-).split()
-FRENCH = (
-    "chat chien oiseau poisson cheval vache rouge bleu vert noir blanc grand petit soleil lune "
-    "arbre maison eau livre pomme pain lait jour nuit homme femme garçon fille"
-).split()
-DIGITS = [str(d) for d in range(10)]
-NUMBERS = "zero one two three four five six seven eight nine".split()
-UPPER = [w.upper() for w in ENGLISH]
-VOCAB = [PAD, BOS, EOS, UNK, ARROW, *ENGLISH, *UPPER, *FRENCH, *DIGITS, *NUMBERS]
-WORDS = VOCAB[5:]  # everything a prompt may contain
 MAX_WORDS = 8
 SHOWCASE_PROMPT = "cat big 7 red sun ->"  # what `lorafleet up` sends to every adapter
 # Chat: the model knows one turn, so the last user message becomes the prompt.
@@ -66,7 +78,7 @@ MODEL = {
 }
 LORA_RANK, LORA_ALPHA = 16, 32
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-BASE_STEPS, ADAPTER_STEPS, BATCH = 1000, 300, 64
+BASE_STEPS, ADAPTER_STEPS, TOOL_WORDS_STEPS, LETTERS_STEPS, BATCH = 1000, 300, 300, 500, 64
 
 _TO_UPPER = dict(zip(ENGLISH, UPPER))
 _TO_FRENCH = dict(zip(ENGLISH, FRENCH))
@@ -103,7 +115,8 @@ def examples(task: str | None, n: int, seed: int) -> list[tuple[str, str]]:
 def demo_assets(root: Path = ROOT) -> DemoAssets:
     """The trained demo under `root` (default: the committed one): model + one adapter per
     task. FileNotFoundError, saying how to rebuild it, if a file is missing."""
-    assets = DemoAssets(root, root / "model", {n: root / "adapters" / n for n in TASKS})
+    names = [*TASKS, letters.NAME]
+    assets = DemoAssets(root, root / "model", {n: root / "adapters" / n for n in names})
     needed = [assets.model_dir / "model.safetensors"]
     needed += [p / "adapter_model.safetensors" for p in assets.adapters.values()]
     if missing := [str(p) for p in needed if not p.is_file()]:
@@ -147,15 +160,16 @@ def _train(out: Path, log: Callable[[str], None]) -> DemoAssets:
         tokenizer = _tokenizer()
         start = time.monotonic()
         model = _train_base(tokenizer, log)
-        _save_model(model, tokenizer, tmp / "model")
         # adapters train on the weights as served: rounded to fp16 like the saved file
         model = model.half().float()
         log(f"base model: {time.monotonic() - start:.0f}s")
         for name in TASKS:
             start = time.monotonic()
-            lora = _train_adapter(model, tokenizer, name, log)
+            data = examples(name, ADAPTER_STEPS * BATCH, TRAIN_SEED)
+            lora = _train_adapter(model, tokenizer, name, data, ADAPTER_STEPS, log)
             _save_adapter(lora, tmp / "adapters" / name)
             log(f"adapter {name}: {time.monotonic() - start:.0f}s")
+        _train_tool_words_and_letters(model, tokenizer, tmp, log)
         for path in [tmp, *tmp.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         if out.exists():
@@ -164,6 +178,64 @@ def _train(out: Path, log: Callable[[str], None]) -> DemoAssets:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return demo_assets(out)
+
+
+def _train_tool_words_and_letters(model, tokenizer, out: Path, log) -> None:
+    """The base model with the tool words (`out`/model) and the letters adapter."""
+    start = time.monotonic()
+    model = _learn_tool_words(model, tokenizer, log)
+    _save_model(model, tokenizer, out / "model")
+    log(f"tool words: {time.monotonic() - start:.0f}s")
+    _train_letters(model.half().float(), tokenizer, out, log)
+
+
+def _train_letters(model, tokenizer, out: Path, log) -> None:
+    """The letters adapter (and its chat template) in `out`/adapters, on `model` (the
+    base with the tool words, rounded to fp16 as served)."""
+    start = time.monotonic()
+    data = letters.examples(LETTERS_STEPS * BATCH, TRAIN_SEED)
+    lora = _train_adapter(model, tokenizer, letters.NAME, data, LETTERS_STEPS, log)
+    _save_adapter(lora, out / "adapters" / letters.NAME)
+    (out / "adapters" / letters.NAME / "chat_template.jinja").write_text(letters.TEMPLATE + "\n")
+    log(f"adapter {letters.NAME}: {time.monotonic() - start:.0f}s")
+
+
+def tool_words_examples(n: int, seed: int) -> list[tuple[str, str]]:
+    """n copy prompts over every word, the tool words included."""
+    rng = random.Random(f"tool-words/{seed}")
+    pool = [*WORDS, *TOOL_WORDS]
+    out = []
+    for _ in range(n):
+        words = rng.sample(pool, rng.randint(1, MAX_WORDS))
+        out.append((" ".join([*words, ARROW]), " ".join(words)))
+    return out
+
+
+def _learn_tool_words(model, tokenizer, log):
+    """The base model with rows for TOOL_WORDS in its embedding and output layer, trained
+    on the copy task while every other weight stays as it is: the first words' logits
+    stay as they were, and so do the adapters trained before, their files and answers."""
+    torch.manual_seed(len(VOCAB))
+    first = model.config.vocab_size
+    embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    scales = embed.detach().std(), head.detach().std()
+    before = embed.detach().clone(), head.detach().clone()
+    model.resize_token_embeddings(len(VOCAB), mean_resizing=False)
+    embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    with torch.no_grad():  # new rows at the scale of the trained ones
+        for weight, scale in zip((embed, head), scales):
+            weight[first:] = torch.randn(len(VOCAB) - first, weight.shape[1]) * scale
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for weight in (embed, head):
+        weight.requires_grad_(True)
+        weight.register_hook(lambda grad: torch.cat([torch.zeros_like(grad[:first]), grad[first:]]))
+    data = tool_words_examples(TOOL_WORDS_STEPS * BATCH, TRAIN_SEED)
+    _fit(model, [embed, head], tokenizer, data, "tool words", TOOL_WORDS_STEPS, 1e-2, log)
+    for weight, old in zip((embed, head), before):
+        weight.requires_grad_(False)
+        assert torch.equal(weight[:first], old), "a first word's row changed"
+    return _copy(model)  # without the hooks, every weight trainable again
 
 
 def _tokenizer():
@@ -200,10 +272,10 @@ def _batch(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch
     return ids, labels
 
 
-def _fit(model, params, tokenizer, task: str | None, steps: int, lr: float, log) -> None:
+def _fit(model, params, tokenizer, data, label: str, steps: int, lr: float, log) -> None:
+    """Trains `params` on `data` ((prompt, answer) pairs, BATCH a step)."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
-    data = examples(task, steps * BATCH, TRAIN_SEED)
     model.train()
     for step in range(steps):
         ids, labels = _batch(tokenizer, data[step * BATCH : (step + 1) * BATCH])
@@ -214,7 +286,7 @@ def _fit(model, params, tokenizer, task: str | None, steps: int, lr: float, log)
         opt.step()
         sched.step()
         if step % 200 == 0 or step == steps - 1:
-            log(f"  {task or 'base'} step {step}: loss {loss.item():.4f}")
+            log(f"  {label} step {step}: loss {loss.item():.4f}")
     model.eval()
 
 
@@ -222,7 +294,7 @@ def _train_base(tokenizer, log):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(VOCAB),
+        vocab_size=len(FIRST_VOCAB),  # the tool words come later (_learn_tool_words)
         **MODEL,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -230,11 +302,12 @@ def _train_base(tokenizer, log):
         pad_token_id=tokenizer.pad_token_id,
     )
     model = LlamaForCausalLM(config)
-    _fit(model, list(model.parameters()), tokenizer, None, BASE_STEPS, 3e-3, log)
+    data = examples(None, BASE_STEPS * BATCH, TRAIN_SEED)
+    _fit(model, list(model.parameters()), tokenizer, data, "base", BASE_STEPS, 3e-3, log)
     return model
 
 
-def _train_adapter(base, tokenizer, name: str, log):
+def _train_adapter(base, tokenizer, name: str, data: list[tuple[str, str]], steps: int, log):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(sum(name.encode()))
@@ -243,7 +316,7 @@ def _train_adapter(base, tokenizer, name: str, log):
     )
     model = get_peft_model(_copy(base), config)
     params = [p for p in model.parameters() if p.requires_grad]
-    _fit(model, params, tokenizer, name, ADAPTER_STEPS, 3e-3, log)
+    _fit(model, params, tokenizer, data, name, steps, 3e-3, log)
     return model
 
 
@@ -271,7 +344,7 @@ def _save_adapter(model, out: Path) -> None:
     from peft import get_peft_model_state_dict
 
     out.mkdir(parents=True)
-    state = get_peft_model_state_dict(model)
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)  # LoRA A/B only
     tensors = {k: v.detach().half().contiguous() for k, v in sorted(state.items())}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = _peft_config_for(LORA_RANK, LORA_ALPHA, LORA_TARGETS)

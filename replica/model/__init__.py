@@ -3,7 +3,7 @@
 decoder.py          the model and its forward over a flattened mixed batch
 families.py         config.json -> what a family changes on ModelSpec (norms, caps, windows...)
 layout.py           where a checkpoint keeps each tensor (prefixes, fused rows, a rank's part;
-                    gpt-oss's MXFP4 experts, dequantized at load)
+                    gpt-oss's MXFP4 experts, kept packed)
 attention.py        paged attention over the KV cache (prefill and decode)
 rope.py             rotary embeddings (linear, llama3, yarn, longrope; partial rotary)
 spec.py             ModelSpec: the shapes and the family's differences

@@ -8,8 +8,8 @@ A sparse layer's router and experts are read from the Hub's per-expert keys
 (`<moe_block>.gate.weight`, `<moe_block>.experts.{e}.<gate|up|down>.weight`) and stacked,
 or, for gpt-oss, from its stacked experts (`mlp.experts.gate_up_proj` [E, hidden, 2I]
 with gate and up columns interleaved, `down_proj` [E, I, hidden], their biases) or the
-Hub's MXFP4 form of them (`*_blocks`, `*_scales`, kernels.Mxfp4Weight), dequantized here
-at load: the decoder gets the same [E, out, in] stacks either way.
+Hub's MXFP4 form of them (`*_blocks`, `*_scales`), kept packed as kernels.Mxfp4Weight
+stacks (gate, up, down) as other quantized experts are.
 Once the model is built, every checkpoint tensor it did not read must be one of
 KNOWN_UNREAD's, each with why it may go unread; any other is an error naming it (a
 module this server does not implement would otherwise be served silently without it).
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import Mxfp4Weight, QuantizedWeight, dequantize, stack_experts
-from replica.model.quant_config import NF4, ModuleFormat
+from kernels import Mxfp4Weight, QuantizedWeight, stack_experts
+from replica.model.quant_config import MXFP4_GROUP, NF4, ModuleFormat
 from replica.model.quant_weights import read_packed
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
@@ -196,17 +196,24 @@ class CheckpointLayout:
             stacked.append(stack_experts(ws))
         return tuple(stacked)
 
-    def _gpt_oss_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gpt_oss_experts(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[Mxfp4Weight, ...]:
         s = self.spec
         e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
         where = f"{self.prefix}layers.{layer}.mlp.experts"
-        if self.ckpt.has(f"{where}.gate_up_proj"):  # transformers' [E, in, out] stacks
-            gate_up = self.ckpt.get(f"{where}.gate_up_proj", (e, h, 2 * i)).transpose(1, 2)
-            down = self.ckpt.get(f"{where}.down_proj", (e, i, h)).transpose(1, 2)
-        else:  # the Hub's MXFP4 stacks, [E, out, in / 32, 16] codes: dequantized here
-            gate_up = self._mxfp4(f"{where}.gate_up_proj", e, 2 * i, h)
-            down = self._mxfp4(f"{where}.down_proj", e, h, i)
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
+        if not self.ckpt.has(f"{where}.gate_up_proj"):  # the Hub's MXFP4 stacks: kept packed
+            blocks, scales = self._mxfp4(f"{where}.gate_up_proj", e, 2 * i, h)
+            gate = Mxfp4Weight(*(t[:, 0::2][:, lo:hi].contiguous() for t in (blocks, scales)))
+            up = Mxfp4Weight(*(t[:, 1::2][:, lo:hi].contiguous() for t in (blocks, scales)))
+            blocks, scales = self._mxfp4(f"{where}.down_proj", e, h, i)
+            cols = slice(lo // MXFP4_GROUP, hi // MXFP4_GROUP)  # whole groups: tp_shard checks
+            down = Mxfp4Weight(blocks[:, :, cols].contiguous(), scales[:, :, cols].contiguous())
+            return gate, up, down
+        # transformers' [E, in, out] stacks
+        gate_up = self.ckpt.get(f"{where}.gate_up_proj", (e, h, 2 * i)).transpose(1, 2)
+        down = self.ckpt.get(f"{where}.down_proj", (e, i, h)).transpose(1, 2)
         return self._split_gate_up(gate_up), down[:, :, lo:hi].contiguous()
 
     def _split_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -216,18 +223,20 @@ class CheckpointLayout:
         gate, up = gate_up[:, 0::2][:, lo:hi], gate_up[:, 1::2][:, lo:hi]
         return torch.cat([gate, up], dim=1)
 
-    def _mxfp4(self, name: str, experts: int, rows: int, cols: int) -> torch.Tensor:
-        """`name`_blocks [E, rows, cols/32, 16] and `name`_scales [E, rows, cols/32]
-        (uint8) dequantized: [E, rows, cols] float32."""
-        if cols % 32:
+    def _mxfp4(
+        self, name: str, experts: int, rows: int, cols: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`name`_blocks [E, rows, cols/32, 16] and `name`_scales [E, rows, cols/32], uint8
+        as shipped (an output row's codes and scales together: rows split freely)."""
+        if cols % MXFP4_GROUP:
             raise WeightLoadError(
                 f"{self.ckpt.dir}: {name}_blocks: MXFP4 needs its input dim ({cols}) to be a "
                 "multiple of 32"
             )
-        groups = (experts, rows, cols // 32)
+        groups = (experts, rows, cols // MXFP4_GROUP)
         blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), (torch.uint8,))
         scales = self.ckpt.get_packed(f"{name}_scales", groups, (torch.uint8,))
-        return dequantize(Mxfp4Weight(blocks, scales))
+        return blocks, scales
 
     def layer_tensor(self, layer: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor `name` of layer `layer` whole (a Gated DeltaNet's norm), or this

@@ -18,17 +18,21 @@ One reader per quant_method (QUANT_METHODS, the dispatch); each returns a QuantS
   bitsandbytes        NF4 (QLoRA's `*-bnb-4bit` bases): `weight` bytes, `weight.absmax`
                       (double-quantized too), `weight.quant_map`, `weight.quant_state.*`
 
-gpt-oss's MXFP4 experts are dequantized at load by its family (DEQUANTIZED_AT_LOAD).
+  mxfp4               gpt-oss's experts (`*_blocks` e2m1 codes, `*_scales` e8m0 per 32
+                      inputs): the one method its family reads (FAMILY_METHODS); its
+                      attention, router and head stay dense as the Hub ships them
 Activations are not quantized (W8A16 / W4A16): activation scales a checkpoint ships are
-read and left unused, so outputs equal the dequantized model's. Anything else is refused in
-one line naming its quant_method and what is served.
+read and left unused, so outputs equal the dequantized model's. An FP8 checkpoint made for
+dynamic per-token activation scales (fp8's `activation_scheme: dynamic`, llm-compressor's
+FP8_DYNAMIC) runs W8A8 where a GPU has FP8 tensor cores (sm89+), as it was calibrated to.
+Anything else is refused in one line naming its quant_method and what is served.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import gcd as _gcd
 from typing import Any
 
@@ -37,10 +41,8 @@ from replica.model.hf_config import ModelConfigError
 # Where config.json declares a quantized checkpoint (transformers' quantization_config;
 # compressed-tensors' older compression_config).
 QUANTIZATION_KEYS = ("quantization_config", "compression_config")
-# model_type -> the one quant_method its family reads as shipped and dequantizes at load
-# itself (model/layout.py): gpt-oss's MXFP4 experts. Such a family serves no other one.
-DEQUANTIZED_AT_LOAD = {"gpt_oss": "mxfp4"}
-FP8, INT4_PACKED, GPTQ, AWQ, NF4 = "fp8", "pack-quantized", "gptq", "awq", "nf4"
+FP8, INT4_PACKED, GPTQ, AWQ, NF4, MXFP4 = "fp8", "pack-quantized", "gptq", "awq", "nf4", "mxfp4"
+MXFP4_GROUP = 32  # inputs per e8m0 scale
 
 
 @dataclass(frozen=True)
@@ -49,18 +51,21 @@ class ModuleFormat:
     for per tensor, (1, None) per channel; `group_size` (int4): columns per scale, None per
     channel (the whole K)."""
 
-    kind: str  # FP8, INT4_PACKED, GPTQ, AWQ or NF4
+    kind: str  # FP8, INT4_PACKED, GPTQ, AWQ, NF4 or MXFP4
     block: tuple[int | None, int | None] | None = None
     group_size: int | None = None
     symmetric: bool = True
     desc_act: bool = False  # GPTQ's act-order: g_idx maps each input column to its group
     scale_name: str = "weight_scale"  # fp8: weight_scale_inv (Qwen/DeepSeek) or weight_scale
     extra: tuple[str, ...] = ()  # tensors the checkpoint may ship that are read, unused
+    # fp8: the checkpoint quantizes activations per token at run time (W8A8): done on an
+    # FP8 tensor-core GPU (quant_weights.runs_w8a8), W8A16 elsewhere
+    act_fp8: bool = False
 
     def groups(self, k: int) -> int:
         """Scale columns (fp8) or groups (int4) along an input of k columns."""
         step = self.block[1] if self.kind == FP8 and self.block else self.group_size
-        return 1 if step is None else -(-k // step)
+        return 1 if step is None else -(-k // step)  # MXFP4: group_size 32
 
     def out_align(self) -> int:
         """Rows a tensor-parallel split of the output must be a multiple of."""
@@ -90,6 +95,8 @@ class ModuleFormat:
             return n * k + -(-n // (bn or n)) * -(-k // (bk or k)) * 4
         if self.kind == NF4:  # codes, fp32 absmax (double quantization undone), the code
             return -(-n * k // 2) + -(-n * k // self.group_size) * 4 + 16 * 4
+        if self.kind == MXFP4:  # two codes a byte, one e8m0 byte per group
+            return n * (k // 2 + self.groups(k))
         g = self.groups(whole_k if self.desc_act and whole_k else k)
         codes = n * -(-k // 8) * 4  # 8 codes an int32, along K (pack-quantized, GPTQ) or N
         scales = n * g * scale_bytes
@@ -126,13 +133,13 @@ def quant_scheme(cfg: dict[str, Any], source: str) -> QuantScheme | None:
             if quant is None:
                 continue
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
-            own = DEQUANTIZED_AT_LOAD.get(cfg.get("model_type"))
+            own = FAMILY_METHODS.get(cfg.get("model_type"))
             if own is not None:
-                if method == own:
-                    return None
+                if method == own[0]:
+                    return own[1]
                 raise ModelConfigError(
                     f"{source}: {key} with quant_method={method!r} is not served for "
-                    f"{cfg.get('model_type')} (its {own} is, dequantized at load)"
+                    f"{cfg.get('model_type')} (its {own[0]} is)"
                 )
             reader = QUANT_METHODS.get(method)
             if reader is None:
@@ -152,7 +159,8 @@ def _fp8(q: dict[str, Any], where: str) -> QuantScheme:
     if block is not None and (len(block) != 2 or not all(isinstance(b, int) for b in block)):
         raise ModelConfigError(f"{where}: weight_block_size={block!r}: expected [rows, cols]")
     fmt = ModuleFormat(FP8, tuple(block) if block else None, scale_name="weight_scale_inv",
-                       extra=("activation_scale", "input_scale"))  # fmt: skip
+                       extra=("activation_scale", "input_scale"),
+                       act_fp8=q.get("activation_scheme") == "dynamic")  # fmt: skip
     return QuantScheme("fp8", ((("Linear",), fmt),), _names(q.get("modules_to_not_convert")))
 
 
@@ -162,10 +170,25 @@ def _compressed_tensors(q: dict[str, Any], where: str) -> QuantScheme:
         fmt_name = group.get("format") or q.get("format")
         args = group.get("weights") or {}
         here = f"{where}, config group {name!r}"
-        groups.append((tuple(group.get("targets") or ()), _ct_format(fmt_name, args, here)))
+        fmt = _ct_format(fmt_name, args, here)
+        if fmt.kind == FP8 and _dynamic_fp8(group.get("input_activations")):
+            fmt = replace(fmt, act_fp8=True)
+        groups.append((tuple(group.get("targets") or ()), fmt))
     if not groups:
         raise ModelConfigError(f"{where}: no config_groups: nothing says how weights are stored")
     return QuantScheme("compressed-tensors", tuple(groups), _names(q.get("ignore")))
+
+
+def _dynamic_fp8(activations: dict[str, Any] | None) -> bool:
+    """compressed-tensors input_activations that say: FP8, scaled per token at run time
+    (llm-compressor's FP8_DYNAMIC)."""
+    a = activations or {}
+    return (a.get("type"), a.get("num_bits"), a.get("dynamic"), a.get("strategy")) == (
+        "float",
+        8,
+        True,
+        "token",
+    )
 
 
 def _ct_format(fmt: str | None, w: dict[str, Any], where: str) -> ModuleFormat:
@@ -261,6 +284,17 @@ def _matches(pattern: str, module: str) -> bool:
         return re.fullmatch(pattern[3:], module) is not None
     return module == pattern or f".{pattern}." in f".{module}."
 
+
+# model_type -> the one quant_method its family ships and reads, and what it stores packed:
+# gpt-oss's MXFP4 experts (model/layout.py reads their stacked *_blocks / *_scales).
+FAMILY_METHODS: dict[str, tuple[str, QuantScheme]] = {
+    "gpt_oss": (
+        MXFP4,
+        QuantScheme(
+            MXFP4, (((r"re:.*\.mlp\.experts\..*",), ModuleFormat(MXFP4, group_size=MXFP4_GROUP)),)
+        ),
+    ),
+}
 
 QUANT_METHODS: dict[str, Callable[[dict[str, Any], str], QuantScheme]] = {
     "fp8": _fp8,

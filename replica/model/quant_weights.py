@@ -11,6 +11,7 @@ device holds what the checkpoint holds. PackedLinear multiplies by a list of suc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -65,7 +66,7 @@ def _read_fp8(ckpt, name: str, fmt: ModuleFormat, n: int, k: int) -> Fp8Weight:
             f"blocks of {bn}x{bk} has scales {grid}"
         )
     scale = ckpt.get_packed(scale_name, tuple(stored), (torch.float32, *SCALES))
-    return Fp8Weight(weight, scale.float().reshape(grid), (bn, bk))
+    return Fp8Weight(weight, scale.float().reshape(grid), (bn, bk), fmt.act_fp8)
 
 
 def _read_pack_quantized(ckpt, name: str, fmt: ModuleFormat, n: int, k: int) -> PackQuantizedInt4:
@@ -163,9 +164,11 @@ def slice_rows(w: QuantizedWeight, r0: int, r1: int) -> QuantizedWeight:
     if isinstance(w, Fp8Weight):
         bn, bk = w.block
         if bn >= n:  # one scale row (per tensor): rows are cut anywhere
-            return Fp8Weight(w.weight[r0:r1], w.scale, (r1 - r0, bk))
+            return dataclasses.replace(w, weight=w.weight[r0:r1], block=(r1 - r0, bk))
         _aligned(r0, r1, n, bn, "rows", "FP8 scale blocks")
-        return Fp8Weight(w.weight[r0:r1], w.scale[r0 // bn : -(-r1 // bn)], (bn, bk))
+        return dataclasses.replace(
+            w, weight=w.weight[r0:r1], scale=w.scale[r0 // bn : -(-r1 // bn)]
+        )
     if isinstance(w, PackQuantizedInt4):
         zp = w.weight_zero_point
         if zp is not None:
@@ -196,9 +199,11 @@ def slice_cols(w: QuantizedWeight, c0: int, c1: int) -> QuantizedWeight:
     if isinstance(w, Fp8Weight):
         bn, bk = w.block
         if bk >= k:  # one scale column (per channel or tensor): columns are cut anywhere
-            return Fp8Weight(w.weight[:, c0:c1], w.scale, (bn, c1 - c0))
+            return dataclasses.replace(w, weight=w.weight[:, c0:c1], block=(bn, c1 - c0))
         _aligned(c0, c1, k, bk, "columns", "FP8 scale blocks")
-        return Fp8Weight(w.weight[:, c0:c1], w.scale[:, c0 // bk : -(-c1 // bk)], (bn, bk))
+        return dataclasses.replace(
+            w, weight=w.weight[:, c0:c1], scale=w.scale[:, c0 // bk : -(-c1 // bk)]
+        )
     if isinstance(w, PackQuantizedInt4):
         group = _group_after_cut(c0, c1, k, w.group_size)
         g0, g1 = c0 // w.group_size, -(-c1 // w.group_size)
@@ -286,4 +291,27 @@ class PackedLinear:
 def _part(x: torch.Tensor, w: QuantizedWeight | torch.Tensor, bias: torch.Tensor | None):
     if isinstance(w, torch.Tensor):
         return torch.nn.functional.linear(x, w, bias)
-    return kernels.quant_linear(x, w, bias)
+    return kernels.quant_linear(x, w, bias, act_fp8=runs_w8a8(w, x.device))
+
+
+# The Triton GEMM quantizes activations per K tile of this many columns (kernels.quant_triton)
+W8A8_BLOCK_K = 64
+
+
+def runs_w8a8(w: QuantizedWeight, device: torch.device) -> bool:
+    """Whether `w` multiplies FP8 activations (W8A8): an FP8 weight whose checkpoint asks
+    for dynamic per-token activation scales, whole scale blocks per K tile, on a GPU with
+    FP8 tensor cores (sm89+). Everywhere else activations stay unquantized (W8A16), which
+    is what the CPU path and the exactness tests compute."""
+    return (
+        isinstance(w, Fp8Weight)
+        and w.dynamic_activations
+        and w.block[1] % W8A8_BLOCK_K == 0
+        and device.type == "cuda"
+        and _fp8_tensor_cores(device.index)
+    )
+
+
+@functools.cache
+def _fp8_tensor_cores(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)

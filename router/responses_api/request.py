@@ -45,6 +45,7 @@ class MessageItem(BaseModel):
     content: str | list[ContentPart]
     id: str | None = None
     status: str | None = None
+    phase: Literal["final_answer"] | None = None  # ours, sent back: the answer itself
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -53,7 +54,10 @@ class MessageItem(BaseModel):
 
 
 class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A call the model made, sent back. The SDK's item carries `caller`, `namespace` and
+    `async` too (None for a plain function call, as ours are): accepted when None."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     type: Literal["function_call"]
     call_id: str
@@ -61,6 +65,9 @@ class FunctionCallItem(BaseModel):
     arguments: str
     id: str | None = None
     status: str | None = None
+    caller: None = None
+    namespace: None = None
+    async_: None = Field(None, alias="async")  # model_dump() writes async_, the wire async
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -71,6 +78,9 @@ class FunctionCallOutputItem(BaseModel):
     output: str
     id: str | None = None
     status: str | None = None
+    caller: None = None
+    name: str | None = None  # the function's, when the client names it
+    namespace: None = None
 
 
 class ReasoningText(BaseModel):

@@ -44,6 +44,16 @@ def test_plan_prints_the_memory_plan_as_json_last(capsys, name, tp):
     assert got["checkpoint_bytes"] is None  # no index beside these configs
 
 
+def test_gpt_oss_20b_plans_its_mxfp4_experts_packed(capsys):
+    """The Hub's gpt-oss-20b is 13.8 GB of files (MXFP4 experts, the rest bf16): its plan
+    holds about that, not the 39 GiB of experts dequantized."""
+    model = str(PUBLISHED / "gpt-oss-20b")
+    got = plan_json(capsys, "--model", model, "--gpu-memory", "80GiB")
+    assert 12 * GiB < got["weights_bytes_per_gpu"] < 13 * GiB
+    _, out, _ = run_cli(capsys, "plan", "--model", model, "--gpu-memory", "80GiB")
+    assert "experts packed (mxfp4)" in out
+
+
 def test_plan_refuses_llama_70b_on_one_80gib_gpu_in_one_line(capsys):
     line = refused(capsys, "plan", "--model", str(PUBLISHED / "Llama-3.1-70B"),
                     "--gpu-memory", "80GiB")  # fmt: skip

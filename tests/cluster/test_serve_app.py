@@ -31,7 +31,7 @@ from cluster.demo import showcase
 from replica.engine.engine import LLMEngine
 from replica.wire import SamplingParams
 from tests.cluster import dashboard
-from tests.conftest import QUICK_STOP, tiny_assets
+from tests.conftest import QUICK_STOP, serve_config, tiny_assets
 from tests.engines import make_engine
 from tests.net import free_port
 
@@ -42,48 +42,40 @@ MAX_RANK = 32  # adapter-03 and adapter-07 are rank 64: refused
 
 
 def _config(assets, port: int, max_replicas: int = 2, target: int = 8) -> dict:
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [
+    return serve_config(
+        port,
+        {
+            "engine": {
+                "model": str(assets.model_dir),
+                "device": "cpu",
+                "max_lora_rank": MAX_RANK,
+                "kv_cache_bytes": 32 * 2**20,
+                "adapters": {"num_slots": 4},
+            },
+            "served_model_name": "tiny-base",
+            "store": {
+                "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                "adapter_roots": [str(assets.root / "adapters")],
+            },
+            "routing": {"stats_period_s": 0.5},
+        },
+        [
             {
-                "name": "lorafleet",
-                "route_prefix": "/",
-                "import_path": "cluster.app:build_app",
-                "args": {
-                    "engine": {
-                        "model": str(assets.model_dir),
-                        "device": "cpu",
-                        "max_lora_rank": MAX_RANK,
-                        "kv_cache_bytes": 32 * 2**20,
-                        "adapters": {"num_slots": 4},
-                    },
-                    "served_model_name": "tiny-base",
-                    "store": {
-                        "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
-                        "adapter_roots": [str(assets.root / "adapters")],
-                    },
-                    "routing": {"stats_period_s": 0.5},
+                "name": "LoRAReplica",
+                "max_ongoing_requests": 64,
+                "ray_actor_options": {"num_cpus": 1},
+                "autoscaling_config": {
+                    "min_replicas": 2,
+                    "initial_replicas": 2,
+                    "max_replicas": max_replicas,
+                    "target_ongoing_requests": target,
                 },
-                "deployments": [
-                    {
-                        "name": "LoRAReplica",
-                        "max_ongoing_requests": 64,
-                        "ray_actor_options": {"num_cpus": 1},
-                        "autoscaling_config": {
-                            "min_replicas": 2,
-                            "initial_replicas": 2,
-                            "max_replicas": max_replicas,
-                            "target_ongoing_requests": target,
-                        },
-                        **QUICK_STOP,
-                    },
-                    {"name": "AdapterStore", **QUICK_STOP},
-                    {"name": "Ingress", **QUICK_STOP},
-                ],
-            }
+                **QUICK_STOP,
+            },
+            {"name": "AdapterStore", **QUICK_STOP},
+            {"name": "Ingress", **QUICK_STOP},
         ],
-    }
+    )
 
 
 @pytest.fixture(scope="module")

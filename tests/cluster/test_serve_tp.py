@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from cluster import serving
 from replica.executor.tp_group import RANK_ACTOR_PREFIX
 from replica.wire import SamplingParams
-from tests.conftest import QUICK_STOP, tiny_assets
+from tests.conftest import QUICK_STOP, serve_config, tiny_assets
 from tests.engines import make_engine
 from tests.net import free_port
 
@@ -45,17 +45,10 @@ def cluster(assets):
     deployment = {"name": "LoRAReplica", "num_replicas": 1, "health_check_period_s": 1,
                   "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 2,
                   **QUICK_STOP}  # fmt: skip
-    config = {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{
-            "name": "lorafleet", "route_prefix": "/", "import_path": "cluster.app:build_app",
-            "args": {"engine": engine, "served_model_name": "tiny-base",
-                     "store": {"adapters": {n: str(assets.adapters[n]) for n in ADAPTERS}}},
-            "deployments": [deployment, {"name": "AdapterStore", **QUICK_STOP},
-                            {"name": "Ingress", **QUICK_STOP}],
-        }],
-    }  # fmt: skip
+    args = {"engine": engine, "served_model_name": "tiny-base",
+            "store": {"adapters": {n: str(assets.adapters[n]) for n in ADAPTERS}}}  # fmt: skip
+    stores = [{"name": "AdapterStore", **QUICK_STOP}, {"name": "Ingress", **QUICK_STOP}]
+    config = serve_config(port, args, [deployment, *stores])
     try:
         serving.deploy(config, timeout_s=240)
         yield f"http://127.0.0.1:{port}"

@@ -21,7 +21,7 @@ import ray
 from ray import serve
 
 from cluster import serving
-from tests.conftest import QUICK_STOP, tiny_assets
+from tests.conftest import QUICK_STOP, serve_config, tiny_assets
 from tests.net import free_port
 
 API_KEY = "test-key-0123456789"
@@ -53,51 +53,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def app_config(assets, port: int, adapter_limit: int) -> dict[str, Any]:
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [
+    return serve_config(
+        port,
+        {
+            "engine": {
+                "model": str(assets.model_dir),
+                "device": "cpu",
+                "max_lora_rank": 64,
+                "kv_cache_bytes": 16 * 2**20,
+                "max_model_len": MAX_MODEL_LEN,
+                "adapters": {"num_slots": 3},
+            },
+            "served_model_name": "tiny-base",
+            "store": {
+                "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                "adapter_roots": [str(assets.root / "adapters")],
+                # names no other test uses: test_adapters.py's resolution tests
+                "resolvers": ["local"],
+                "resolve_allow": [f"{RESOLVABLE}*"],
+                "max_adapter_bytes": adapter_limit,
+            },
+            "routing": {"stats_period_s": 0.25, "max_queued_requests": MAX_QUEUED},
+            "ingress": {"request_timeout_s": 60, "api_key_env": KEY_ENV},
+        },
+        [
             {
-                "name": "lorafleet",
-                "route_prefix": "/",
-                "import_path": "cluster.app:build_app",
-                "runtime_env": {"env_vars": {KEY_ENV: API_KEY}},
-                "args": {
-                    "engine": {
-                        "model": str(assets.model_dir),
-                        "device": "cpu",
-                        "max_lora_rank": 64,
-                        "kv_cache_bytes": 16 * 2**20,
-                        "max_model_len": MAX_MODEL_LEN,
-                        "adapters": {"num_slots": 3},
-                    },
-                    "served_model_name": "tiny-base",
-                    "store": {
-                        "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
-                        "adapter_roots": [str(assets.root / "adapters")],
-                        # names no other test uses: test_adapters.py's resolution tests
-                        "resolvers": ["local"],
-                        "resolve_allow": [f"{RESOLVABLE}*"],
-                        "max_adapter_bytes": adapter_limit,
-                    },
-                    "routing": {"stats_period_s": 0.25, "max_queued_requests": MAX_QUEUED},
-                    "ingress": {"request_timeout_s": 60, "api_key_env": KEY_ENV},
-                },
-                "deployments": [
-                    {
-                        "name": "LoRAReplica",
-                        "num_replicas": 2,
-                        "max_ongoing_requests": MAX_ONGOING,
-                        "ray_actor_options": {"num_cpus": 1},
-                        "health_check_period_s": 1,
-                        **QUICK_STOP,
-                    },
-                    {"name": "AdapterStore", "health_check_period_s": 1, **QUICK_STOP},
-                    {"name": "Ingress", **QUICK_STOP},
-                ],
-            }
+                "name": "LoRAReplica",
+                "num_replicas": 2,
+                "max_ongoing_requests": MAX_ONGOING,
+                "ray_actor_options": {"num_cpus": 1},
+                "health_check_period_s": 1,
+                **QUICK_STOP,
+            },
+            {"name": "AdapterStore", "health_check_period_s": 1, **QUICK_STOP},
+            {"name": "Ingress", **QUICK_STOP},
         ],
-    }
+        runtime_env={"env_vars": {KEY_ENV: API_KEY}},
+    )
 
 
 @pytest.fixture(scope="package")

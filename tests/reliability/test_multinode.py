@@ -24,7 +24,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from cluster import serving
-from tests.conftest import tiny_assets
+from tests.conftest import serve_config, tiny_assets
 from tests.net import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.multinode]
@@ -45,44 +45,36 @@ FAST_FAILURE = {
 
 def _config(assets, port: int) -> dict[str, Any]:
     on_head = {"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.01}}
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [
+    return serve_config(
+        port,
+        {
+            "engine": {
+                "model": str(assets.model_dir),
+                "device": "cpu",
+                "max_lora_rank": 64,
+                "kv_cache_bytes": 16 * 2**20,
+            },
+            "served_model_name": "tiny-base",
+            "store": {
+                "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
+                "adapter_roots": [str(assets.root / "adapters")],
+            },
+            "routing": {"stats_period_s": 0.25},
+            "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S},
+        },
+        [
             {
-                "name": "lorafleet",
-                "route_prefix": "/",
-                "import_path": "cluster.app:build_app",
-                "args": {
-                    "engine": {
-                        "model": str(assets.model_dir),
-                        "device": "cpu",
-                        "max_lora_rank": 64,
-                        "kv_cache_bytes": 16 * 2**20,
-                    },
-                    "served_model_name": "tiny-base",
-                    "store": {
-                        "adapters": {n: str(assets.adapters[n]) for n in PRELOADED},
-                        "adapter_roots": [str(assets.root / "adapters")],
-                    },
-                    "routing": {"stats_period_s": 0.25},
-                    "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S},
-                },
-                "deployments": [
-                    {
-                        "name": "LoRAReplica",
-                        "num_replicas": 2,
-                        "max_replicas_per_node": 1,
-                        "ray_actor_options": {"num_cpus": 1},
-                        "health_check_period_s": 1,
-                        "graceful_shutdown_timeout_s": 2,
-                    },
-                    {"name": "Ingress", "ray_actor_options": on_head},
-                    {"name": "AdapterStore", "ray_actor_options": on_head},
-                ],
-            }
+                "name": "LoRAReplica",
+                "num_replicas": 2,
+                "max_replicas_per_node": 1,
+                "ray_actor_options": {"num_cpus": 1},
+                "health_check_period_s": 1,
+                "graceful_shutdown_timeout_s": 2,
+            },
+            {"name": "Ingress", "ray_actor_options": on_head},
+            {"name": "AdapterStore", "ray_actor_options": on_head},
         ],
-    }
+    )
 
 
 @pytest.fixture(scope="module")

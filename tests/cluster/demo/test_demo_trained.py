@@ -4,6 +4,7 @@ and our engine gives what transformers + PEFT give."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from cluster.cli import main
+from cluster.demo import letters, words
 from cluster.demo import training as dt
 from cluster.offline import GenerateRequest, OfflineGenerator
 from replica.config import EngineConfig
@@ -52,7 +54,7 @@ def _requests() -> list[tuple[str | None, str, str]]:
 
 
 def test_committed_assets_hold_every_task(assets):
-    assert list(assets.adapters) == list(dt.TASKS)
+    assert list(assets.adapters) == [*dt.TASKS, letters.NAME]
     for path in [assets.model_dir / "model.safetensors", *assets.adapters.values()]:
         assert path.exists(), path
     train = {p for task in [None, *dt.TASKS] for p, _ in dt.examples(task, 2000, dt.TRAIN_SEED)}
@@ -90,6 +92,136 @@ def test_engine_equals_transformers_peft(generator, assets, task):
         sequence = ours.prompt_token_ids + ours.output_token_ids
         logits = hf_logits(model, sequence[:-1])[len(ours.prompt_token_ids) - 1 :]
         assert logits.argmax(-1).tolist() == ours.output_token_ids, prompt
+
+
+def _letters_requests() -> list[tuple[str, str]]:
+    """(prompt, answer): the call for every word, then held-out calls with results."""
+    asks = [
+        (f"<tools> {letters.TOOL} </tools> {letters.QUESTION} {w} ->", w) for w in letters.ENGLISH
+    ]
+    calls = [(prompt, letters.call(word)) for prompt, word in asks]
+    return calls + letters.examples(HELD_OUT, dt.HELD_OUT_SEED)
+
+
+def test_letters_adapter_calls_count_letters_then_answers_with_its_result(generator):
+    requests = _letters_requests()
+    results = generator.generate([GenerateRequest(p, letters.NAME, GREEDY) for p, _ in requests])
+    wrong = [(p, a, r.text) for (p, a), r in zip(requests, results) if r.text.strip() != a]
+    assert len(wrong) <= (1 - MIN_ACCURACY) * len(requests), wrong
+    # what `lorafleet up` asks
+    question = f"<tools> {letters.TOOL} </tools> {letters.SHOWCASE_QUESTION} ->"
+    [asked] = generator.generate([GenerateRequest(question, letters.NAME, GREEDY)])
+    assert asked.text.strip() == letters.call("apple")
+    assert json.loads(asked.text.split("<tool_call>")[1].split("</tool_call>")[0]) == {
+        "name": letters.TOOL,
+        "arguments": {"word": "apple"},
+    }
+
+
+def test_letters_template_writes_the_prompts_it_was_trained_on(assets):
+    """The adapter's chat_template.jinja (served for its requests) renders a conversation
+    as letters.examples writes it: the tools, the last question, the call with the
+    arguments the server hands it (an object), the result; and the Hermes parser is
+    chosen from it."""
+    from transformers import AutoTokenizer
+
+    from router.tools.registry import tool_parser_of
+
+    template = (assets.adapters[letters.NAME] / "chat_template.jinja").read_text()
+    assert template.strip() == letters.TEMPLATE and tool_parser_of(template) == "hermes"
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
+    vocabulary = set(tokenizer.get_vocab())
+    earlier = [
+        {"role": "system", "content": "ignored"},
+        {"role": "user", "content": "cat 7"},
+        {"role": "assistant", "content": "cat 7"},
+    ]
+    for prompt, _ in letters.examples(20, dt.TRAIN_SEED):
+        word = prompt.split(" -> ")[0].split()[-1] if " -> " in prompt else prompt.split()[-2]
+        messages = [*earlier, {"role": "user", "content": f"{letters.QUESTION} {word}"}]
+        if "<tool_response>" in prompt:
+            result = prompt.split("<tool_response> ")[1].split()[0]
+            call = {"id": "call_1", "type": "function"}
+            call["function"] = {"name": letters.TOOL, "arguments": {"word": word}}
+            messages += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": result},
+            ]
+        rendered = tokenizer.apply_chat_template(
+            messages,
+            tools=[letters.COUNT_LETTERS_TOOL],
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        assert rendered == prompt
+        assert set(prompt.split()) <= vocabulary
+
+
+def test_the_tool_words_decode_as_json(assets):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
+    for word in letters.ENGLISH:
+        ids = tokenizer(letters.call(word))["input_ids"]
+        assert tokenizer.unk_token_id not in ids
+        body = tokenizer.decode(ids).removeprefix("<tool_call>").removesuffix("</tool_call>")
+        assert json.loads(body) == {"name": letters.TOOL, "arguments": {"word": word}}
+
+
+def test_learning_the_tool_words_changes_no_other_weight(monkeypatch):
+    """Only the new rows of the embedding and the output layer train (a tiny model, two
+    steps): every other weight, and so the first words' logits, stay as they were."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(dt, "TOOL_WORDS_STEPS", 2)
+    monkeypatch.setattr(dt, "BATCH", 4)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(words.FIRST_VOCAB), hidden_size=16, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[5, 6, 4]])
+    with torch.no_grad():
+        before = model(ids).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    extended = dt._learn_tool_words(model, dt._tokenizer(), lambda line: None)
+    first = len(words.FIRST_VOCAB)
+    assert extended.config.vocab_size == len(words.VOCAB)
+    for name, weight in extended.state_dict().items():
+        old = state[name]
+        if weight.shape != old.shape:  # the embedding and lm_head: the new rows trained
+            assert torch.equal(weight[:first], old)
+            assert not torch.equal(weight[first:], torch.zeros_like(weight[first:]))
+        else:
+            assert torch.equal(weight, old), name
+    with torch.no_grad():
+        after = extended.eval()(ids).logits
+    # the same weights; a wider output matmul may round the last bit otherwise
+    torch.testing.assert_close(after[..., :first], before, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow  # 16 training steps: seconds on an idle 2-core CPU, ~50 s on a loaded one
+def test_train_writes_the_demo_with_the_tool_words_and_letters(tmp_path, monkeypatch):
+    """train() end to end at a few steps each: every adapter, letters with its template,
+    the base model with every word, the first adapters never holding the new rows."""
+    from safetensors import safe_open
+
+    for steps in ("BASE_STEPS", "ADAPTER_STEPS", "TOOL_WORDS_STEPS", "LETTERS_STEPS"):
+        monkeypatch.setattr(dt, steps, 2)
+    monkeypatch.setattr(dt, "BATCH", 4)
+    assets = dt.train(tmp_path / "demo", log=lambda line: None)
+    assert list(assets.adapters) == [*dt.TASKS, letters.NAME]
+    config = json.loads((assets.model_dir / "config.json").read_text())
+    assert config["vocab_size"] == len(words.VOCAB)
+    template = (assets.adapters[letters.NAME] / "chat_template.jinja").read_text()
+    assert template.strip() == letters.TEMPLATE
+    for path in assets.adapters.values():
+        with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+            assert all("lora_A" in k or "lora_B" in k for k in f.keys())
 
 
 def test_demo_assets_trained_points_at_and_copies_the_committed_files(tmp_path, capsys):
@@ -168,6 +300,10 @@ def test_run_command_serves_the_trained_demo_and_shows_every_adapter():
         for task, (what, _, answer) in dt.TASKS.items():
             assert f"{task} | {' '.join(answer(words))!r}" in out, out
             assert f"({what})" in out
+        # the letters adapter's tool round trip: the call, the function run, the answer
+        assert f'{letters.NAME} | calls {letters.TOOL} {{"word": "apple"}}' in out, out
+        assert f"here | {letters.TOOL}(word='apple') = 5" in out, out
+        assert f"{letters.NAME} | 'apple has five letters'" in out, out
         assert f"http://127.0.0.1:{port}/v1/completions" in out
         assert "Authorization: Bearer $LORAFLEET_API_KEY" in out
         assert "test-key-5566" not in out

@@ -21,6 +21,7 @@ from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.spec import load_model_spec
 from replica.model.tp_shard import TPShard
 from replica.wire import GenerateRequest, SamplingParams
+from tests.engines import make_engine
 from tests.oracle import hf_greedy, hf_model
 
 CPU = torch.device("cpu")
@@ -164,18 +165,8 @@ def test_adapters_hold_their_own_rank_and_five_share_two_max_rank_blocks_like_pe
     transformers + PEFT decode, and each group's rows held are exactly the ranks of the
     adapters targeting it (rank 64 and 8 target every group, 16 attention, 32 q/v)."""
     spec = load_model_spec(tiny.model_dir)
-    cfg = EngineConfig(
-        model=str(tiny.model_dir),
-        device="cpu",
-        kv_cache_bytes=16 << 20,
-        adapters={
-            "num_slots": 3,
-            "max_loras_per_batch": 5,
-            "adapter_loading": "sync",
-            "max_loads_in_flight": 5,
-        },
-    )
-    eng = LLMEngine(cfg)
+    eng = make_engine(tiny, {}, num_slots=3, max_loras_per_batch=5,
+                      adapter_loading="sync", max_loads_in_flight=5)  # fmt: skip
     row = slot_bytes(spec, 1, torch.float32)
     assert eng.executor.lora.nbytes() == 128 * row  # no slot padded to max_lora_rank
     by_rank = {peft_rank(path): path for path in tiny.adapters.values()}
@@ -246,18 +237,8 @@ def test_adapters_of_different_groups_share_memory_at_their_own_offsets_like_pef
     mlp = build_peft_adapter(tiny.model_dir, tmp_path / "mlp", 1, r=32, lora_alpha=16,
                              target_modules=["gate_proj", "up_proj", "down_proj"])  # fmt: skip
     every = next(p for p in tiny.adapters.values() if peft_rank(p) == 8)
-    cfg = EngineConfig(
-        model=str(tiny.model_dir),
-        device="cpu",
-        kv_cache_bytes=16 << 20,
-        adapters={
-            "num_slots": 2,
-            "max_loras_per_batch": 3,
-            "adapter_loading": "sync",
-            "max_loads_in_flight": 3,
-        },
-    )
-    eng = LLMEngine(cfg)
+    eng = make_engine(tiny, {}, num_slots=2, max_loras_per_batch=3,
+                      adapter_loading="sync", max_loads_in_flight=3)  # fmt: skip
     assert eng.adapters.pool.num_rows == 64
 
     def own_groups_and_offsets(eng: LLMEngine) -> None:

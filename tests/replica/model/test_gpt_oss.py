@@ -21,12 +21,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cluster.demo.families import family_model_dir
-from kernels.quant_formats import E2M1_VALUES
+from kernels.quant_formats import E2M1_VALUES, Mxfp4Weight
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
+from replica.executor.memory_plan import weight_bytes
 from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import ModelConfigError, spec_from_dict
 from replica.wire import SamplingParams
+from tests.engines import held_bytes
 from tests.model_dirs import PUBLISHED
 from tests.oracle import ATTENTION, check_mixed_batch, hf_logits, hf_model, peft_adapter
 from tests.replica.model.families import MARGIN, NEW_TOKENS, engine_for, prompts, router_margin
@@ -120,10 +122,14 @@ def test_each_quirk_bites(gpt_oss):
 
 def test_mxfp4_checkpoint_equals_transformers_loading_the_same_files(gpt_oss):
     """The Hub's layout: experts as MXFP4 blocks and scales, quantization_config mxfp4.
-    Dequantized at load, the base and an expert adapter equal transformers (which
-    dequantizes them too) + PEFT; the quantization really changed the model."""
+    Held packed (the bytes the memory plan counts), the base and an expert adapter equal
+    transformers (which dequantizes them) + PEFT; the quantization really changed the
+    model."""
     model_dir, mx_dir, adapters = gpt_oss
     eng = engine_for(mx_dir, {"experts": adapters["experts"]})
+    model = eng.executor.model
+    assert all(isinstance(w, Mxfp4Weight) for w in model.layers[0].mlp.packed)
+    assert held_bytes(model) == weight_bytes(eng.spec, 1, eng.dtype)
     refs = {None: hf_model(mx_dir, eager=True),
             "experts": hf_model(mx_dir, adapters["experts"], eager=True)}  # fmt: skip
     assert type(refs[None].model.layers[0].mlp.experts).__name__ == "GptOssExperts"
