@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from cluster.demo.assets import LORA_REL, DemoSpec, peft_config
+from replica.model.hybrid import LINEAR_MODULES
 from replica.model.spec import MLP_MODULES, ModelSpec
 
 
@@ -37,10 +38,16 @@ class AdapterPlan:
 
 def adapter_modules(spec: ModelSpec, layer: int, targets: tuple[str, ...]) -> list[tuple]:
     """(PEFT key less .lora_A.weight, in, out) of each target in `layer`; an MLP target
-    on a sparse layer is every expert's (the Hub's per-expert 2D keys)."""
+    on a sparse layer is every expert's (the Hub's per-expert 2D keys). On a hybrid model
+    an attention target applies to its attention layers, a linear-attention one to its
+    Gated DeltaNet layers (as PEFT finds them)."""
     shapes, out = spec.module_shapes(), []
     for mod in targets:
-        if mod not in MLP_MODULES:
+        if mod in LINEAR_MODULES or (spec.is_linear(layer) and mod not in MLP_MODULES):
+            if mod in LINEAR_MODULES and spec.is_linear(layer):
+                out.append((f"base_model.model.model.layers.{layer}.linear_attn.{mod}",
+                            *shapes[mod]))  # fmt: skip
+        elif mod not in MLP_MODULES:
             out.append((f"base_model.model.model.layers.{layer}.self_attn.{mod}", *shapes[mod]))
         elif not spec.is_sparse(layer):
             out.append((f"base_model.model.model.layers.{layer}.mlp.{mod}", *shapes[mod]))

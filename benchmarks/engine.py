@@ -16,7 +16,9 @@ LOAD_DELAY_DEFAULT_MS): the load stall ratios compare loads that cost what real 
 
 `--family` runs the decode-step measurement (decode_step_overhead_vs_bytes) on random-weight
 demo-sized models of other families (cluster/demo/families.py), with PEFT adapters of the
-same ranks and targets as the demo's written for each model's shapes. On a mixture of
+same ranks and targets as the demo's written for each model's shapes. On a hybrid
+(qwen35) the adapters target the linear attention's projections too, and the base's
+bytes count every sequence's linear-attention state, read and written each step. On a mixture of
 experts (qwen3moe, mixtral, gptoss) every adapter is an expert adapter: its MLP targets are every
 expert's gate/up/down (per-expert keys), and the family also reports prefill and decode
 tok/s, base and LoRA.
@@ -55,6 +57,7 @@ from replica.device import resolve_device, resolve_dtype
 from replica.engine.engine import LLMEngine
 from replica.engine.sequence import Sequence
 from replica.model.adapter_weights import LoRAAdapterWeights
+from replica.model.hybrid import LINEAR_MODULES
 from replica.model.lora_slots import block_rows
 from replica.model.peft_config import peft_config_rank
 from replica.model.spec import MLP_MODULES, ModelSpec, load_model_spec
@@ -139,7 +142,7 @@ LOAD_DELAY_HOW = (
     "load hook): on the loader thread with overlapped loading, inside the step with sync "
     "loading; churn runs only"
 )
-FAMILIES = ("llama", "qwen3", "gemma2", "qwen3moe", "mixtral", "gptoss")
+FAMILIES = ("llama", "qwen3", "gemma2", "qwen3moe", "mixtral", "gptoss", "qwen35")
 MOE_FAMILIES = ("qwen3moe", "mixtral", "gptoss")
 
 
@@ -605,6 +608,9 @@ def _decode_step(
             lora_runs.append(_steady_decode_step(eng, prompts, names))
         base_s, lora_s = statistics.median(base_runs), statistics.median(lora_runs)
         base_bytes = sum(t.nbytes for t in eng.executor.model.step_weights())
+        linear = eng.spec.linear_attention
+        if linear is not None:  # a hybrid's state rows, read and written by every decode
+            base_bytes += 2 * len(names) * linear.state_bytes_per_seq(eng.dtype)
         lora_bytes = sum(_step_bytes(eng.adapters.host_cache.get(n), eng.spec) for n in names)
     finally:
         eng.shutdown()
@@ -722,6 +728,8 @@ def family_adapters(model_dir: Path, spec: ModelSpec, out: Path, n: int) -> Demo
     for name, r, alpha, targets, rslora in adapter_plans(DemoSpec(num_adapters=n)):
         if spec.num_experts:  # an expert adapter: every expert's MLP projections too
             targets = tuple(dict.fromkeys((*targets, *MLP_MODULES)))
+        if spec.linear_attention is not None:  # a hybrid: its linear attention's too
+            targets = tuple(dict.fromkeys((*targets, *LINEAR_MODULES)))
         plans.append(AdapterPlan(name, r, alpha, targets, rslora))
     return DemoAssets(out, model_dir, write_adapters(model_dir, spec, out, plans))
 

@@ -65,7 +65,8 @@ def held_bytes(model: CausalLM) -> int:
         ple = model.per_layer_inputs
         tensors |= {id(t): t for t in [ple.embed, *ple.weights()]}
     for layer in model.layers:
-        extra = [layer.rope.cos, layer.rope.sin, layer.qkv_proj.bias, layer.o_proj.bias,
-                 layer.sinks, layer.scalar]  # fmt: skip
+        extra = [layer.rope.cos, layer.rope.sin, layer.sinks, layer.scalar]
+        if layer.linear_attn is None:  # attention's biases (a Gated DeltaNet has none)
+            extra += [layer.qkv_proj.bias, layer.o_proj.bias]
         tensors |= {id(t): t for t in [*layer.weights(), *extra] if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())

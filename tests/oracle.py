@@ -64,6 +64,8 @@ def peft_adapter(
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EVERYTHING = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+# Qwen3.5's Gated DeltaNet projections (its attention layers have q/k/v/o)
+LINEAR_ATTENTION = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 PHI3 = {"attn": ["qkv_proj", "o_proj"], "all": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
@@ -100,7 +102,11 @@ def family_adapters(family: str, model_dir: Path, root: Path) -> dict[str, Path]
         targets = GEMMA4_MM
     elif family.startswith("gemma4"):
         targets = {"attn": ATTENTION, "all": EVERYTHING + GEMMA4_PER_LAYER}
-    experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss") else {}
+    if family == "qwen35":  # every linear module, the linear attention's too
+        targets = {"attn": ATTENTION, "all": EVERYTHING + LINEAR_ATTENTION}
+    if family == "qwen35moe":  # no dense MLP (gate_proj would name the shared expert's)
+        targets = {"attn": ATTENTION, "all": ATTENTION + LINEAR_ATTENTION}
+    experts = EXPERTS if family in ("mixtral", "qwen3moe", "gptoss", "qwen35moe") else {}
     if family == "gemma4moe":  # its experts sit at layers.L.experts, beside the mlp
         experts = GEMMA4_EXPERTS
     return {

@@ -92,6 +92,36 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma4moe": ("Gemma4TextConfig", {**GEMMA4_QUIRKS, "enable_moe_block": True,
                                        "num_experts": 4, "top_k_experts": 2,
                                        "moe_intermediate_size": 32}),
+    # Qwen3.5 in the Hub's multimodal layout (a tiny vision tower beside the language
+    # model): Gated DeltaNet layers 0 and 2, gated full attention on 1 and 3; linear
+    # attention with 2 key heads of 16 and 6 value heads of 12 (≠ the 4 attention heads
+    # of 32: heads × head_dim ≠ hidden), a 4-tap conv; partial rotary of 8 dims
+    "qwen35": ("Qwen3_5Config", {"head_dim": 32, "num_hidden_layers": 4,
+                                 "layer_types": ["linear_attention", "full_attention"] * 2,
+                                 "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+                                 "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                                 "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+                                 "rope_parameters": {"rope_type": "default",
+                                                     "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.25,
+                                                     "mrope_section": [1, 1, 2],
+                                                     "mrope_interleaved": True}}),
+    # Qwen3.5-MoE: qwen35's layers, every MLP top-2 of 4 experts of 32 columns
+    # (renormalised) plus a shared expert of 48 behind its sigmoid gate
+    "qwen35moe": ("Qwen3_5MoeConfig", {"head_dim": 32, "num_hidden_layers": 4,
+                                       "layer_types": ["linear_attention",
+                                                       "full_attention"] * 2,
+                                       "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                                       "linear_conv_kernel_dim": 4, "num_experts": 4,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "shared_expert_intermediate_size": 48,
+                                       "tie_word_embeddings": False,
+                                       "rope_parameters": {"rope_type": "default",
+                                                           "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.25,
+                                                           "mrope_section": [1, 1, 2],
+                                                           "mrope_interleaved": True}}),
 }  # fmt: skip
 # At demo size (the bench's models) the shapes and settings of the real checkpoints instead
 # of the quirks that make the tiny oracle models' tests bite: Qwen3-0.6B's head_dim 128
@@ -104,6 +134,15 @@ DEMO_QUIRKS: dict[str, dict[str, Any]] = {
     "qwen3moe": {"head_dim": 64, "moe_intermediate_size": 256, "num_hidden_layers": 8,
                  "mlp_only_layers": [], "norm_topk_prob": True},
     "mixtral": {"intermediate_size": 384},
+    # a small Qwen3.5 with the real head and state shapes (Qwen3.5-0.8B's): attention heads
+    # of 256 with 2 KV heads, linear attention of 128-dim heads (4 key, 8 value), a 4-tap
+    # conv; 3 of every 4 layers linear
+    "qwen35": {"head_dim": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_hidden_layers": 8,
+               "layer_types": ["linear_attention"] * 3 + ["full_attention"]
+                              + ["linear_attention"] * 3 + ["full_attention"],
+               "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+               "linear_key_head_dim": 128, "linear_value_head_dim": 128},
     "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     # a small gpt-oss: 8 experts of 256 columns, top-2; gpt-oss-20b's head_dim 64, window
@@ -115,6 +154,11 @@ DEMO_QUIRKS: dict[str, dict[str, Any]] = {
                                    "rope_theta": 150000.0,
                                    "original_max_position_embeddings": 4096}},
 }  # fmt: skip
+
+
+# Qwen3.5's config classes and their multimodal model (the Hub's layout)
+QWEN3_5 = {"Qwen3_5Config": "Qwen3_5ForConditionalGeneration",
+           "Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration"}  # fmt: skip
 
 
 def family_model_dir(
@@ -150,7 +194,15 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
     import transformers
 
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    if cls_name == "Gemma3Config":  # multimodal: the text model nested, a tiny vision tower
+    if cls_name in QWEN3_5:  # multimodal as on the Hub: text model nested, tiny vision
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                  "out_hidden_size": fields["hidden_size"], "patch_size": 14}  # fmt: skip
+        top = {"tie_word_embeddings": fields["tie_word_embeddings"], **ids}
+        config = getattr(transformers, cls_name)(
+            text_config={**fields, **ids}, vision_config=vision, **top
+        )
+        model = getattr(transformers, QWEN3_5[cls_name])(config)
+    elif cls_name == "Gemma3Config":  # multimodal: the text model nested, a tiny vision tower
         vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
         config = transformers.Gemma3Config(
@@ -187,6 +239,8 @@ def build_family_model(out: Path, cls_name: str, fields: dict[str, Any], seed: i
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's output scalars, away from 1
                 b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=gen))
+            if cls_name in QWEN3_5:
+                p.copy_(_qwen3_5_draw(name, p, gen, fields["num_hidden_layers"]))
     model.save_pretrained(out)
 
 
@@ -200,6 +254,24 @@ def _gpt_oss_draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Ten
         return torch.randn(p.shape, generator=gen) * 4.0 / math.sqrt(p.shape[-1])
     if name.endswith("experts.gate_up_proj"):
         return torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+    return p
+
+
+def _qwen3_5_draw(name: str, p: torch.Tensor, gen: torch.Generator, layers: int) -> torch.Tensor:
+    """Qwen3.5's own parameters: its norms store w of x̂·(1+w) (near 0) but the linear
+    attention's gated norm w of w·x̂ (near 1); decays exp(A_log) of 0.5..2 and dt_bias
+    spread so that every head forgets at its own rate; out_proj writes like o_proj."""
+    noise = torch.randn(p.shape, generator=gen)
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.2 * noise
+    if "norm" in name:
+        return 0.2 * noise
+    if name.endswith("A_log"):
+        return 0.5 * noise
+    if name.endswith("dt_bias"):
+        return noise
+    if name.endswith("out_proj.weight"):
+        return noise * 6.0 / math.sqrt(2 * layers * p.shape[-1])
     return p
 
 

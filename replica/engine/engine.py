@@ -29,6 +29,7 @@ from replica.engine.planner import plan_batch, plan_step
 from replica.engine.prefix_cache import CacheIdentities
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from replica.engine.state_slots import StateSlots
 from replica.engine.structured import StructuredOutputs
 from replica.engine.telemetry import Telemetry
 from replica.errors import RequestError
@@ -44,6 +45,13 @@ from replica.wire import GenerateRequest, SamplingParams, applied_text, cache_sc
 __all__ = ["LLMEngine", "StepReplies"]
 
 log = logging.getLogger(__name__)
+
+# A cached prefix's blocks hold its KV, not the linear-attention state at its end: a hit
+# would start the recurrent layers from the wrong state
+HYBRID_NO_PREFIX_CACHE = (
+    "prefix caching is off for %s: a hybrid model's linear-attention layers keep a "
+    "per-sequence state that KV blocks do not hold"
+)
 
 
 class LLMEngine:
@@ -62,6 +70,9 @@ class LLMEngine:
         self.adapters = AdapterResidency(
             c, source, self.executor.lora, self.executor.adapter_staging, self.device
         )
+        hybrid = self.spec.linear_attention is not None
+        if hybrid and c.enable_prefix_caching:
+            log.info(HYBRID_NO_PREFIX_CACHE, self.spec.arch)
         self.scheduler = Scheduler(
             BlockAllocator(num_blocks),
             self.adapters.pool,
@@ -70,8 +81,9 @@ class LLMEngine:
             c.max_num_batched_tokens,
             c.adapters.max_loras_per_batch,
             c.adapters.aging_steps,
-            c.enable_prefix_caching,
+            c.enable_prefix_caching and not hybrid,
             make_policy(c.scheduling),
+            StateSlots(c.max_num_seqs) if hybrid else None,
         )
         self.sampler = Sampler(self.spec.eos_token_ids)
         self.structured = StructuredOutputs(c.model, self.spec.vocab_size, self.spec.eos_token_ids)
@@ -240,6 +252,7 @@ class LLMEngine:
         stats.steps += 1
         work = scheduled.ordered()
         plan, sampled, scored = plan_step(work, self.config.block_size)
+        plan.state_copies, self.scheduler.state_copies = self.scheduler.state_copies, []
         logits = self._forward(plan, sampled)
         draw = StepDraw(step_draws(sampled), scored)
         packed = draw.sample(self.sampler, logits, len(sampled), self._bitmask(draw))
@@ -317,13 +330,17 @@ class LLMEngine:
         seq = self.add_request(GenerateRequest(prompt_ids, SamplingParams(max_tokens=1), adapter))
         self.scheduler.waiting.remove(seq)
         seq.slot = self.adapters.wait_ready(seq.lora_key)
-        allocator = self.scheduler.allocator
+        allocator, states = self.scheduler.allocator, self.scheduler.states
         seq.blocks = allocator.allocate(blocks_needed(len(prompt_ids), self.config.block_size))
+        seq.state_slot = None if states is None else states.acquire()
         try:
             plan, _ = plan_batch([(seq, len(prompt_ids))], self.config.block_size)
+            plan.state_copies, self.scheduler.state_copies = self.scheduler.state_copies, []
             return self.executor.execute(plan, self.executor.lora.table, all_rows=True)
         finally:
             allocator.free(seq.blocks)
+            if states is not None:
+                states.release(seq.state_slot)
 
     def generate(
         self, requests: list[tuple[list[int], SamplingParams, str | None]], max_steps: int = 100_000

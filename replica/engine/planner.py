@@ -56,6 +56,9 @@ def plan_step(
         row0 = plan.seg_indptr[-1]
         plan.seg_indptr.append(row0 + n)
         plan.seg_slots.append(seq.slot)
+        if seq.state_slot is not None:  # a hybrid model: its state row, from zeros at first
+            plan.state_slots.append(seq.state_slot)
+            plan.state_initial.append(start > 0)
         if n == 1 and not plan.prefill_starts:
             plan.decode_tables.append(seq.blocks)
             plan.decode_context_lens.append(ctx)

@@ -25,6 +25,7 @@ from replica.engine.block_allocator import BlockAllocator, blocks_needed
 from replica.engine.fair_share import FCFS, AdmissionPolicy
 from replica.engine.prefix_cache import PrefixCache
 from replica.engine.sequence import SeqStatus, Sequence
+from replica.engine.state_slots import StateSlots
 
 
 @dataclass
@@ -58,12 +59,18 @@ class Scheduler:
         aging_steps: int,
         prefix_caching: bool = False,
         policy: AdmissionPolicy | None = None,
+        states: StateSlots | None = None,
     ) -> None:
+        """`states`: a hybrid model's state-pool rows, one taken by each running sequence."""
         self.allocator, self.pool, self.block_size = allocator, pool, block_size
         self.prefix = PrefixCache(allocator, block_size, prefix_caching)
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.max_loras, self.aging_steps = max_loras_per_batch, aging_steps
         self.policy = policy or FCFS()
+        self.states = states
+        # (parent row, child row) of choices forked since the last forward: the next
+        # forward copies them first (no forward writes a row in between)
+        self.state_copies: list[tuple[int, int]] = []
         self.waiting: list[Sequence] = []  # arrival order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,6 +101,7 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.pool.release(seq.slot)
+            self._release_state(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free(seq.blocks)
@@ -125,6 +133,9 @@ class Scheduler:
             child.num_cached_blocks = min(parent.num_cached_blocks, full)
             child.num_cached_tokens = parent.num_cached_tokens
             child.slot, child.status = parent.slot, SeqStatus.RUNNING
+            if self.states is not None:
+                child.state_slot = self.states.acquire()
+                self.state_copies.append((parent.state_slot, child.state_slot))
             self.pool.acquire(child.slot)
             self.running.append(child)
             src += partial
@@ -158,6 +169,8 @@ class Scheduler:
                 self.policy.admitted(seq, len(seq.prompt_ids) - seq.num_cached_tokens)
             self.pool.acquire(slot)
             seq.slot, seq.status = slot, SeqStatus.RUNNING
+            if self.states is not None:
+                seq.state_slot = self.states.acquire()
             self.waiting.remove(seq)
             self.running.append(seq)
             if seq.lora_key is not None:
@@ -198,9 +211,15 @@ class Scheduler:
         (from what of it stayed cached)."""
         self.allocator.free(seq.blocks)
         self.pool.release(seq.slot)
+        self._release_state(seq)
         seq.blocks, seq.num_computed, seq.num_cached_blocks = [], 0, 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.append(seq)
         self.waiting.sort(key=lambda s: s.arrival)
         self.num_preemptions += 1
+
+    def _release_state(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None

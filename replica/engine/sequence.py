@@ -22,6 +22,7 @@ class Sequence:
     arrival: int  # arrival order, for FCFS and picking the youngest to preempt
     lora_key: str | None = None  # slot-pool name it needs; None = the pinned base slot
     slot: int = 0  # adapter slot while running (0 = base)
+    state_slot: int | None = None  # its row of a hybrid model's state pool while running
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)

@@ -7,11 +7,11 @@ from the scheduled sequences by the engine (engine/planner.py).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kernels import SegmentInfo, make_segment_infos
+from kernels import SegmentInfo, StateBatch, make_segment_infos, make_state_batch
 from replica.device import to_device, to_device_packed
 from replica.model.attention import AttentionMetadata
 from replica.model.decoder import ForwardBatch
@@ -35,6 +35,13 @@ class BatchPlan:
     prefill_lens: list[int]  # per prefill: new tokens
     prefill_context_lens: list[int]  # per prefill: tokens in cache after this step
     prefill_tables: list[list[int]]  # per prefill: its KV blocks
+    # hybrid models: per sequence, its row of the linear-attention state pools, and
+    # whether it starts from that row (a later chunk, a decode) or from zeros (its first)
+    state_slots: list[int] = field(default_factory=list)
+    state_initial: list[bool] = field(default_factory=list)
+    # (src, dst) state rows to copy before the forward: forked choices start from their
+    # parent's state after its prefill (every rank copies, the plan reaching them all)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def build_batch(
@@ -89,8 +96,23 @@ def build_batch(
     logit_lora = None
     if "lm_head" in slots.ranks:  # engine.lora_embeddings: the head's segments
         logit_lora = _logit_segments(plan, slots, device, slot_tensors)
-    batch = ForwardBatch(dev["input_ids"], dev["positions"], attn, lora, logit_lora)
+    linear = None
+    if plan.state_slots:
+        linear = _state_batch(plan, lengths, device)
+    batch = ForwardBatch(dev["input_ids"], dev["positions"], attn, lora, logit_lora, linear)
     return batch, dev["logit_rows"]
+
+
+def _state_batch(plan: BatchPlan, lengths: list[int], device: torch.device) -> StateBatch:
+    """The sequences' rows of the linear-attention state pools (one per segment)."""
+    if len(plan.state_slots) != len(lengths) or len(plan.state_initial) != len(lengths):
+        raise ValueError(
+            f"{len(plan.state_slots)} state slots and {len(plan.state_initial)} flags for "
+            f"{len(lengths)} sequences"
+        )
+    return make_state_batch(
+        lengths, plan.state_slots, plan.state_initial, device, lambda t: to_device(t, device)
+    )
 
 
 def _logit_segments(

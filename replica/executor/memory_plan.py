@@ -20,6 +20,9 @@ context, other processes), is the budget; in vLLM's order it holds
                  largest first into one pool, so the smaller buckets reuse its blocks):
                  step_bytes at max_num_seqs tokens, no context gathered (the decode kernel
                  reads the cache in place)
+  state pool     a hybrid model's linear-attention state (conv and recurrent, per layer)
+                 for max_num_seqs sequences and the scratch row: fixed, whatever the
+                 context (model/hybrid.py)
   adapter arenas engine.adapters.num_slots or adapter_memory_bytes when set; else
                  ADAPTER_SHARE of what the budget leaves after the three above (never a
                  share of the whole device), at least one and at most MAX_DEFAULT_SLOTS - 1
@@ -85,6 +88,7 @@ class MemoryPlan:
     block_size: int
     max_model_len: int
     tp_size: int
+    state_pool_bytes: int = 0  # a hybrid model's per-sequence linear-attention state
 
     @property
     def num_blocks(self) -> int:
@@ -109,7 +113,8 @@ class MemoryPlan:
         """Everything planned: weights to KV cache, its scratch block included."""
         return (
             self.weights_bytes_per_gpu + self.activation_bytes + self.graph_bytes
-            + self.adapter_memory_bytes + self.kv_cache_bytes + self.kv_block_bytes
+            + self.state_pool_bytes + self.adapter_memory_bytes + self.kv_cache_bytes
+            + self.kv_block_bytes
         )  # fmt: skip
 
     def to_json(self) -> dict:
@@ -127,7 +132,9 @@ class MemoryPlan:
             f"{gib(self.device_bytes)}, {gib(self.in_use_bytes)} in use before start); "
             f"weights {gib(self.weights_bytes_per_gpu)}, activations "
             f"{gib(self.activation_bytes)} ({self.activation_source}), CUDA graphs "
-            f"{gib(self.graph_bytes)}, adapter arenas {gib(self.adapter_memory_bytes)} "
+            f"{gib(self.graph_bytes)}, "
+            + (f"state pool {gib(self.state_pool_bytes)}, " if self.state_pool_bytes else "")
+            + f"adapter arenas {gib(self.adapter_memory_bytes)} "
             f"({self.adapter_rows} rank rows per projection group), KV cache "
             f"{gib(self.kv_cache_bytes)}: {self.kv_cache_tokens:,} tokens in "
             f"{self.num_blocks:,} blocks of {self.block_size}, "
@@ -177,9 +184,9 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         norms = spec.num_layers * (4 if spec.sandwich_norms else 2) * spec.hidden_size
         if spec.moe_beside_mlp:  # Gemma 4's MoE block: three norms more per sparse layer
             norms += 3 * spec.hidden_size * sum(map(spec.is_sparse, range(spec.num_layers)))
-        if spec.qk_norm:  # q's and, where the layer keeps KV, k's
+        if spec.qk_norm:  # q's and, where the layer keeps KV, k's (no linear-attention layer)
             norms += sum((1 + (spec.kv_source(i) == i)) * spec.layer(i).head_dim
-                         for i in range(spec.num_layers))  # fmt: skip
+                         for i in range(spec.num_layers) if not spec.is_linear(i))  # fmt: skip
         extra += (norms + spec.hidden_size) * (4 - dtype.itemsize)
     return params * dtype.itemsize + extra + _packed_difference(spec, local, dtype)
 
@@ -369,6 +376,15 @@ def _adapter_arenas(
     return sized, rows, adapters
 
 
+def state_pool_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -> int:
+    """A hybrid model's state pool on one rank: max_num_seqs rows and the scratch row (0
+    without linear-attention layers)."""
+    linear = local_spec(spec, config.tp_size).linear_attention  # this rank's heads
+    if linear is None:
+        return 0
+    return (config.max_num_seqs + 1) * linear.state_bytes_per_seq(dtype)
+
+
 def wanted_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     """The config's max_model_len, else the model's context (never past it)."""
     return min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
@@ -398,7 +414,10 @@ def plan_memory(
         activation_bytes = estimate_activation_bytes(spec, c, dtype, max_len)
     graphs = estimate_graph_bytes(spec, c, dtype, max_len)
     block = kv_block_bytes(spec, tp, c.block_size, dtype)
+    states = state_pool_bytes(spec, c, dtype)
     fixed = {"weights": weights, "activations": activation_bytes, "CUDA graphs": graphs}
+    if states:
+        fixed["state pool"] = states
     left = budget - sum(fixed.values()) - block  # the scratch block
     where = (
         f"gpu_memory_utilization {c.gpu_memory_utilization:g} of {gib(device_bytes)} "
@@ -449,4 +468,5 @@ def plan_memory(
         block_size=c.block_size,
         max_model_len=min(max_len, kv // block * c.block_size),
         tp_size=tp,
+        state_pool_bytes=states,
     )

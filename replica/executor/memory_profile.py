@@ -134,7 +134,9 @@ def profile_activation_bytes(
     for ranks in table.ranks.values():
         ranks[1] = lora.max_rank  # rows [0, max_rank) of every arena: zeros, added all the same
     table.scalings[1] = 1.0
-    kv = KVCache(spec, blocks, bs, device, dtype)
+    kv = KVCache(spec, blocks, bs, device, dtype, num_state_slots=1)
+    if kv.states is not None:  # a hybrid model: a later chunk, from its state row
+        plan.state_slots, plan.state_initial = [0], [True]
     batch, rows = build_batch(plan, bs, table, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -49,7 +49,9 @@ class ModelRunner(Executor):
         # one block past those the allocator hands out: padding rows of static decode
         # steps write and read only there
         self.scratch_block = self.num_blocks
-        self.kv = KVCache(local, self.num_blocks + 1, c.block_size, device, dtype)
+        # a hybrid model's state pool: a row per running sequence, then a scratch row
+        self.kv = KVCache(local, self.num_blocks + 1, c.block_size, device, dtype,
+                          num_state_slots=c.max_num_seqs + 1)  # fmt: skip
         self.slot_tensors = SlotTensors(self.lora.num_slots, device, self.lora.groups)
         self.max_num_batched_tokens, self.max_num_seqs = c.max_num_batched_tokens, c.max_num_seqs
         self.eager_decode_steps = 0  # decode-only steps the static path did not take
@@ -101,6 +103,9 @@ class ModelRunner(Executor):
         progress: StepProgress | None = None,
     ) -> torch.Tensor:
         self.slot_tensors.update(slots)
+        if plan.state_copies:  # forked choices: their parent's state, before any write
+            src, dst = zip(*plan.state_copies)
+            self.kv.states.copy_slots(list(src), list(dst))
         static = self.static_decode
         # the path depends on (plan, all_rows) alone: every rank of a group takes the same
         if static is not None and not all_rows and static.fits(plan):
@@ -162,6 +167,10 @@ class ModelRunner(Executor):
             prefill_context_lens=contexts,
             prefill_tables=[[scratch] * -(-c // bs) for c in contexts],
         )
+        if self.kv.states is not None:  # a hybrid model: distinct rows, from zeros
+            rows = self.kv.states.num_slots
+            plan.state_slots = [i % rows for i in range(len(indptr) - 1)]
+            plan.state_initial = [False] * (len(indptr) - 1)
         batch, rows = build_batch(plan, bs, self._warm_slots(), self.device)
         batch.attn.decode_splits = warm.decode_splits
         self.model.forward(batch, self.kv, rows)

@@ -13,7 +13,9 @@ before capture, and the fallback when capture runs out of memory).
 
 Padding rows: token 0 at position 0 on slot 0 (the base model), context length 1, and
 their K/V written to and read from the scratch block the KV cache keeps past the blocks
-the allocator hands out, so they never touch a real sequence's cache.
+the allocator hands out, so they never touch a real sequence's cache. A hybrid model's
+padding rows likewise write only the state pool's scratch row, and never read it (they
+start from zeros).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 import kernels
-from kernels import SegmentInfo
+from kernels import SegmentInfo, StateBatch
 from replica.device import StagedBuffer, packed_offsets
 from replica.executor.batch import BatchPlan
 from replica.model.attention import AttentionMetadata
@@ -77,9 +79,12 @@ class DecodeInputs:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        scratch_state: int = 0,
     ) -> None:
+        """`scratch_state`: the state pool's scratch row (a hybrid model's)."""
         n, w = max_seqs, max_blocks_per_seq
         self.block_size, self.scratch_block, self.max_blocks = block_size, scratch_block, w
+        self.scratch_state = scratch_state
         self.buffer = StagedBuffer(self.layout(n, w), device)
         self.tensors = self.buffer.device
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
@@ -94,6 +99,8 @@ class DecodeInputs:
             "slot_mapping": (torch.int64, (n,)),  # cache slot of each new token
             "context_lens": (torch.int32, (n,)),  # tokens in cache incl. the new one
             "token_slots": (torch.int32, (n,)),  # adapter slot of each token
+            "state_slots": (torch.int32, (n,)),  # state-pool row of each (hybrid models)
+            "state_initial": (torch.bool, (n,)),  # whether it starts from that row
             "table_rows": (torch.int32, (n * w,)),  # [bucket, width]: last, sent in part
         }
 
@@ -114,6 +121,9 @@ class DecodeInputs:
         host["slot_mapping"][:b] = plan.decode_new_slots
         host["context_lens"][:b] = plan.decode_context_lens
         host["token_slots"][:b] = plan.seg_slots
+        if plan.state_slots:
+            host["state_slots"][:b] = plan.state_slots
+            host["state_initial"][:b] = plan.state_initial
         width = max(len(t) for t in plan.decode_tables)
         tables = host["table_rows"][: bucket * width].reshape(bucket, width)
         for i, blocks in enumerate(plan.decode_tables):
@@ -134,6 +144,8 @@ class DecodeInputs:
         host["slot_mapping"][rows] = self.scratch_block * self.block_size
         host["context_lens"][rows] = 1
         host["token_slots"][rows] = 0
+        host["state_slots"][rows] = self.scratch_state
+        host["state_initial"][rows] = False
         host["table_rows"][: end * width].reshape(end, width)[rows] = self.scratch_block
 
     def _send(self, bucket: int, width: int) -> None:
@@ -191,9 +203,12 @@ class StaticDecode:
     ) -> None:
         self.model, self.kv, self.slot_tensors, self.device = model, kv, slot_tensors, device
         self.buckets = decode_buckets(max_num_seqs)
+        states = kv.states
+        scratch_state = 0 if states is None else states.num_slots - 1
         self.inputs = DecodeInputs(
-            self.buckets[-1], max_blocks_per_seq, block_size, scratch_block, device
-        )
+            self.buckets[-1], max_blocks_per_seq, block_size, scratch_block, device,
+            scratch_state,
+        )  # fmt: skip
         self.max_blocks_per_seq = max_blocks_per_seq
         self._batches = {
             (b, lora): self._batch(b, lora) for b in self.buckets for lora in (False, True)
@@ -332,7 +347,18 @@ class StaticDecode:
             )
             for group in self.slot_tensors.groups
         }
-        return ForwardBatch(t["input_ids"][rows], t["positions"][rows], attn, segments)
+        linear = None
+        if self.kv.states is not None:  # one token per sequence: cu_seqlens = seg_indptr
+            linear = StateBatch(
+                cu_seqlens=self.inputs.seg_indptr[: bucket + 1],
+                state_slots=t["state_slots"][rows],
+                has_initial_state=t["state_initial"][rows],
+                seq_lens=(1,) * bucket,
+                max_seq_len=1,
+            )
+        return ForwardBatch(
+            t["input_ids"][rows], t["positions"][rows], attn, segments, linear=linear
+        )
 
 
 def _requested(error: torch.cuda.OutOfMemoryError) -> str:

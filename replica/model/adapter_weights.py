@@ -60,6 +60,7 @@ from replica.model.expert_adapters import (
     is_expert_key,
     stack_experts,
 )
+from replica.model.hybrid import LINEAR_MODULES
 from replica.model.peft_config import (
     PEFT_DEFAULT_ALPHA,
     AdapterFormatError,
@@ -70,10 +71,10 @@ from replica.model.peft_config import (
     pattern_key,
     read_config,
 )
-from replica.model.spec import ModelSpec
+from replica.model.spec import ATTENTION_MODULES, ModelSpec
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
-              "gate_up_proj", "down_proj", "embed_tokens", "lm_head",
+              "gate_up_proj", "down_proj", *LINEAR_MODULES, "embed_tokens", "lm_head",
               *EXPERT_MODULES)  # fmt: skip
 # An adapter directory's weights file, in order of preference (the .bin: older trainers)
 WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -81,14 +82,14 @@ WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # a multimodal Gemma 3 keeps its decoder under language_model (transformers 4 or 5 naming)
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.language_model\.|language_model\.model\.|model\.)"
-    r"layers\.(\d+)\.(?:(?:self_attn|mlp)\.)?(\w+)\.lora_([AB])\.weight$"
+    r"layers\.(\d+)\.(?:(?:self_attn|linear_attn|mlp)\.)?(\w+)\.lora_([AB])\.weight$"
 )
 _PEFT_PREFIX = "base_model.model."
 # LoRA on a multimodal checkpoint's vision or audio side: images and audio are not served,
 # so it never applies
 _VISION = re.compile(
     r"^base_model\.model\.(?:model\.)?"
-    r"(?:vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+    r"(?:vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio|visual)\."
 )
 # LoRA on the vocabulary modules: PEFT's embedding LoRA (lora_embedding_A [r, vocab],
 # lora_embedding_B [hidden, r]) and a head LoRA (lora_A [r, hidden], lora_B [vocab, r])
@@ -289,6 +290,13 @@ def convert_peft_tensors(
         if layer >= spec.num_layers:
             raise AdapterFormatError(
                 f"{name}: tensor {key!r} targets layer {layer}, model has {spec.num_layers}"
+            )
+        mixer = module in LINEAR_MODULES or module in ATTENTION_MODULES
+        if mixer and (module in LINEAR_MODULES) != spec.is_linear(layer):
+            kind = "a Gated DeltaNet" if spec.is_linear(layer) else "an attention"
+            raise AdapterFormatError(
+                f"{name}: tensor {key!r} targets {module!r}, which layer {layer} ({kind} "
+                "layer) does not have"
             )
         path = key.removeprefix(_PEFT_PREFIX).removesuffix(f".lora_{which}.weight")
         _check_layer_filter(name, config, in_layers, path, key)

@@ -6,7 +6,9 @@ mixed, over the engine's paged KV cache. What differs between families (norm sty
 count, q/k norms, attention scale and soft-caps, sliding layers and their rope, MLP
 activation, embedding scale, a sparse layer's experts) is a field of ModelSpec
 (model/spec.py), chosen once at load. A layer's MLP is dense (DenseMLP) or a mixture of
-experts (model/moe.py's SparseMoE); both take the same inputs.
+experts (model/moe.py's SparseMoE); both take the same inputs. A hybrid model's
+linear-attention layers mix tokens by model/gated_deltanet.py's GatedDeltaNet over the
+per-sequence state pool instead of attending over KV.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import QuantizedWeight, SegmentInfo
+from kernels import QuantizedWeight, SegmentInfo, StateBatch
 from replica.model.attention import AttentionMetadata, paged_attention
+from replica.model.gated_deltanet import GatedDeltaNet, gated_deltanet
 from replica.model.gemma4_moe import Gemma4Experts, moe_beside_mlp
 from replica.model.kv_cache import KVCache
 from replica.model.layout import CheckpointLayout
@@ -44,6 +47,8 @@ class ForwardBatch:
     # lm_head LoRA's segments over the logit rows (None: the rows are every token, use
     # lora["lm_head"]); only with engine.lora_embeddings
     logit_lora: SegmentInfo | None = None
+    # the sequences' rows of the linear-attention state pools (hybrid models; else None)
+    linear: StateBatch | None = None
 
 
 class RMSNorm:
@@ -154,31 +159,14 @@ class DecoderLayer:
             w = layout.norm(index, name, size).to(device=device, dtype=dtype)
             return spec_norm(w, spec)
 
-        def kv_proj(module: str) -> torch.Tensor | QuantizedWeight:
-            # a layer without its own k/v projection (Gemma 4) computes zero columns in
-            # their place: the qkv group keeps one layout, and LoRA slices their offsets
-            if spec.has_kv_projection(index, module):
-                return proj(module)
-            return torch.zeros(spec.kv_size, spec.hidden_size, device=device, dtype=dtype)
-
-        self.owns_kv = spec.kv_source(index) == index  # else: reads an earlier layer's
-        self.k_eq_v = self.owns_kv and not spec.has_kv_projection(index, "v_proj")
-        qkv_w = _fused([proj("q_proj"), kv_proj("k_proj"), kv_proj("v_proj")])
-        qkv_b = None
-        if spec.qkv_bias:
-            qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
-                               proj("v_proj", "bias")])  # fmt: skip
         bufs = lora.layers[index] if lora is not None else {}
-        self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
-        o_w = _fused([proj("o_proj")])
-        o_b = proj("o_proj", "bias") if spec.o_bias else None
-        if tp is None:
-            self.o_proj = LoRALinear(o_w, o_b, bufs.get("o_proj"))
-        else:  # input-split: partial outputs summed across ranks
-            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"), o_b)
-        self.sinks = None  # gpt-oss: each head's sink logit, fp32 as the softmax is
-        if spec.attn_sinks:
-            self.sinks = layout.sinks(index).to(device=device, dtype=torch.float32)
+        self.linear_attn: GatedDeltaNet | None = None
+        self.qkv_proj = self.o_proj = self.q_norm = self.k_norm = self.sinks = None
+        self.owns_kv = self.k_eq_v = self.v_norm = False
+        if spec.is_linear(index):  # a Gated DeltaNet layer: no q/k/v/o, no KV
+            self.linear_attn = gated_deltanet(spec, layout, index, bufs, device, dtype, tp)
+        else:
+            self._init_attention(spec, layout, index, bufs, proj, norm, device, dtype, tp)
         glu = gated_activation(spec)
         self.mlp: DenseMLP | SparseMoE
         if spec.is_sparse(index) and not spec.moe_beside_mlp:
@@ -194,12 +182,7 @@ class DecoderLayer:
             self.mlp = DenseMLP(gate_up, down, glu)
         h = spec.hidden_size
         self.input_norm = norm("input_layernorm.weight", h)
-        self.q_norm = self.k_norm = self.post_attn_out_norm = self.post_mlp_norm = None
-        if spec.qk_norm:
-            self.q_norm = norm("self_attn.q_norm.weight", spec.head_dim)
-            if self.owns_kv:  # a layer reading another's KV has no k_norm (Gemma 4)
-                self.k_norm = norm("self_attn.k_norm.weight", spec.head_dim)
-        self.v_norm = spec.v_norm
+        self.post_attn_out_norm = self.post_mlp_norm = None
         if spec.sandwich_norms:  # Gemma: attention and MLP outputs normed, then MLP input
             self.post_attn_out_norm = norm("post_attention_layernorm.weight", h)
             self.pre_mlp_norm = norm("pre_feedforward_layernorm.weight", h)
@@ -219,6 +202,50 @@ class DecoderLayer:
         if spec.layer_scalar:
             self.scalar = layout.layer_scalar(index).to(device=device, dtype=dtype)
 
+    def _init_attention(
+        self,
+        spec: ModelSpec,
+        layout: CheckpointLayout,
+        index: int,
+        bufs: dict[str, LoRABuffers],
+        proj: Callable[..., torch.Tensor | QuantizedWeight],
+        norm: Callable[[str, int], RMSNorm],
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPRank | None,
+    ) -> None:
+        """The attention projections, sinks and q/k norms of layer `index`."""
+
+        def kv_proj(module: str) -> torch.Tensor | QuantizedWeight:
+            # a layer without its own k/v projection (Gemma 4) computes zero columns in
+            # their place: the qkv group keeps one layout, and LoRA slices their offsets
+            if spec.has_kv_projection(index, module):
+                return proj(module)
+            return torch.zeros(spec.kv_size, spec.hidden_size, device=device, dtype=dtype)
+
+        self.owns_kv = spec.kv_source(index) == index  # else: reads an earlier layer's
+        self.k_eq_v = self.owns_kv and not spec.has_kv_projection(index, "v_proj")
+        self.v_norm = spec.v_norm
+        qkv_w = _fused([proj("q_proj"), kv_proj("k_proj"), kv_proj("v_proj")])
+        qkv_b = None
+        if spec.qkv_bias:
+            qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
+                               proj("v_proj", "bias")])  # fmt: skip
+        self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
+        o_w = _fused([proj("o_proj")])
+        o_b = proj("o_proj", "bias") if spec.o_bias else None
+        if tp is None:
+            self.o_proj = LoRALinear(o_w, o_b, bufs.get("o_proj"))
+        else:  # input-split: partial outputs summed across ranks
+            self.o_proj = tp.row_linear(o_w, bufs.get("o_proj"), o_b)
+        self.sinks = None  # gpt-oss: each head's sink logit, fp32 as the softmax is
+        if spec.attn_sinks:
+            self.sinks = layout.sinks(index).to(device=device, dtype=torch.float32)
+        if spec.qk_norm:
+            self.q_norm = norm("self_attn.q_norm.weight", spec.head_dim)
+            if self.owns_kv:  # a layer reading another's KV has no k_norm (Gemma 4)
+                self.k_norm = norm("self_attn.k_norm.weight", spec.head_dim)
+
     def weights(self) -> list[torch.Tensor]:
         """Every tensor a step reads in full (bench: bytes per decode step)."""
         norms = (self.input_norm, self.q_norm, self.k_norm, self.post_attn_out_norm,
@@ -226,9 +253,11 @@ class DecoderLayer:
         extra = [] if self.per_layer_input is None else self.per_layer_input.weights()
         if self.experts is not None:
             extra += self.experts.weights() + [n.weight for n in self.experts_norms]
-        return (tensors_of(self.qkv_proj.weight) + tensors_of(self.o_proj.weight)
-                + self.mlp.weights() + [n.weight for n in norms if n is not None]
-                + extra)  # fmt: skip
+        if self.linear_attn is not None:
+            mixer = self.linear_attn.weights()
+        else:
+            mixer = tensors_of(self.qkv_proj.weight) + tensors_of(self.o_proj.weight)
+        return mixer + self.mlp.weights() + [n.weight for n in norms if n is not None] + extra
 
     def __call__(
         self,
@@ -239,15 +268,50 @@ class DecoderLayer:
         rotation: Rotation,  # self.rope at batch.positions
         per_layer_input: torch.Tensor | None = None,  # [T, width]: Gemma 4's, this layer's
     ) -> torch.Tensor:
+        if self.linear_attn is not None:
+            i = self.index
+            out = self.linear_attn(self.input_norm(x), batch.lora, ws, batch.linear,
+                                   kv.states.conv[i], kv.states.recurrent[i])  # fmt: skip
+        else:
+            out = self._attend(self.input_norm(x), batch, kv, ws, rotation)
+        if self.post_attn_out_norm is not None:
+            out = self.post_attn_out_norm(out)
+        x = x + out
+        out = self.mlp(self.pre_mlp_norm(x), batch.lora, ws)
+        if self.experts is not None:
+            out = moe_beside_mlp(out, x, self.experts, self.experts_norms, batch.lora, ws)
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        x = x + out
+        if self.per_layer_input is not None:
+            x = x + self.per_layer_input(x, per_layer_input, batch.lora, ws)
+        return x if self.scalar is None else x * self.scalar
+
+    def _attend(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the input norm's output
+        batch: ForwardBatch,
+        kv: KVCache,
+        ws: LoRAWorkspace | None,
+        rotation: Rotation,
+    ) -> torch.Tensor:
+        """The attention branch's output [T, hidden], before any post-attention norm."""
         s = self.spec
-        t, heads, kv_heads, hd = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
-        qkv = self.qkv_proj(self.input_norm(x), batch.lora["qkv_proj"], ws)
-        v = qkv[:, s.q_size + s.kv_size :].view(t, kv_heads, hd)
+        t, heads, kv_heads, hd = h.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = self.qkv_proj(h, batch.lora["qkv_proj"], ws)
+        q_rows = s.q_proj_size
+        v = qkv[:, q_rows + s.kv_size :].view(t, kv_heads, hd)
         if self.k_eq_v:  # values are the keys' projection, before k's norm and rope
-            v = qkv[:, s.q_size : s.q_size + s.kv_size].view(t, kv_heads, hd)
+            v = qkv[:, q_rows : q_rows + s.kv_size].view(t, kv_heads, hd)
         if self.v_norm:
             v = unit_rms(v, s.rms_norm_eps)
-        if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
+        gate = None
+        if s.attn_output_gate:  # q_proj's rows: [q_h, gate_h] per head
+            q_gate = qkv[:, :q_rows].view(t, heads, 2 * hd)
+            q, gate = q_gate[..., :hd], q_gate[..., hd:]
+            k = qkv[:, q_rows : q_rows + s.kv_size].view(t, kv_heads, hd)
+            q, k = rotation.rotate(self.q_norm(q)), rotation.rotate(self.k_norm(k))
+        elif self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
             qk = qkv[:, : s.q_size + s.kv_size].view(t, heads + kv_heads, hd)
             q, k = rotation.rotate(qk).split([heads, kv_heads], dim=1)
         else:
@@ -263,19 +327,9 @@ class DecoderLayer:
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.scale, self.window, self.soft_cap, self.sinks,
         )  # fmt: skip
-        out = self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"], ws)
-        if self.post_attn_out_norm is not None:
-            out = self.post_attn_out_norm(out)
-        x = x + out
-        out = self.mlp(self.pre_mlp_norm(x), batch.lora, ws)
-        if self.experts is not None:
-            out = moe_beside_mlp(out, x, self.experts, self.experts_norms, batch.lora, ws)
-        if self.post_mlp_norm is not None:
-            out = self.post_mlp_norm(out)
-        x = x + out
-        if self.per_layer_input is not None:
-            x = x + self.per_layer_input(x, per_layer_input, batch.lora, ws)
-        return x if self.scalar is None else x * self.scalar
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        return self.o_proj(attn.reshape(t, s.q_size), batch.lora["o_proj"], ws)
 
 
 class CausalLM:

@@ -22,6 +22,7 @@ from replica.model.hf_config import (
     rope_params,
     rope_scaling,
 )
+from replica.model.hybrid import LINEAR_ATTENTION, LinearAttentionSpec
 
 Config = dict[str, Any]
 FamilyFields = dict[str, Any]
@@ -48,6 +49,18 @@ GEMMA3_TEXT_DEFAULTS: Config = {
     "bos_token_id": 2,
     "eos_token_id": 1,
 }
+# Qwen3_5TextConfig's defaults for what a config.json may leave out (the shapes the Hub's
+# files always write are not defaulted)
+QWEN3_5_TEXT_DEFAULTS: Config = {
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+}
 # Config values a family's config.json may leave out, as transformers fills them in.
 CONFIG_DEFAULTS: dict[str, Config] = {
     "gemma2": {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
@@ -57,6 +70,10 @@ CONFIG_DEFAULTS: dict[str, Config] = {
     "gemma4": GEMMA4_TEXT_DEFAULTS,
     "gemma4_text": GEMMA4_TEXT_DEFAULTS,
     "qwen3_moe": {"decoder_sparse_step": 1, "norm_topk_prob": False},
+    "qwen3_5": QWEN3_5_TEXT_DEFAULTS,
+    "qwen3_5_text": QWEN3_5_TEXT_DEFAULTS,
+    "qwen3_5_moe": {**QWEN3_5_TEXT_DEFAULTS, "intermediate_size": 0},  # no dense MLP
+    "qwen3_5_moe_text": {**QWEN3_5_TEXT_DEFAULTS, "intermediate_size": 0},
     "gpt_oss": {  # GptOssConfig's defaults, which the Hub's config.json leaves out
         "attention_bias": True,
         "head_dim": 64,
@@ -78,6 +95,9 @@ CONFIG_DEFAULTS: dict[str, Config] = {
 # Where a multimodal Gemma 3 checkpoint keeps its language model: transformers 5 saves
 # model.language_model.*, the Hub's 4.x-era files hold language_model.model.*.
 GEMMA3_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+# Qwen3.5's Hub checkpoints (Qwen3_5ForConditionalGeneration) keep the language model
+# under model.language_model.*, a text-only Qwen3_5ForCausalLM under model.*
+QWEN3_5_PREFIXES = ("model.language_model.", "model.")
 
 
 # Gemma 4's: Gemma4ForConditionalGeneration's language model, or Gemma4ForCausalLM's.
@@ -218,6 +238,70 @@ def _gpt_oss(cfg: Config, source: str) -> FamilyFields:
     return fields
 
 
+def _qwen3_5(cfg: Config, source: str) -> FamilyFields:
+    # Gated DeltaNet layers (linear_attention in layer_types, else 3 of every 4) beside
+    # gated full-attention ones: q_proj also gives a per-head output gate, q/k norms, partial
+    # rotary (the mrope sections a text-only prompt reduces to plain rope over the first
+    # rotary dims); every norm x̂·(1+w) in fp32 but the linear attention's gated one
+    _check_act(cfg, source, "silu")
+    _no_o_bias(cfg, source)
+    params = rope_params(cfg)
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    layers = _layers(cfg)
+    interval = int(cfg.get("full_attention_interval", 4))
+    types = cfg.get("layer_types") or [
+        FULL if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in layers
+    ]
+    unknown = sorted(set(types) - {FULL, LINEAR_ATTENTION})
+    if len(types) != len(layers) or unknown:
+        raise ModelConfigError(
+            f"{source}: layer_types must name {len(layers)} layers, each "
+            f"{FULL!r} or {LINEAR_ATTENTION!r} (got {unknown or len(types)})"
+        )
+    linear = tuple(i for i in layers if types[i] == LINEAR_ATTENTION)
+    try:
+        spec = LinearAttentionSpec(
+            layers=linear,
+            num_key_heads=int(cfg["linear_num_key_heads"]),
+            num_value_heads=int(cfg["linear_num_value_heads"]),
+            key_head_dim=int(cfg["linear_key_head_dim"]),
+            value_head_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel=int(cfg["linear_conv_kernel_dim"]),
+        )
+    except KeyError as e:
+        raise ModelConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+    if spec.num_value_heads % spec.num_key_heads or spec.conv_kernel < 2:
+        raise ModelConfigError(
+            f"{source}: linear_num_value_heads={spec.num_value_heads} must be a multiple of "
+            f"linear_num_key_heads={spec.num_key_heads} and linear_conv_kernel_dim="
+            f"{spec.conv_kernel} >= 2"
+        )
+    return {
+        "gemma_norm": True,
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "partial_rotary_factor": float(factor),
+        "linear_attention": spec,
+        "kv_sources": tuple(None if i in linear else i for i in layers),
+        "weight_prefixes": QWEN3_5_PREFIXES,
+    }
+
+
+def _qwen3_5_moe(cfg: Config, source: str) -> FamilyFields:
+    # Qwen3.5's layers, every MLP sparse: softmax over the experts, top-k renormalised,
+    # plus a shared expert (shared_expert_intermediate_size) scaled by
+    # sigmoid(shared_expert_gate(x)); experts as the Hub ships them, per expert
+    experts = {**cfg, "shared_expert_intermediate_size": 0}
+    fields = {**_qwen3_5(cfg, source), **_experts(experts, source, "moe_intermediate_size")}
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if not fields["num_experts"] or shared <= 0:
+        raise ModelConfigError(
+            f"{source}: qwen3_5_moe needs num_experts >= 1 and "
+            f"shared_expert_intermediate_size >= 1 (got {fields['num_experts']}, {shared})"
+        )
+    return {**fields, "norm_topk_prob": True, "shared_expert_size": shared}
+
+
 def _experts(cfg: Config, source: str, size_key: str) -> FamilyFields:
     # the Hub's Qwen3-MoE configs say num_experts, transformers 5 saves num_local_experts
     experts = cfg.get("num_local_experts", cfg.get("num_experts")) or 0
@@ -269,6 +353,10 @@ FAMILIES: dict[str, Callable[[Config, str], FamilyFields]] = {
     "gpt_oss": _gpt_oss,
     "gemma4": _gemma4,
     "gemma4_text": _gemma4,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_text": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "qwen3_5_moe_text": _qwen3_5_moe,
 }
 
 

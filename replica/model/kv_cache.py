@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from replica.device import to_device
+from replica.model.gated_deltanet import StatePool
 from replica.model.spec import ModelSpec
 
 
@@ -29,7 +30,12 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         num_kv_heads: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
+        """`num_state_slots`: rows of a hybrid model's linear-attention state pool
+        (`states`, model/gated_deltanet.py): one per sequence that may run at once, plus
+        a scratch row; None without linear-attention layers."""
+
         def pool(layer: int) -> torch.Tensor:  # a layer's own head_dim and KV heads
             s = spec.layer(layer)
             kvh = num_kv_heads or s.num_kv_heads
@@ -42,6 +48,11 @@ class KVCache:
         self.v = [None if s is None else owned[s][1] for s in sources]
         self.pools = [t for kv in owned.values() for t in kv]  # each owned tensor once
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.states: StatePool | None = None
+        if spec.linear_attention is not None:
+            self.states = StatePool(
+                spec.linear_attention, spec.num_layers, num_state_slots, device, dtype
+            )
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Block src[i]'s tokens into block dst[i], in every layer's K and V: on the device,

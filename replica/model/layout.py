@@ -48,6 +48,13 @@ KNOWN_UNREAD = (
     KnownUnread(r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.", "gemma4",
                 "a multimodal Gemma 4's vision and audio towers and their projections: "
                 "images and audio are not served, the language model is"),
+    *(KnownUnread(r"model\.visual\.", arch,
+                  "Qwen3.5's vision tower: images are not served, the language model is")
+      for arch in ("qwen3_5", "qwen3_5_moe")),
+    *(KnownUnread(r"mtp\.", arch,
+                  "Qwen3.5's multi-token-prediction layers: a speculative-decoding head that "
+                  "next-token output does not read (speculative decoding is not served)")
+      for arch in ("qwen3_5", "qwen3_5_moe")),
 )  # fmt: skip
 
 
@@ -70,7 +77,12 @@ class CheckpointLayout:
         rows, cols = (0, out_f), (0, in_f)
         if self.shard is not None:
             shard = self.shard.layer(layer)  # the layer's own shapes' split
-            if module in ("o_proj", "down_proj"):
+            if module == "in_proj_qkv":  # three row ranges: q, k and v heads
+                name = self._name(layer, module, kind)
+                parts = [self.ckpt.get_part(name, (out_f, in_f), 0, lo, hi)
+                         for lo, hi in shard.qkv_rows()]  # fmt: skip
+                return torch.cat(parts)
+            if module in ("o_proj", "down_proj", "out_proj"):
                 cols = shard.in_range(module)
             else:
                 rows = shard.out_range(module)
@@ -108,6 +120,24 @@ class CheckpointLayout:
         name = f"{self.prefix}layers.{layer}.{s.moe_block}.{s.router_name}.{kind}"
         shape = (s.num_experts, s.hidden_size) if kind == "weight" else (s.num_experts,)
         return self.ckpt.get(name, shape)
+
+    def shared_expert(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's shared expert of sparse layer `layer` (Qwen3.5-MoE): gate and up
+        rows [2·S_rank, hidden] (gate's, then up's), down [hidden, S_rank], and its gate
+        [1, hidden] whole; S_rank = this rank's columns of shared_expert_size."""
+        s = self.spec
+        h, size = s.hidden_size, s.shared_expert_size
+        lo, hi = (0, size) if self.shard is None else self.shard.shared_expert_range
+        where = f"{self.prefix}layers.{layer}.mlp.shared_expert"
+        if s.quant is not None and s.quant.format_of(f"{where}.gate_proj") is not None:
+            raise WeightLoadError(
+                f"{self.ckpt.dir}: {where} is quantized ({s.quant.method}): a packed shared "
+                "expert is not served (only its dense form)"
+            )
+        gate_up = [self.ckpt.get_part(f"{where}.{m}.weight", (size, h), 0, lo, hi)
+                   for m in ("gate_proj", "up_proj")]  # fmt: skip
+        down = self.ckpt.get_part(f"{where}.down_proj.weight", (h, size), 1, lo, hi)
+        return torch.cat(gate_up), down, self.ckpt.get(f"{where}_gate.weight", (1, h))
 
     def sinks(self, layer: int) -> torch.Tensor:
         """This rank's query heads' sink logits of `layer` (gpt-oss): [heads_rank]."""
@@ -234,6 +264,19 @@ class CheckpointLayout:
     def layer_scalar(self, layer: int) -> torch.Tensor:
         """Gemma 4's stored scalar of `layer`'s output: [1]."""
         return self.tensor(layer, "layer_scalar", (1,))
+
+    def layer_tensor(self, layer: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor `name` of layer `layer` whole (a Gated DeltaNet's norm), or this
+        rank's part of one split by heads along dim 0 (its conv taps by the channels of
+        in_proj_qkv, A_log and dt_bias by value heads)."""
+        name = f"{self.prefix}layers.{layer}.{name}"
+        if self.shard is None or name.endswith("norm.weight"):
+            return self.ckpt.get(name, shape)
+        if name.endswith("conv1d.weight"):
+            rows = self.shard.qkv_rows()
+        else:
+            rows = [self.shard.value_head_range]
+        return torch.cat([self.ckpt.get_part(name, shape, 0, lo, hi) for lo, hi in rows])
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""

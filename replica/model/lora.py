@@ -12,6 +12,7 @@ import torch
 
 import kernels
 from kernels import SegmentInfo
+from replica.model.hybrid import LINEAR_IN_MODULES
 from replica.model.quant_weights import PackedLinear
 from replica.model.spec import ModelSpec
 
@@ -30,6 +31,12 @@ MODULE_GROUPS: dict[str, tuple[str, ...]] = {
     "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
+}
+# A Gated DeltaNet layer's groups (hybrid models): its four input projections share their
+# input, held fused as attention's q/k/v are.
+LINEAR_GROUPS: dict[str, tuple[str, ...]] = {
+    "in_proj": LINEAR_IN_MODULES,
+    "out_proj": ("out_proj",),
 }
 # A sparse layer's expert groups (replica/model/moe.py): one adapter's rows of expert e
 # sit in expert e's block of rows of these arenas ([num_slices, E * rows, in], [out, E *
@@ -52,6 +59,8 @@ def layer_groups(spec: ModelSpec, layer: int) -> dict[str, tuple[str, ...]]:
         return (group,) if group in fused else MODULE_GROUPS[group]
 
     groups = {g: slices(g) for g in ("qkv_proj", "o_proj")}
+    if spec.is_linear(layer):
+        groups = dict(LINEAR_GROUPS)
     if spec.per_layer_input_size:
         groups |= PER_LAYER_INPUT_GROUPS
     dense = {g: slices(g) for g in ("gate_up_proj", "down_proj")}

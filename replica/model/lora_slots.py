@@ -29,6 +29,7 @@ from replica.device import StagedBuffer, StepProgress
 from replica.model.adapter_weights import VOCAB_LAYER, LoRAAdapterWeights
 from replica.model.lora import (
     EXPERT_GROUPS,
+    LINEAR_GROUPS,
     MODULE_GROUPS,
     PER_LAYER_INPUT_GROUPS,
     VOCAB_GROUPS,
@@ -154,8 +155,9 @@ class LoRASlotBuffers:
             self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)
         experts = tuple(EXPERT_GROUPS) if spec.num_experts else ()
         ple = tuple(PER_LAYER_INPUT_GROUPS) if spec.per_layer_input_size else ()
+        linear = tuple(LINEAR_GROUPS) if spec.linear_attention is not None else ()
         # the slot table's rank columns
-        self.groups = (*MODULE_GROUPS, *ple, *experts, *self.vocab)
+        self.groups = (*MODULE_GROUPS, *linear, *ple, *experts, *self.vocab)
         # Host copies, the source of truth for batch metadata. Ranks are per projection
         # group: 0 where the adapter does not target it, so batches skip reading those slots.
         n = self.num_slots

@@ -13,8 +13,9 @@ ordinary multi-LoRA ops over (adapter, expert) groups of the same sort
 (kernels.expert_lora_shrink / expert_lora_expand): an adapter's expert e rows sit in
 expert e's block of the expert arenas. gpt-oss's experts add a bias to each (expert's)
 gate/up and down output, gathered per sorted pair by its expert, and apply the clamped
-SwiGLU (decoder.gated_activation). Nothing here reads a device value, so the decode
-step stays graph-safe.
+SwiGLU (decoder.gated_activation). Qwen3.5-MoE adds a shared expert every token runs
+through, its output times sigmoid(shared_expert_gate(x)) (LoRA on it is refused at
+load). Nothing here reads a device value, so the decode step stays graph-safe.
 
 Tensor parallelism: each rank holds every expert's share of the intermediate columns
 (gate/up rows, down columns), LoRA split the same way (gate/up B by rows; down A by
@@ -70,12 +71,18 @@ class SparseMoE:
             self.gate_up_bias = gate_up_b.to(device=device, dtype=dtype)
             if tp is None or tp.shard.rank == 0:  # summed over ranks by the all-reduce
                 self.down_bias = down_b.to(device=device, dtype=dtype)
+        self.shared = None  # Qwen3.5-MoE: (gate/up [2S, H], down [H, S], its gate [1, H])
+        if spec.shared_expert_size:
+            self.shared = tuple(
+                w.to(device=device, dtype=dtype) for w in layout.shared_expert(index)
+            )
         self.lora = {g: lora[g] for g in EXPERT_GROUPS if g in lora}
         self.comm = None if tp is None else tp.comm
         self.cols = slice(None) if tp is None else slice(*tp.shard.hidden_range)
 
     def weights(self) -> list[torch.Tensor]:
         biases = [b for b in (self.router_bias, self.gate_up_bias, self.down_bias) if b is not None]
+        biases += list(self.shared or ())
         if self.packed:
             return [self.router] + [t for w in self.packed for t in tensors_of(w)] + biases
         return [self.router, self.gate_up, self.down] + biases
@@ -116,7 +123,16 @@ class SparseMoE:
         out = out * weights.reshape(-1).index_select(0, plan.order)[:, None]
         y = torch.empty_like(out).index_copy_(0, plan.order, out)  # back to (token, j) order
         y = y.view(t, self.k, h).sum(dim=1)
+        if self.shared is not None:
+            y = y + self._shared_expert(x)
         return y if self.comm is None else self.comm.all_reduce(y, "layer")
+
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        """sigmoid(x·gᵀ) · down(glu(gate(x), up(x))): on a rank, its columns' partial sum
+        (the layer's all-reduce adds the ranks' parts)."""
+        gate_up, down, gate = self.shared
+        g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+        return torch.sigmoid(F.linear(x, gate)) * F.linear(self.glu(g, u), down)
 
     def _gate_up(self, xs: torch.Tensor, plan: ExpertPlan) -> torch.Tensor:  # [P, 2I]
         if not self.packed:

@@ -1,12 +1,13 @@
 """The model's shape and its family's differences, read once from a Hugging Face config.json.
 
 One decoder (model/decoder.py) serves every family; what differs between Llama, Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen3-MoE and gpt-oss is data on
-ModelSpec, filled in by model/families.py from the config: norm style and count, q/k
-norms, attention scale, soft-caps and sinks, which layers slide and their rope, fused
-checkpoint projections and biases, the MLP's activation, the embedding scale, and for
-mixtures of experts the experts, the router's rule, biases and checkpoint layout and
-which layers are sparse.
+Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen3-MoE, gpt-oss and Qwen3.5 (dense and
+MoE) is data on ModelSpec, filled in by model/families.py from the config: norm style and
+count, q/k norms, attention scale, soft-caps and sinks, an attention output gate, which
+layers slide and their rope, which layers are linear attention (Gated DeltaNet) and their
+shapes, fused checkpoint projections and biases, the MLP's activation, the embedding
+scale, and for mixtures of experts the experts, the router's rule, biases, a shared expert,
+checkpoint layout and which layers are sparse.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from replica.model.hf_config import (
     rope_scaling,
     rope_theta,
 )
+from replica.model.hybrid import LINEAR_MODULES, LinearAttentionSpec
 from replica.model.quant_config import QuantScheme, quant_scheme
 
 __all__ = ["ModelConfigError", "ModelSpec", "RopeSpec", "load_model_spec", "spec_from_dict"]
@@ -110,6 +112,15 @@ class ModelSpec:
     layer_scalar: bool = False  # each layer's output times its stored scalar
     # the experts run beside the dense MLP, not in its place (Gemma 4's MoE block)
     moe_beside_mlp: bool = False
+    # --- hybrid linear attention (Qwen3.5/3.6): the Gated DeltaNet layers and their
+    # shapes (model/hybrid.py); None: every layer attends ---
+    linear_attention: LinearAttentionSpec | None = None
+    # q_proj gives each head a gate too ([q_h, gate_h] per head): attention's output is
+    # multiplied by sigmoid(gate) before o_proj (Qwen3.5's full-attention layers)
+    attn_output_gate: bool = False
+    # a shared expert of this intermediate size beside the routed ones on every sparse
+    # layer, its output times sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE); 0: none
+    shared_expert_size: int = 0
 
     @property
     def q_size(self) -> int:
@@ -170,23 +181,46 @@ class ModelSpec:
         """The layers that own a KV pool: the cache allocates one per such layer."""
         return tuple(i for i in range(self.num_layers) if self.kv_source(i) == i)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` mixes tokens by linear attention (a Gated DeltaNet layer)."""
+        return self.linear_attention is not None and layer in self.linear_attention.layers
+
+    @property
+    def attention_layers(self) -> int:
+        """How many layers attend (the rest are linear attention)."""
+        linear = self.linear_attention
+        return self.num_layers - (0 if linear is None else len(linear.layers))
+
+    @property
+    def q_proj_size(self) -> int:
+        """q_proj's output rows: the queries, and with attn_output_gate each head's gate."""
+        return self.q_size * (2 if self.attn_output_gate else 1)
+
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
         return self.num_experts > 0 and layer not in self.dense_layers
 
     def num_parameters(self) -> int:
         """Weights the model holds (projections, embeddings, head, norms, routers and
-        experts, Gemma 4's per-layer inputs and layer scalars; biases aside), each layer
-        of its own shapes."""
+        experts, Gemma 4's per-layer inputs and layer scalars, Qwen3.5's linear-attention
+        layers and shared expert; biases aside), each layer of its own shapes."""
         experts = self.num_experts * (
             sum(i * o for i, o in self.expert_shapes().values()) + self.hidden_size
         )  # + the router's row per expert
+        if self.shared_expert_size:  # Qwen3.5-MoE's shared expert and its gate's row
+            experts += (3 * self.shared_expert_size + 1) * self.hidden_size
         heads = 1 if self.tie_word_embeddings else 2
         total = heads * self.vocab_size * self.hidden_size + self.hidden_size
         for layer in range(self.num_layers):
             own = self.layer(layer)
             shapes = own.module_shapes()
-            total += sum(i * o for m, (i, o) in shapes.items() if m not in MLP_MODULES)
+            if self.is_linear(layer):  # it mixes by linear attention instead
+                total += self.linear_attention.parameters_per_layer(self.hidden_size)
+            else:
+                total += sum(i * o for m, (i, o) in shapes.items()
+                             if m not in MLP_MODULES and m not in LINEAR_MODULES)  # fmt: skip
+                if self.qk_norm:  # a layer reading another's KV has no k_norm (Gemma 4)
+                    total += (1 + (self.kv_source(layer) == layer)) * own.head_dim
             if self.is_sparse(layer):
                 total += experts
             if not self.is_sparse(layer) or self.moe_beside_mlp:
@@ -194,8 +228,6 @@ class ModelSpec:
             total += (4 if self.sandwich_norms else 2) * self.hidden_size
             if self.is_sparse(layer) and self.moe_beside_mlp:  # 3 norms, router scales
                 total += 4 * self.hidden_size + self.num_experts
-            if self.qk_norm:  # a layer reading another's KV has no k_norm (Gemma 4)
-                total += (1 + (self.kv_source(layer) == layer)) * own.head_dim
         total += self.layer_scalar * self.num_layers
         width, n = self.per_layer_input_size, self.num_layers
         if width:  # the packed embedding, its projection and norm; each layer's gate,
@@ -216,14 +248,17 @@ class ModelSpec:
         """Where a checkpoint keeps projection `module` of `layer` (its tensors' names less
         the .weight / .qweight suffix); `prefix`: the checkpoint's, else the first one."""
         group = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        if module in LINEAR_MODULES:
+            group = "linear_attn"
         prefix = self.weight_prefixes[0] if prefix is None else prefix
         return f"{prefix}layers.{layer}.{group}.{module}"
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, self.q_size),
+        linear = {} if self.linear_attention is None else self.linear_attention.module_shapes(h)
+        return linear | {
+            "q_proj": (h, self.q_proj_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),

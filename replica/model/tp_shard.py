@@ -13,6 +13,11 @@ Pure arithmetic on the model's shape: no devices, no communication.
   replicated: norms, rotary tables, MoE routers.
   experts: every rank holds every expert's share of moe_intermediate_size, split like
       the dense MLP (gate/up by output rows, down by input columns; their LoRA likewise).
+  linear attention (Gated DeltaNet, hybrid models): by heads. in_proj_qkv, in_proj_z,
+      in_proj_b, in_proj_a column-parallel (q and k rows of the rank's key heads, v, z,
+      b, a rows of its value heads: value head h reads key head h // (HV / HK) on the
+      same rank), the conv taps, A_log and dt_bias likewise, out_proj row-parallel; the
+      gated norm (per head dim) replicated; each rank keeps the state of its heads.
 
 KV heads are split across ranks; with fewer KV heads than ranks, each rank keeps a
 copy of the one KV head its query heads attend with.
@@ -23,10 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from replica.model.hybrid import LINEAR_IN_MODULES
 from replica.model.spec import ModelConfigError, ModelSpec
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+LINEAR_COLUMN_PARALLEL = LINEAR_IN_MODULES
 
 Array = TypeVar("Array")  # a torch tensor or a numpy array: only basic slicing is used
 
@@ -48,9 +55,18 @@ class TPShard:
                 ("intermediate_size", s.intermediate_size),
                 ("hidden_size", s.hidden_size),
                 ("moe_intermediate_size", s.moe_intermediate_size),
+                ("shared_expert_intermediate_size", s.shared_expert_size),
             )
             if value % n
         ]
+        linear = s.linear_attention
+        if linear is not None:
+            problems += [
+                f"{field}={value} is not a multiple of {n}"
+                for field, value in (("linear_num_key_heads", linear.num_key_heads),
+                                     ("linear_num_value_heads", linear.num_value_heads))
+                if value % n
+            ]  # fmt: skip
         if s.num_kv_heads % n and n % s.num_kv_heads:
             problems.append(f"num_key_value_heads={s.num_kv_heads} neither divides nor is a "
                             f"multiple of {n}")  # fmt: skip
@@ -119,14 +135,20 @@ class TPShard:
     @property
     def local_spec(self) -> ModelSpec:
         """The shape this rank computes with: its heads, KV heads and MLP columns (each
-        layer's own too, where layers differ)."""
+        layer's own too, where layers differ; a hybrid model's linear-attention heads)."""
         s, n = self.spec, self.size
+        linear = s.linear_attention
+        if linear is not None:
+            linear = replace(linear, num_key_heads=linear.num_key_heads // n,
+                             num_value_heads=linear.num_value_heads // n)  # fmt: skip
         return replace(
             s,
+            linear_attention=linear,
             num_heads=s.num_heads // n,
             num_kv_heads=self.kv_heads,
             intermediate_size=s.intermediate_size // n,
             moe_intermediate_size=s.moe_intermediate_size // n,
+            shared_expert_size=s.shared_expert_size // n,
             layer_kv_heads=tuple(max(1, k // n) for k in s.layer_kv_heads),
             layer_intermediate_sizes=tuple(i // n for i in s.layer_intermediate_sizes),
         )
@@ -136,6 +158,11 @@ class TPShard:
         """Each expert's intermediate columns on this rank (rows of its gate/up, columns
         of its down)."""
         return self._split(self.spec.moe_intermediate_size)
+
+    @property
+    def shared_expert_range(self) -> tuple[int, int]:
+        """The shared expert's intermediate columns on this rank (Qwen3.5-MoE)."""
+        return self._split(self.spec.shared_expert_size)
 
     @property
     def head_range(self) -> tuple[int, int]:
@@ -150,14 +177,32 @@ class TPShard:
     def out_range(self, module: str) -> tuple[int, int]:
         """Rows of a column-parallel module's weight (and of its LoRA B) on this rank."""
         s = self.spec
-        if module == "q_proj":
-            return self._split(s.q_size)
+        if module == "q_proj":  # by heads (with an output gate, [q_h, gate_h] per head)
+            return self._split(s.q_proj_size)
         if module in ("k_proj", "v_proj"):
             first = self.rank * s.num_kv_heads // self.size  # the head our query heads use
             return first * s.head_dim, (first + self.kv_heads) * s.head_dim
         if module in ("gate_proj", "up_proj"):
             return self._split(s.intermediate_size)
+        if module in ("in_proj_z", "in_proj_b", "in_proj_a"):  # by value heads
+            per_head = s.linear_attention.value_head_dim if module == "in_proj_z" else 1
+            lo, hi = self.value_head_range
+            return lo * per_head, hi * per_head
         raise ValueError(f"{module} is not column-parallel")
+
+    @property
+    def value_head_range(self) -> tuple[int, int]:
+        """The linear-attention value heads this rank holds."""
+        return self._split(self.spec.linear_attention.num_value_heads)
+
+    def qkv_rows(self) -> list[tuple[int, int]]:
+        """This rank's row ranges of in_proj_qkv (and of the conv's channels): its key
+        heads' q rows, their k rows, its value heads' v rows."""
+        linear = self.spec.linear_attention
+        q0, q1 = self._split(linear.key_dim)
+        v0, v1 = self._split(linear.value_dim)
+        k = linear.key_dim
+        return [(q0, q1), (k + q0, k + q1), (2 * k + v0, 2 * k + v1)]
 
     def in_range(self, module: str) -> tuple[int, int]:
         """Columns of a row-parallel module's weight (and of its LoRA A) on this rank."""
@@ -165,6 +210,8 @@ class TPShard:
             return self._split(self.spec.q_size)
         if module == "down_proj":
             return self._split(self.spec.intermediate_size)
+        if module == "out_proj":
+            return self._split(self.spec.linear_attention.value_dim)
         raise ValueError(f"{module} is not row-parallel")
 
     @property
@@ -198,6 +245,12 @@ class TPShard:
         for m in ROW_PARALLEL:
             start, stop = self.in_range(m)
             shapes[m] = (stop - start, self.spec.hidden_size // self.size)
+        if self.spec.linear_attention is not None:
+            for m in LINEAR_COLUMN_PARALLEL:
+                rows = self.qkv_rows() if m == "in_proj_qkv" else [self.out_range(m)]
+                shapes[m] = (h, sum(stop - start for start, stop in rows))
+            start, stop = self.in_range("out_proj")
+            shapes["out_proj"] = (stop - start, h // self.size)
         for name, parts in self.spec.fused_modules().items():  # held fused: its parts' rows
             shapes[name] = (whole[parts[0]][0], sum(shapes[p][1] for p in parts))
         shapes |= self.spec.per_layer_input_shapes()  # replicated: their LoRA whole
@@ -222,7 +275,9 @@ class TPShard:
         if module == "lm_head":
             start, stop = self.vocab_range
             return a, b[start:stop]
-        if module in COLUMN_PARALLEL:
+        if module in COLUMN_PARALLEL or module in LINEAR_COLUMN_PARALLEL:
+            if module == "in_proj_qkv":
+                return a, b[[r for lo, hi in self.qkv_rows() for r in range(lo, hi)]]
             start, stop = self.out_range(module)
             return a, b[start:stop]
         fused = self.spec.fused_modules()

@@ -168,7 +168,8 @@ def test_mixed_sampling_scenario_reports_both_arms(tiny):
     prompts = [[5 + i, 9, 13 + i, 17] for i in range(4)]
     wl = Workload("uniform", prompts, [names[0], None, names[1], names[0]], 3, 4)
     cfg = EngineConfig(model=str(tiny.model_dir), device="auto", max_num_seqs=4,
-                       num_slots=3, max_loras_per_batch=2, kv_cache_bytes=1 << 20)  # fmt: skip
+                       adapters={"num_slots": 3, "max_loras_per_batch": 2},
+                       kv_cache_bytes=1 << 20)  # fmt: skip
     section = json.loads(json.dumps(_mixed_sampling(cfg, tiny, wl)))  # what --json writes
     assert section["batch"] == 4 and section["mixed_rows"] == 2 and section["max_tokens"] == 3
     assert section["mixed_row_params"]["logprobs"] == 5

@@ -43,7 +43,13 @@ def static_for(eng: LLMEngine, max_num_seqs: int) -> StaticDecode:
 
 
 def triton_kernels() -> list:
-    from kernels import moe_triton, paged_attention_triton, prefill_attention_triton, sgmv_triton
+    from kernels import (
+        gated_delta_triton,
+        moe_triton,
+        paged_attention_triton,
+        prefill_attention_triton,
+        sgmv_triton,
+    )
 
     return [
         sgmv_triton._shrink_kernel,
@@ -54,4 +60,7 @@ def triton_kernels() -> list:
         paged_attention_triton._merge_splits_kernel,
         prefill_attention_triton._prefill_kernel,
         moe_triton._grouped_gemm_kernel,
+        gated_delta_triton._conv_kernel,  # a hybrid model's linear attention
+        gated_delta_triton._recurrent_kernel,
+        gated_delta_triton._chunked_kernel,
     ]

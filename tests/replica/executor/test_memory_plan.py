@@ -374,3 +374,47 @@ def test_the_start_line_says_kv_tokens_blocks_concurrency_and_adapter_rows(tiny,
     for words in ("337,952 tokens in 21,122 blocks of 16", "2.58 sequences of max_model_len",
                   "2752 rank rows per projection group", "CUDA graphs 0.05 GiB"):  # fmt: skip
         assert words in summary
+
+
+def test_the_state_pool_of_a_hybrid_model_is_planned():
+    """Qwen3.5: KV only for the attention layers, and the linear-attention state of
+    max_num_seqs sequences and the scratch row, as the pool allocates it, in the plan
+    before the adapters and the KV cache."""
+    from replica.model.gated_deltanet import StatePool
+
+    model_dir = family_model_dir("qwen35")
+    spec = load_model_spec(model_dir)
+    config = EngineConfig(model=str(model_dir), max_num_seqs=6, adapters={"num_slots": 3})
+    plan = plan_memory(spec, config, BF16, 1 * GiB)
+    pool = StatePool(spec.linear_attention, spec.num_layers, 7, META, BF16)
+    held = sum(t.numel() * t.element_size() for t in pool.conv + pool.recurrent if t is not None)
+    assert plan.state_pool_bytes == held > 0
+    assert "state pool" in plan.summary()
+    kv = KVCache(spec, 7, 16, META, BF16)
+    assert len(kv.pools) == 2 * len(spec.kv_layers) == 4
+    assert plan.kv_block_bytes == sum(t.numel() * t.element_size() for t in kv.pools) // 7
+    assert plan.planned_bytes == plan.budget_bytes - plan.free_bytes
+
+
+def test_a_hybrid_model_profiles_its_largest_step_over_a_state_row(monkeypatch):
+    """Qwen3.5's profiled step is a later chunk of the longest sequence: its Gated
+    DeltaNet layers read and write a state row (one, beside the KV for that sequence)."""
+    FakeCuda(monkeypatch, total=8 * GiB, others=GiB)
+    model_dir = family_model_dir("qwen35")
+    cfg = EngineConfig(model=str(model_dir), adapters={"num_slots": 3}, max_lora_rank=16,
+                       max_num_batched_tokens=48, max_model_len=200)  # fmt: skip
+    spec = load_model_spec(model_dir)
+    lora = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
+    model = CausalLM(model_dir, "cpu", torch.float32, lora, spec)
+    seen = {}
+    forward = model.forward
+
+    def measured_forward(batch, kv, rows):
+        seen.update(rows=kv.states.num_slots, initial=batch.linear.has_initial_state.tolist())
+        return forward(batch, kv, rows)
+
+    model.forward = measured_forward
+    plan = memory_profile.measured_plan(cfg, spec, model, lora, torch.device("cpu"), torch.float32)
+    assert seen == {"rows": 1, "initial": [True]}
+    per_seq = spec.linear_attention.state_bytes_per_seq(torch.float32)
+    assert plan.state_pool_bytes == (cfg.max_num_seqs + 1) * per_seq

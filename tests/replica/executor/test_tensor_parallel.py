@@ -334,7 +334,8 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tiny):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss", "gemma4", "gemma4moe"]
+    "family",
+    ["qwen3", "gemma2", "phi3", "qwen3moe", "gptoss", "gemma4", "gemma4moe", "qwen35", "qwen35moe"],
 )
 def test_families_equal_tp1(family, tmp_path):
     """Qwen3 (q/k norms, head_dim ≠ hidden / heads), Gemma 2 (soft-caps, windows, four
@@ -343,8 +344,11 @@ def test_families_equal_tp1(family, tmp_path):
     expert LoRA likewise; a dense layer between) and gpt-oss (sinks split with their
     heads, o_proj and down biases added once, interleaved gate/up and their biases split)
     and Gemma 4 (each layer split by its own head_dim and KV heads, its one global KV head
-    kept on both ranks, shared KV, per-layer inputs replicated) on 2 ranks: logits and a
-    staggered mixed batch equal TP=1, adapters included."""
+    kept on both ranks, shared KV, per-layer inputs replicated) and Qwen3.5 (Gated DeltaNet
+    heads, their conv channels, decays and states split, the gated attention's q and gate
+    rows with their heads; LoRA on in_proj_* and out_proj; Qwen3.5-MoE's shared expert
+    split like the dense MLP, its gate whole) on 2 ranks: logits and a staggered mixed
+    batch equal TP=1, adapters included."""
     from cluster.demo.families import family_model_dir
     from tests.oracle import family_adapters
 
