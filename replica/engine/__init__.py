@@ -10,6 +10,7 @@ sequence.py         a request as the engine tracks it (its GenerateRequest, per 
 structured.py       structured output: grammar matchers and bitmasks
 planner.py          scheduled sequences -> a BatchPlan of host ints (no tensors)
 block_allocator.py  KV blocks: reference counts, free list, cached blocks (host-only)
+state_slots.py      a hybrid model's state-pool rows: one per running sequence (host-only)
 prefix_cache.py     prefix caching: block keys per adapter version, hits, commits
 telemetry.py        counters, the residency snapshot for routing, metrics telemetry
 

@@ -2,6 +2,12 @@
 
 decoder.py          the model and its forward over a flattened mixed batch
 families.py         config.json -> what a family changes on ModelSpec (norms, caps, windows...)
+gemma4_config.py    Gemma 4's config -> its per-layer shapes, shared KV, ropes, MoE block
+hybrid.py           LinearAttentionSpec: a hybrid model's linear-attention shapes and state
+gated_deltanet.py   Qwen3.5's Gated DeltaNet layer and the per-sequence state pool
+per_layer_inputs.py Gemma 4's per-layer input embeddings and each layer's block
+gemma4_moe.py       Gemma 4's experts beside the dense MLP
+moe.py              a sparse MLP: router, experts grouped by expert, expert LoRA
 layout.py           where a checkpoint keeps each tensor (prefixes, fused rows, a rank's part;
                     gpt-oss's MXFP4 experts, kept packed)
 attention.py        paged attention over the KV cache (prefill and decode)
