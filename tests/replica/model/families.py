@@ -27,6 +27,28 @@ def engine_for(model_dir, adapters: dict, **kw) -> LLMEngine:
     return make_engine(model_dir, adapters, block_size=4, max_num_batched_tokens=16, **kw)
 
 
+def check_base_unchanged_beside_adapters(model_dir, adapters: dict, **kw) -> None:
+    """A base request with no adapter loaded, and with 16 (copies of `adapters`) loaded:
+    its greedy ids and logprobs bit-identical when it runs alone; its greedy ids the same
+    when the 16 run in its batches (its logprobs then may differ in the last bits: a batch
+    of another shape rounds the base rows' GEMMs differently on the CPU), while theirs
+    differ. `kw`: the engines' EngineConfig fields."""
+    paths = list(adapters.values())
+    many = {f"a{i}": paths[i % len(paths)] for i in range(16)}
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    ps = prompts(256)
+    base = [(p, sampling, None) for p in ps]
+    want = engine_for(model_dir, {}, **kw).generate(base)
+    crowd = engine_for(model_dir, many, **kw)
+    alone = crowd.generate(base)
+    assert [s.logprobs for s in alone] == [s.logprobs for s in want]
+    assert [s.output_ids for s in alone] == [s.output_ids for s in want]
+    beside = [(ps[i % 2], sampling, name) for i, name in enumerate(many)]
+    got = crowd.generate(base + beside)
+    assert [s.output_ids for s in got[: len(ps)]] == [s.output_ids for s in want]
+    assert any(s.output_ids != want[0].output_ids for s in got[len(ps) :])
+
+
 def traced_static_decode(runner, max_seqs: int) -> tuple[list[int], list[str]]:
     """Make `runner` take its fixed-shape decode step (the one CUDA graphs replay) for up
     to `max_seqs` sequences and record it: (one entry per step it ran, the device values

@@ -19,12 +19,10 @@ from safetensors.torch import load_file
 
 from cluster.demo.families import family_model_dir
 from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.executor.memory_plan import kv_block_bytes
 from replica.model.adapter_weights import load_peft_adapter
 from replica.model.kv_cache import KVCache
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
-from replica.wire import SamplingParams
 from tests.oracle import (
     GEMMA4_EXPERTS,
     check_mixed_batch,
@@ -39,6 +37,7 @@ from tests.replica.model.families import (
     LOGIT_ATOL,
     MARGIN,
     NEW_TOKENS,
+    check_base_unchanged_beside_adapters,
     engine_for,
     prompts,
     traced_static_decode,
@@ -147,34 +146,9 @@ def test_an_adapter_on_one_module_kind_changes_the_output_as_peft(tmp_path):
 
 
 def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(tmp_path):
-    """A base request with no adapter loaded, and with 16 loaded: greedy ids and logprobs
-    bit-identical when it runs alone; its greedy ids the same when the 16 run in its
-    batches (test_gpt_oss.py's test of the same says why its logprobs then may differ)."""
     model_dir = family_model_dir("gemma4")
     adapters = family_adapters("gemma4", model_dir, tmp_path)
-    paths = list(adapters.values())
-    many = {f"a{i}": paths[i % len(paths)] for i in range(16)}
-    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    ps = prompts(256)
-
-    def engine(adapters: dict) -> LLMEngine:
-        eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", block_size=4,
-                                     kv_cache_bytes=16 << 20,
-                                     adapters={"num_slots": 17}))  # fmt: skip
-        for name, path in adapters.items():
-            eng.load_adapter(name, path)
-        return eng
-
-    base = [(p, sampling, None) for p in ps]
-    want = engine({}).generate(base)
-    crowd = engine(many)
-    alone = crowd.generate(base)
-    assert [s.logprobs for s in alone] == [s.logprobs for s in want]
-    assert [s.output_ids for s in alone] == [s.output_ids for s in want]
-    beside = [(ps[i % 2], sampling, name) for i, name in enumerate(many)]
-    got = crowd.generate(base + beside)
-    assert [s.output_ids for s in got[: len(ps)]] == [s.output_ids for s in want]
-    assert any(s.output_ids != want[0].output_ids for s in got[len(ps) :])
+    check_base_unchanged_beside_adapters(model_dir, adapters)
 
 
 def _text_config() -> dict:

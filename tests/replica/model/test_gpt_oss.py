@@ -22,8 +22,6 @@ from safetensors.torch import load_file, save_file
 
 from cluster.demo.families import family_model_dir
 from kernels.quant_formats import E2M1_VALUES, Mxfp4Weight
-from replica.config import EngineConfig
-from replica.engine.engine import LLMEngine
 from replica.executor.memory_plan import weight_bytes
 from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import ModelConfigError, spec_from_dict
@@ -31,7 +29,14 @@ from replica.wire import SamplingParams
 from tests.engines import held_bytes
 from tests.model_dirs import PUBLISHED
 from tests.oracle import ATTENTION, check_mixed_batch, hf_logits, hf_model, peft_adapter
-from tests.replica.model.families import MARGIN, NEW_TOKENS, engine_for, prompts, router_margin
+from tests.replica.model.families import (
+    MARGIN,
+    NEW_TOKENS,
+    check_base_unchanged_beside_adapters,
+    engine_for,
+    prompts,
+    router_margin,
+)
 
 EXPERTS = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 
@@ -149,40 +154,8 @@ def test_mxfp4_checkpoint_equals_transformers_loading_the_same_files(gpt_oss):
 
 
 def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(gpt_oss):
-    """A base request with no adapter loaded, and with 16 loaded: its greedy ids and
-    logprobs bit-identical when it runs alone; its greedy ids the same when the 16 run in
-    its batches. (Its logprobs then differ in the last bits, on every family: a batch of
-    other shape rounds the base rows' GEMMs differently on the CPU.)"""
     model_dir, _, adapters = gpt_oss
-    paths = list(adapters.values())
-    many = {f"a{i}": paths[i % len(paths)] for i in range(16)}
-    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    ps = prompts(256)
-
-    def engine(adapters: dict) -> LLMEngine:
-        eng = LLMEngine(
-            EngineConfig(
-                model=str(model_dir),
-                device="cpu",
-                block_size=4,
-                kv_cache_bytes=16 << 20,
-                adapters={"num_slots": 17},
-            )
-        )
-        for name, path in adapters.items():
-            eng.load_adapter(name, path)
-        return eng
-
-    base = [(p, sampling, None) for p in ps]
-    want = engine({}).generate(base)
-    crowd = engine(many)
-    alone = crowd.generate(base)
-    assert [s.logprobs for s in alone] == [s.logprobs for s in want]
-    assert [s.output_ids for s in alone] == [s.output_ids for s in want]
-    beside = [(ps[i % 2], sampling, name) for i, name in enumerate(many)]
-    got = crowd.generate(base + beside)
-    assert [s.output_ids for s in got[: len(ps)]] == [s.output_ids for s in want]
-    assert any(s.output_ids != want[0].output_ids for s in got[len(ps) :])
+    check_base_unchanged_beside_adapters(model_dir, adapters)
 
 
 def test_router_lora_is_refused_by_name(gpt_oss, tmp_path):
