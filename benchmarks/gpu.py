@@ -17,6 +17,10 @@ off, CUDA graphs on) measures:
              on an adapter
   graphs     LLMEngine.graph_stats() around the decode measurements: graphs captured,
              replays and eager decode steps, counted (never assumed)
+  --quant    the base held packed in each format named (fp8: Qwen's 128x128 blocks with
+             dynamic activations, so W8A8 on sm89+; w4a16: compressed-tensors groups of
+             128), one engine each: its decode steps at batch 1 and 32, base and LoRA, the
+             batch-1 step's speedup over bf16 and LoRA's overhead on the packed base
 
 It prints a table, writes every figure with --json, and its last line is one JSON summary
 (the headline figures, the graphs, the targets of benchmarks/targets.toml [gpu], each met,
@@ -24,6 +28,7 @@ NOT met or unknown; none is asserted). `--dry-run` plans it all on any machine (
 bytes, the engine config, validated) and allocates nothing.
 
     python -m benchmarks gpu --json gpu.json            # a few minutes on one H100
+    python -m benchmarks gpu --quant fp8,w4a16 --json gpu.json  # and two packed bases
     python -m benchmarks gpu --dry-run                  # the plan, no GPU needed
     python -m benchmarks gpu --shape tiny --device cpu  # the same code on a tiny model
 
@@ -57,6 +62,16 @@ GRAPH_KEYS = ("graphs_captured", "graph_replays", "eager_decode_steps")
 DECODE_SLACK = 32  # tokens a decoding sequence may make beyond its timed steps
 SMALLEST_GPU_BYTES = 80 * 10**9  # an H100 80GB (an H200 has more): what a plan must fit
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the packed bases --quant measures: the quantization_config the Hub and llm-compressor
+# write (benchmarks/quant_engine.py's, here again: this module imports no demo code)
+QUANT_FORMATS = {
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]},
+    "w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                  "group_size": 128}}}, "ignore": ["lm_head"]},
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -206,9 +221,10 @@ class Figures:
     decode: dict[str, float] = field(default_factory=dict)
     ttft: dict[str, float] = field(default_factory=dict)
     graphs: dict[str, int] = field(default_factory=dict)
+    quant: dict[str, float] = field(default_factory=dict)
 
     def headline(self) -> dict[str, float]:
-        return {**self.decode, **self.ttft}
+        return {**self.decode, **self.ttft, **self.quant}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -223,10 +239,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", type=Path, default=None, help="Write every figure here.")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quant",
+        default="",
+        help="Also measure the base held packed in these formats, comma-separated: "
+        f"{', '.join(QUANT_FORMATS)} (decode steps at batch 1 and 32 over bf16's).",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     shape = SHAPES[args.shape]
+    formats = _quant_formats(args.quant)  # refused before minutes of building
     plan = Plan(shape) if shape is not TINY else Plan(shape, **TINY_PLAN)
     # a dry run plans for the GPU machine, wherever it runs
     device = args.device or ("cuda" if args.dry_run else _default_device())
@@ -242,12 +265,17 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("LLMEngine.graph_stats() is missing: graphs must be counted, "
                              "not assumed (only --dry-run goes on without it)")  # fmt: skip
         figures = measure(plan, config, model_dir, Path(tmp) / "adapters", args.seed)
+        for fmt in formats:
+            qdir = write_model_dir(shape, Path(tmp) / f"model-{fmt}", QUANT_FORMATS[fmt])
+            qconfig = _validated_config(plan, qdir, device)
+            figures.quant |= measure_packed(fmt, plan, qconfig, qdir, tmp, args.seed, figures)
     return _finish(args, plan, device, figures, dry_run=False)
 
 
-def write_model_dir(shape: Shape, out: Path) -> Path:
-    """config.json of `shape` and a byte-level BPE tokenizer (256 bytes, no merges, and
-    begin/end-of-text) in `out`: a Hugging Face model directory with no weights."""
+def write_model_dir(shape: Shape, out: Path, quant: dict | None = None) -> Path:
+    """config.json of `shape` (with `quant` as its quantization_config) and a byte-level
+    BPE tokenizer (256 bytes, no merges, and begin/end-of-text) in `out`: a Hugging Face
+    model directory with no weights."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -260,8 +288,46 @@ def write_model_dir(shape: Shape, out: Path) -> Path:
     out.mkdir(parents=True)
     fast.save_pretrained(out)
     config = shape.config(fast.bos_token_id, fast.eos_token_id)
+    if quant is not None:
+        config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def measure_packed(
+    fmt: str, plan: Plan, config: dict, model_dir: Path, tmp: str, seed: int, bf16: Figures
+) -> dict[str, float]:
+    """The decode figures of the base held packed as `fmt` at batch 1 and the largest
+    batch up to 32, and the batch-1 base step's speedup over the bf16 run's."""
+    batches = (1, max(b for b in plan.batches if b <= 32))
+    packed = replace(plan, batches=batches)
+    device = torch.device(config["device"])
+    names = [f"gpu-{i:02d}" for i in range(plan.adapters)]
+    plans = [AdapterPlan(n, plan.rank, 2 * plan.rank, plan.targets) for n in names]
+    paths = write_adapters(model_dir, load_model_spec(model_dir), Path(tmp) / f"a-{fmt}",
+                           plans, device=device, dtype=torch.bfloat16, seed=seed)  # fmt: skip
+    print(f"{fmt}: the base held packed", flush=True)
+    eng = LLMEngine(EngineConfig(**config))
+    try:
+        for name, path in paths.items():
+            eng.load_adapter(name, path)
+        decode = _decode(eng, packed, names, random.Random(seed), bf16.copy_gbps * 1e9)
+    finally:
+        eng.shutdown()
+    b = batches[1]
+    return {
+        f"{fmt}_base_step_ms_b1": decode["base_step_ms_b1"],
+        f"{fmt}_speedup_b1": bf16.decode["base_step_ms_b1"] / decode["base_step_ms_b1"],
+        f"{fmt}_lora_over_base_step_b{b}": decode[f"lora_over_base_step_b{b}"],
+    }
+
+
+def _quant_formats(names: str) -> list[str]:
+    formats = [n for n in names.split(",") if n]
+    unknown = [n for n in formats if n not in QUANT_FORMATS]
+    if unknown:
+        raise SystemExit(f"--quant {unknown[0]!r}: expected some of {', '.join(QUANT_FORMATS)}")
+    return formats
 
 
 def measure(plan: Plan, config: dict, model_dir: Path, adapter_dir: Path, seed: int) -> Figures:

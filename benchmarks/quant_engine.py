@@ -20,20 +20,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from benchmarks.gpu import QUANT_FORMATS
 from cluster.demo.assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec
 
 # quantization_config of each format, as the Hub and llm-compressor write them
 QUANT_CONFIGS = {
-    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128]},
+    "fp8": QUANT_FORMATS["fp8"],
     "fp8-channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                         "num_bits": 8, "type": "float", "strategy": "channel"}}},
                     "ignore": ["lm_head"]},
-    "w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                  "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                  "group_size": 128}}}, "ignore": ["lm_head"]},
+    "w4a16": QUANT_FORMATS["w4a16"],
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
             "zero_point": True},

@@ -102,6 +102,25 @@ def test_a_tiny_run_measures_every_figure_on_the_cpu(tmp_path, capsys, monkeypat
     assert not last["dry_run"] and set(last["targets"]) == set(harness.targets("gpu"))
 
 
+@pytest.mark.slow
+def test_a_tiny_run_measures_each_packed_base_against_bf16(tmp_path, capsys, monkeypatch):
+    """--quant: an engine per format on the base held packed (dummy weights), its batch-1
+    step's speedup over the bf16 run and LoRA's overhead at the largest batch, reported
+    against their targets."""
+    _fake_graph_stats(monkeypatch)
+    out = tmp_path / "gpu.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--quant", "fp8,w4a16", "--json", str(out)]
+    assert harness.main(gpu, argv) == 0
+    quant = json.loads(out.read_text())["figures"]["quant"]
+    for fmt in ("fp8", "w4a16"):
+        for key in ("base_step_ms_b1", "speedup_b1", "lora_over_base_step_b4"):
+            assert quant[f"{fmt}_{key}"] > 0, (fmt, key)
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["targets"]["fp8_speedup_b1"] is not None  # checked, met or not
+    with pytest.raises(SystemExit, match="--quant 'nf8'"):
+        harness.main(gpu, ["--shape", "tiny", "--device", "cpu", "--quant", "nf8"])
+
+
 def test_a_run_without_counted_graphs_is_refused(monkeypatch):
     monkeypatch.delattr(LLMEngine, "graph_stats", raising=False)
     with pytest.raises(SystemExit, match="graph_stats"):
