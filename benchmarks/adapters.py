@@ -40,9 +40,12 @@ def adapter_modules(spec: ModelSpec, layer: int, targets: tuple[str, ...]) -> li
     """(PEFT key less .lora_A.weight, in, out) of each target in `layer`; an MLP target
     on a sparse layer is every expert's (the Hub's per-expert 2D keys). On a hybrid model
     an attention target applies to its attention layers, a linear-attention one to its
-    Gated DeltaNet layers (as PEFT finds them)."""
-    shapes, out = spec.module_shapes(), []
+    Gated DeltaNet layers (as PEFT finds them). Each layer at its own shapes; a k or v
+    projection the layer does not have (Gemma 4's KV-sharing layers) is not targeted."""
+    shapes, out = spec.layer(layer).module_shapes(), []
     for mod in targets:
+        if mod in ("k_proj", "v_proj") and not spec.has_kv_projection(layer, mod):
+            continue
         if mod in LINEAR_MODULES or (spec.is_linear(layer) and mod not in MLP_MODULES):
             if mod in LINEAR_MODULES and spec.is_linear(layer):
                 out.append((f"base_model.model.model.layers.{layer}.linear_attn.{mod}",

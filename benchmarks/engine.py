@@ -142,7 +142,7 @@ LOAD_DELAY_HOW = (
     "load hook): on the loader thread with overlapped loading, inside the step with sync "
     "loading; churn runs only"
 )
-FAMILIES = ("llama", "qwen3", "gemma2", "qwen3moe", "mixtral", "gptoss", "qwen35")
+FAMILIES = ("llama", "qwen3", "gemma2", "qwen3moe", "mixtral", "gptoss", "qwen35", "gemma4")
 MOE_FAMILIES = ("qwen3moe", "mixtral", "gptoss")
 
 

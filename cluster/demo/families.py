@@ -128,6 +128,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 # (heads x head_dim = 2 x hidden) and no window; Gemma 2's window 4096, its caps (50, 30)
 # and query_pre_attn_scalar = head_dim, with head_dim 64 = hidden / heads.
 DEMO_QUIRKS: dict[str, dict[str, Any]] = {
+    "gemma4": {"vocab_size_per_layer_input": DEMO["vocab_size"]},  # one per token id
     "qwen3": {"head_dim": 128, "use_sliding_window": False},
     # a small Qwen3-MoE: 8 experts of 256 columns, top-2, every layer sparse (Qwen3-30B-A3B
     # has 128 of 768, top-8, renormalised)

@@ -59,6 +59,12 @@ def gemma4_fields(cfg: Config, source: str) -> dict[str, Any]:
     wide = bool(cfg.get("use_double_wide_mlp"))
     sizes = tuple(2 * width if wide and sources[i] != i else width for i in range(layers))
     ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    ple_vocab = int(cfg.get("vocab_size_per_layer_input") or 0)
+    if ple and ple_vocab < int(cfg["vocab_size"]):  # transformers indexes it by token id
+        raise ModelConfigError(
+            f"{source}: vocab_size_per_layer_input={ple_vocab} is smaller than vocab_size="
+            f"{cfg['vocab_size']}: a token past it has no per-layer input"
+        )
     local, full = _ropes(cfg, source)
     return {
         "layer_types": tuple(types),
@@ -72,7 +78,7 @@ def gemma4_fields(cfg: Config, source: str) -> dict[str, Any]:
         "norm_fp32_weight": True,
         "k_eq_v": bool(cfg.get("attention_k_eq_v")),
         "per_layer_input_size": ple,
-        "per_layer_vocab_size": int(cfg.get("vocab_size_per_layer_input") or 0) if ple else 0,
+        "per_layer_vocab_size": ple_vocab if ple else 0,
         "layer_scalar": True,
         "local_rope": local,
         "rope_scaling": full.scaling,

@@ -191,6 +191,7 @@ def test_configs_we_cannot_serve_are_refused_by_name():
         "use_bidirectional_attention='all'": {"use_bidirectional_attention": "all"},
         "attention_bias": {"attention_bias": True},
         "num_kv_shared_layers=6": {"num_kv_shared_layers": 6},
+        "vocab_size_per_layer_input=8 is smaller": {"vocab_size_per_layer_input": 8},
         "per_layer_config\\[1\\] sets \\['sliding_window'\\]": {
             "per_layer_config": {"1": {"sliding_window": 4}}
         },
