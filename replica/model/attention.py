@@ -37,8 +37,8 @@ class AttentionMetadata:
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, hd]
-    k: torch.Tensor,  # [T, KVH, hd]
-    v: torch.Tensor,  # [T, KVH, hd]
+    k: torch.Tensor | None,  # [T, KVH, hd]; None: already in the cache (see below)
+    v: torch.Tensor | None,  # [T, KVH, hd]
     k_cache: torch.Tensor,  # [KVH, slots, hd]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
@@ -49,9 +49,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend (scores scale·q·k, capped to
     soft_cap·tanh(s/soft_cap) when given; sinks join each head's softmax). Returns
-    [T, H, hd]."""
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    [T, H, hd]. k and v None: an earlier layer already wrote this step's K/V into these
+    caches (Gemma 4's KV-sharing layers), so nothing is written and a whole prompt's keys
+    are read back from its slots."""
+    if k is not None:
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
     d = meta.num_decode
     if d:
@@ -62,7 +65,10 @@ def paged_attention(
         )  # fmt: skip
     for start, n, slots in zip(meta.prefill_starts, meta.prefill_lens, meta.prefill_slots):
         rows = slice(start, start + n)
-        if slots is None:  # whole prompt in this step: its fresh K/V, no gather
+        if slots is None and k is None:  # whole prompt, its K/V written by another layer
+            fresh = meta.slot_mapping[rows]
+            keys, values = k_cache.index_select(1, fresh), v_cache.index_select(1, fresh)
+        elif slots is None:  # whole prompt in this step: its fresh K/V, no gather
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [KVH, n, hd]
         else:
             keys, values = k_cache, v_cache

@@ -303,7 +303,7 @@ class DecoderLayer:
         v = qkv[:, q_rows + s.kv_size :].view(t, kv_heads, hd)
         if self.k_eq_v:  # values are the keys' projection, before k's norm and rope
             v = qkv[:, q_rows : q_rows + s.kv_size].view(t, kv_heads, hd)
-        if self.v_norm:
+        if self.v_norm and self.owns_kv:
             v = unit_rms(v, s.rms_norm_eps)
         gate = None
         if s.attn_output_gate:  # q_proj's rows: [q_h, gate_h] per head
@@ -319,10 +319,8 @@ class DecoderLayer:
             k = qkv[:, s.q_size : s.q_size + s.kv_size].view(t, kv_heads, hd)
             if self.k_norm is not None:
                 k = rotation.rotate(self.k_norm(k))
-        if not self.owns_kv:  # the source layer wrote this step's K/V: read, rewrite as is
-            slots = batch.attn.slot_mapping
-            k = kv.k[self.index].index_select(1, slots).transpose(0, 1)
-            v = kv.v[self.index].index_select(1, slots).transpose(0, 1)
+        if not self.owns_kv:  # the source layer wrote this step's K/V: attend to them there
+            k = v = None
         attn = paged_attention(
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.scale, self.window, self.soft_cap, self.sinks,
