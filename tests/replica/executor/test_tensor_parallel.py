@@ -355,28 +355,7 @@ def test_families_equal_tp1(family, tmp_path):
     model_dir = family_model_dir(family)
     adapters = family_adapters(family, model_dir, tmp_path)
 
-    def build(tp_size: int) -> LLMEngine:
-        cfg = EngineConfig(model=str(model_dir), device="cpu", tp_size=tp_size,
-                           kv_cache_bytes=16 << 20, block_size=4)  # fmt: skip
-        eng = LLMEngine(cfg)
-        for name, path in adapters.items():
-            eng.load_adapter(name, path)
-        return eng
-
-    one = build(1)
-    two = build(2)
-    try:
-        ps = prompts(one.spec.vocab_size, (5, 23))
-        for adapter in (None, *adapters):
-            for p in ps:
-                diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
-                assert diff < LOGIT_ATOL, f"{family} {adapter}: max |TP2 - TP1 logit| {diff}"
-        names = [None, *adapters, None]
-        reqs = [(p, GREEDY, a) for p, a in zip(prompts(one.spec.vocab_size, (3, 17, 30, 9)), names)]
-        assert staggered(two, reqs) == staggered(one, reqs)
-    finally:
-        two.shutdown()
-        one.shutdown()
+    check_tp2_equals_tp1(model_dir, adapters, family)
 
 
 def test_embedding_and_head_lora_equal_tp1(tmp_path):
@@ -427,6 +406,14 @@ def test_quantized_bases_equal_tp1(family, fmt, tmp_path):
     quantize_dir(src, model_dir, fmt)
     adapters = family_adapters(family, src, tmp_path)
 
+    check_tp2_equals_tp1(model_dir, adapters, fmt)
+
+
+def check_tp2_equals_tp1(model_dir, adapters: dict, what: str) -> None:
+    """TP=2 against TP=1 on `model_dir` with `adapters` loaded: every adapter's and the
+    base's logits on two prompts within LOGIT_ATOL, and a staggered mixed batch's tokens
+    equal (`what` names the case in a failure)."""
+
     def build(tp_size: int) -> LLMEngine:
         cfg = EngineConfig(model=str(model_dir), device="cpu", tp_size=tp_size,
                            kv_cache_bytes=16 << 20, block_size=4)  # fmt: skip
@@ -442,7 +429,7 @@ def test_quantized_bases_equal_tp1(family, fmt, tmp_path):
         for adapter in (None, *adapters):
             for p in ps:
                 diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
-                assert diff < LOGIT_ATOL, f"{fmt} {adapter}: max |TP2 - TP1 logit| {diff}"
+                assert diff < LOGIT_ATOL, f"{what} {adapter}: max |TP2 - TP1 logit| {diff}"
         names = [None, *adapters, None]
         reqs = [(p, GREEDY, a) for p, a in zip(prompts(one.spec.vocab_size, (3, 17, 30, 9)), names)]
         assert staggered(two, reqs) == staggered(one, reqs)
