@@ -12,6 +12,7 @@ listed in `dense` left unquantized and named in the config's ignore list.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -182,9 +183,14 @@ FORMATS = {
 }
 
 
+# The decoder layers' Linear weights a quantizer targets: every *_proj, a Gated DeltaNet's
+# in_proj_qkv / _z / _b / _a, Gemma 4's per-layer-input gate and projection
+LINEAR = re.compile(r"(_proj|\.in_proj_\w+|\.per_layer_input_gate|\.per_layer_projection)\.weight$")
+
+
 def quantize_dir(src: Path, out: Path, fmt: str, dense: tuple[str, ...] = ()) -> Path:
-    """Write `src` quantized as `fmt` to `out` (every *_proj of the decoder layers, but the
-    module paths in `dense`), and `out`-dense: the same weights dequantized, in float32.
+    """Write `src` quantized as `fmt` to `out` (every LINEAR weight of the decoder layers,
+    but the module paths in `dense`), and `out`-dense: the same weights dequantized, in float32.
     Returns the dense directory."""
     write, config = FORMATS[fmt]
     oracle = out.with_name(out.name + "-dense")
@@ -195,7 +201,7 @@ def quantize_dir(src: Path, out: Path, fmt: str, dense: tuple[str, ...] = ()) ->
     quantized, dequantized = {}, {}
     for key, w in tensors.items():
         name = key.removesuffix(".weight")
-        if not (key.endswith("_proj.weight") and ".layers." in key) or name in dense:
+        if not (LINEAR.search(key) and ".layers." in key) or name in dense:
             quantized[key] = dequantized[key] = w
             continue
         dequantized[key] = dequantize(write(name, w, quantized, list(dense)))

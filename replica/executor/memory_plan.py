@@ -48,6 +48,7 @@ from replica.executor.static_decode import static_decode_bytes
 from replica.model.kv_cache import KVCache
 from replica.model.lora import EXPERT_GROUPS, layer_groups
 from replica.model.lora_slots import arena_rows, block_rows
+from replica.model.quant_shares import packed_difference
 from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
 
@@ -188,37 +189,8 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
             norms += sum((1 + (spec.kv_source(i) == i)) * spec.layer(i).head_dim
                          for i in range(spec.num_layers) if not spec.is_linear(i))  # fmt: skip
         extra += (norms + spec.hidden_size) * (4 - dtype.itemsize)
-    return params * dtype.itemsize + extra + _packed_difference(spec, local, dtype)
-
-
-def _packed_difference(spec: ModelSpec, local: ModelSpec, dtype: torch.dtype) -> int:
-    """What a quantized checkpoint's packed projections and experts hold on one rank less
-    what they would hold in `dtype` (negative: the saving). int4 scales are counted in 16
-    bits, as llm-compressor, auto-gptq and AutoAWQ store them; float8 scales in fp32."""
-    if spec.quant is None:
-        return 0
-    fused = {part: name for name, parts in spec.fused_modules().items() for part in parts}
-    whole, shapes = spec.module_shapes(), local.module_shapes()
-    gate, _, down = spec.expert_names
-    diff = 0
-    for layer in range(spec.num_layers):
-        sparse = spec.is_sparse(layer)
-        for module, (k, n) in shapes.items():
-            if sparse and module in ("gate_proj", "up_proj", "down_proj"):
-                continue
-            fmt = spec.quant.format_of(spec.module_path(layer, fused.get(module, module)))
-            if fmt is not None:
-                whole_k = whole[module][0]
-                diff += fmt.packed_bytes(n, k, whole_k=whole_k) - n * k * dtype.itemsize
-        if sparse:
-            where = f"{spec.weight_prefixes[0]}layers.{layer}.{spec.moe_block}.experts.0."
-            h, i = spec.hidden_size, local.moe_intermediate_size
-            for name, (n, k) in ((gate, (i, h)), (gate, (i, h)), (down, (h, i))):
-                fmt = spec.quant.format_of(where + name)
-                if fmt is not None:
-                    packed = fmt.packed_bytes(n, k, whole_k=spec.moe_intermediate_size)
-                    diff += spec.num_experts * (packed - n * k * dtype.itemsize)
-    return diff
+    packed = packed_difference(TPShard(spec, 0, tp_size), dtype)  # model/quant_shares.py
+    return params * dtype.itemsize + extra + packed
 
 
 def kv_block_bytes(spec: ModelSpec, tp_size: int, block_size: int, dtype: torch.dtype) -> int:

@@ -31,7 +31,7 @@ from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.moe import SparseMoE
 from replica.model.per_layer_inputs import PerLayerInputBlock, PerLayerInputs
-from replica.model.quant_weights import PackedLinear, tensors_of, to_device
+from replica.model.quant_weights import fused_weight, on_device, tensors_of
 from replica.model.rope import RotaryEmbedding, Rotation
 from replica.model.spec import ModelSpec, RopeSpec, load_model_spec
 from replica.model.tp_layers import TPRank
@@ -126,14 +126,6 @@ class DenseMLP:
         return self.down_proj(self.glu(gate, up), lora["down_proj"], ws)
 
 
-def _fused(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | PackedLinear:
-    """The base weight of a projection group: one dense tensor when every part is dense,
-    else the parts held as they are (packed ones stay packed)."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-    return PackedLinear(parts)
-
-
 class DecoderLayer:
     def __init__(
         self,
@@ -150,10 +142,7 @@ class DecoderLayer:
         self.window, self.soft_cap = spec.window(index), spec.attn_soft_cap
 
         def proj(module: str, kind: str = "weight") -> torch.Tensor | QuantizedWeight:
-            w = layout.projection(index, module, kind)
-            if isinstance(w, torch.Tensor):
-                return w.to(device=device, dtype=dtype)
-            return to_device(w, device)  # packed, as stored
+            return on_device(layout.projection(index, module, kind), device, dtype)
 
         def norm(name: str, size: int) -> RMSNorm:
             w = layout.norm(index, name, size).to(device=device, dtype=dtype)
@@ -172,8 +161,8 @@ class DecoderLayer:
         if spec.is_sparse(index) and not spec.moe_beside_mlp:
             self.mlp = SparseMoE(spec, layout, index, bufs, glu, device, dtype, tp)
         else:
-            gate_up_w = _fused([proj("gate_proj"), proj("up_proj")])
-            down_w = _fused([proj("down_proj")])
+            gate_up_w = fused_weight([proj("gate_proj"), proj("up_proj")])
+            down_w = fused_weight([proj("down_proj")])
             gate_up = LoRALinear(gate_up_w, None, bufs.get("gate_up_proj"))
             if tp is None:
                 down = LoRALinear(down_w, None, bufs.get("down_proj"))
@@ -226,13 +215,13 @@ class DecoderLayer:
         self.owns_kv = spec.kv_source(index) == index  # else: reads an earlier layer's
         self.k_eq_v = self.owns_kv and not spec.has_kv_projection(index, "v_proj")
         self.v_norm = spec.v_norm
-        qkv_w = _fused([proj("q_proj"), kv_proj("k_proj"), kv_proj("v_proj")])
+        qkv_w = fused_weight([proj("q_proj"), kv_proj("k_proj"), kv_proj("v_proj")])
         qkv_b = None
         if spec.qkv_bias:
             qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
                                proj("v_proj", "bias")])  # fmt: skip
         self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
-        o_w = _fused([proj("o_proj")])
+        o_w = fused_weight([proj("o_proj")])
         o_b = proj("o_proj", "bias") if spec.o_bias else None
         if tp is None:
             self.o_proj = LoRALinear(o_w, o_b, bufs.get("o_proj"))

@@ -22,14 +22,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import SegmentInfo, StateBatch
+from kernels import QuantizedWeight, SegmentInfo, StateBatch
 from replica.model.hybrid import LINEAR_IN_MODULES, LinearAttentionSpec
 from replica.model.layout import CheckpointLayout
 from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
-from replica.model.quant_weights import tensors_of
+from replica.model.quant_weights import PackedLinear, fused_weight, on_device, tensors_of
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import RowParallelLoRALinear, TPRank
-from replica.model.weights import WeightLoadError
 
 
 class StatePool:
@@ -87,8 +86,10 @@ class GatedDeltaNet:
     def __init__(
         self,
         linear: LinearAttentionSpec,
-        in_weight: torch.Tensor,  # [conv_dim + value_dim + 2·HV, hidden]: qkv, z, b, a rows
-        out_proj: torch.Tensor | RowParallelLoRALinear,  # [hidden, value_dim] or its TP rank's
+        # [conv_dim + value_dim + 2·HV, hidden]: qkv, z, b, a rows, dense or packed parts
+        in_weight: torch.Tensor | PackedLinear,
+        # [hidden, value_dim] (dense or packed), or its TP rank's row-parallel layer
+        out_proj: torch.Tensor | PackedLinear | RowParallelLoRALinear,
         conv_weight: torch.Tensor,  # [conv_dim, conv_kernel]
         a_log: torch.Tensor,  # [HV]
         dt_bias: torch.Tensor,  # [HV]
@@ -98,7 +99,7 @@ class GatedDeltaNet:
     ) -> None:
         self.linear = linear
         self.in_proj = LoRALinear(in_weight, None, bufs.get("in_proj"))
-        if isinstance(out_proj, torch.Tensor):
+        if not isinstance(out_proj, RowParallelLoRALinear):
             out_proj = LoRALinear(out_proj, None, bufs.get("out_proj"))
         self.out_proj = out_proj
         self.conv_weight, self.a_log, self.dt_bias = conv_weight, a_log, dt_bias
@@ -142,29 +143,24 @@ def gated_deltanet(
     dtype: torch.dtype,
     tp: TPRank | None = None,
 ) -> GatedDeltaNet:
-    """Layer `index`'s Gated DeltaNet from the checkpoint (its linear_attn.* tensors);
-    `spec`: this rank's shapes (its heads under tensor parallelism, out_proj then
-    row-parallel)."""
+    """Layer `index`'s Gated DeltaNet from the checkpoint (its linear_attn.* tensors), each
+    projection dense or packed as the checkpoint stores it (a quantized one multiplies
+    through kernels.quant_linear, its LoRA on the unquantized input); `spec`: this rank's
+    shapes (its heads under tensor parallelism, out_proj then row-parallel)."""
     linear, whole = spec.linear_attention, layout.spec.linear_attention
     assert linear is not None and whole is not None
 
     def load(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return layout.layer_tensor(index, f"linear_attn.{name}", shape).to(device, dtype)
 
-    def proj(module: str) -> torch.Tensor:
-        w = layout.projection(index, module)
-        if not isinstance(w, torch.Tensor):
-            raise WeightLoadError(
-                f"{layout.module_path(index, module)}: a quantized linear-attention "
-                "projection is not served (only its dense form)"
-            )
-        return w.to(device=device, dtype=dtype)
+    def held(module: str) -> list[torch.Tensor | QuantizedWeight]:
+        return [on_device(w, device, dtype) for w in layout.row_parts(index, module)]
 
     hv = whole.num_value_heads
-    out = proj("out_proj")
+    out = fused_weight(held("out_proj"))
     return GatedDeltaNet(
         linear,
-        torch.cat([proj(m) for m in LINEAR_IN_MODULES]),
+        fused_weight([w for m in LINEAR_IN_MODULES for w in held(m)]),
         out if tp is None else tp.row_linear(out, bufs.get("out_proj")),
         load("conv1d.weight", (whole.conv_dim, 1, whole.conv_kernel))[:, 0].contiguous(),
         load("A_log", (hv,)),

@@ -29,6 +29,7 @@ from replica.model.spec import ModelSpec
 from replica.model.tp_shard import TPShard
 from replica.model.weights import Checkpoint, DummyCheckpoint, WeightLoadError
 
+Range = tuple[int, int]
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
@@ -68,24 +69,22 @@ class CheckpointLayout:
                        for part in parts}  # fmt: skip
 
     def projection(
-        self, layer: int, module: str, kind: str = "weight"
+        self, layer: int, module: str, kind: str = "weight", rows: Range | None = None
     ) -> torch.Tensor | QuantizedWeight:
         """This rank's part of `module`'s weight [out, in] (or bias [out]) in `layer`: a
-        tensor, or the packed weight (kernels.quant_formats) of a quantized checkpoint."""
+        tensor, or the packed weight (kernels.quant_formats) of a quantized checkpoint.
+        `rows`: these output rows of the whole weight instead (row_parts)."""
         whole = self.spec.layer(layer).module_shapes()
         in_f, out_f = whole[module]
-        rows, cols = (0, out_f), (0, in_f)
-        if self.shard is not None:
-            shard = self.shard.layer(layer)  # the layer's own shapes' split
-            if module == "in_proj_qkv":  # three row ranges: q, k and v heads
-                name = self._name(layer, module, kind)
-                parts = [self.ckpt.get_part(name, (out_f, in_f), 0, lo, hi)
-                         for lo, hi in shard.qkv_rows()]  # fmt: skip
-                return torch.cat(parts)
-            if module in ("o_proj", "down_proj", "out_proj"):
-                cols = shard.in_range(module)
-            else:
-                rows = shard.out_range(module)
+        cols = (0, in_f)
+        if rows is None:
+            rows = (0, out_f)
+            if self.shard is not None:
+                shard = self.shard.layer(layer)  # the layer's own shapes' split
+                if module in ("o_proj", "down_proj", "out_proj"):
+                    cols = shard.in_range(module)
+                else:
+                    rows = shard.out_range(module)
         if module in self._fused:
             fused, parts = self._fused[module]
             offset = sum(whole[p][1] for p in parts[: parts.index(module)])
@@ -104,6 +103,15 @@ class CheckpointLayout:
             return self.ckpt.get_part(name, shape, 1, *cols)
         return self.ckpt.get(name, shape)
 
+    def row_parts(self, layer: int, module: str) -> list[torch.Tensor | QuantizedWeight]:
+        """This rank's rows of `module` in `layer` as the parts it holds, in row order: under
+        tensor parallelism in_proj_qkv's rows of its q, k and v heads apart (each packed
+        part cut along whole blocks), else the one projection."""
+        if self.shard is None or module != "in_proj_qkv":
+            return [self.projection(layer, module)]
+        shard = self.shard.layer(layer)
+        return [self.projection(layer, module, rows=rows) for rows in shard.qkv_rows()]
+
     def format_of(self, layer: int, module: str) -> ModuleFormat | None:
         """How `module` of `layer` is stored: its quantization format, None when dense."""
         quant = self.spec.quant
@@ -121,23 +129,28 @@ class CheckpointLayout:
         shape = (s.num_experts, s.hidden_size) if kind == "weight" else (s.num_experts,)
         return self.ckpt.get(name, shape)
 
-    def shared_expert(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def shared_expert(
+        self, layer: int
+    ) -> tuple[torch.Tensor | QuantizedWeight, torch.Tensor | QuantizedWeight,
+               torch.Tensor | QuantizedWeight, torch.Tensor]:  # fmt: skip
         """This rank's shared expert of sparse layer `layer` (Qwen3.5-MoE): gate and up
-        rows [2·S_rank, hidden] (gate's, then up's), down [hidden, S_rank], and its gate
-        [1, hidden] whole; S_rank = this rank's columns of shared_expert_size."""
+        [S_rank, hidden], down [hidden, S_rank] (each a tensor, or packed as the checkpoint
+        stores it), and its gate [1, hidden] whole; S_rank = this rank's columns of
+        shared_expert_size."""
         s = self.spec
         h, size = s.hidden_size, s.shared_expert_size
-        lo, hi = (0, size) if self.shard is None else self.shard.shared_expert_range
+        cut = (0, size) if self.shard is None else self.shard.shared_expert_range
         where = f"{self.prefix}layers.{layer}.mlp.shared_expert"
-        if s.quant is not None and s.quant.format_of(f"{where}.gate_proj") is not None:
-            raise WeightLoadError(
-                f"{self.ckpt.dir}: {where} is quantized ({s.quant.method}): a packed shared "
-                "expert is not served (only its dense form)"
-            )
-        gate_up = [self.ckpt.get_part(f"{where}.{m}.weight", (size, h), 0, lo, hi)
-                   for m in ("gate_proj", "up_proj")]  # fmt: skip
-        down = self.ckpt.get_part(f"{where}.down_proj.weight", (h, size), 1, lo, hi)
-        return torch.cat(gate_up), down, self.ckpt.get(f"{where}_gate.weight", (1, h))
+
+        def part(module: str, shape: tuple[int, int], dim: int) -> torch.Tensor | QuantizedWeight:
+            name = f"{where}.{module}"
+            fmt = None if s.quant is None else s.quant.format_of(name)
+            if fmt is not None:
+                return read_packed(self.ckpt, name, fmt, shape, **{("rows", "cols")[dim]: cut})
+            return self.ckpt.get_part(f"{name}.weight", shape, dim, *cut)
+
+        down, gate = part("down_proj", (h, size), 1), self.ckpt.get(f"{where}_gate.weight", (1, h))
+        return part("gate_proj", (size, h), 0), part("up_proj", (size, h), 0), down, gate
 
     def sinks(self, layer: int) -> torch.Tensor:
         """This rank's query heads' sink logits of `layer` (gpt-oss): [heads_rank]."""

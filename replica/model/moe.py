@@ -14,8 +14,9 @@ ordinary multi-LoRA ops over (adapter, expert) groups of the same sort
 expert e's block of the expert arenas. gpt-oss's experts add a bias to each (expert's)
 gate/up and down output, gathered per sorted pair by its expert, and apply the clamped
 SwiGLU (decoder.gated_activation). Qwen3.5-MoE adds a shared expert every token runs
-through, its output times sigmoid(shared_expert_gate(x)) (LoRA on it is refused at
-load). Nothing here reads a device value, so the decode step stays graph-safe.
+through, its output times sigmoid(shared_expert_gate(x)) (its projections dense or
+packed as the checkpoint stores them; LoRA on it is refused at load). Nothing here
+reads a device value, so the decode step stays graph-safe.
 
 Tensor parallelism: each rank holds every expert's share of the intermediate columns
 (gate/up rows, down columns), LoRA split the same way (gate/up B by rows; down A by
@@ -35,8 +36,14 @@ import torch.nn.functional as F
 import kernels
 from kernels import ExpertPlan, QuantizedWeight, SegmentInfo
 from replica.model.layout import CheckpointLayout
-from replica.model.lora import EXPERT_GROUPS, LoRABuffers, LoRAWorkspace
-from replica.model.quant_weights import tensors_of, to_device
+from replica.model.lora import EXPERT_GROUPS, LoRABuffers, LoRAWorkspace, linear
+from replica.model.quant_weights import (
+    PackedLinear,
+    fused_weight,
+    on_device,
+    tensors_of,
+    to_device,
+)
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import TPRank
 
@@ -71,18 +78,21 @@ class SparseMoE:
             self.gate_up_bias = gate_up_b.to(device=device, dtype=dtype)
             if tp is None or tp.shard.rank == 0:  # summed over ranks by the all-reduce
                 self.down_bias = down_b.to(device=device, dtype=dtype)
-        self.shared = None  # Qwen3.5-MoE: (gate/up [2S, H], down [H, S], its gate [1, H])
+        # Qwen3.5-MoE: (gate/up [2S, H], down [H, S], each dense or packed; its gate [1, H])
+        self.shared: tuple[torch.Tensor | PackedLinear, torch.Tensor | PackedLinear,
+                           torch.Tensor] | None = None  # fmt: skip
         if spec.shared_expert_size:
-            self.shared = tuple(
-                w.to(device=device, dtype=dtype) for w in layout.shared_expert(index)
+            gate, up, down, shared_gate = (
+                on_device(w, device, dtype) for w in layout.shared_expert(index)
             )
+            self.shared = (fused_weight([gate, up]), fused_weight([down]), shared_gate)
         self.lora = {g: lora[g] for g in EXPERT_GROUPS if g in lora}
         self.comm = None if tp is None else tp.comm
         self.cols = slice(None) if tp is None else slice(*tp.shard.hidden_range)
 
     def weights(self) -> list[torch.Tensor]:
         biases = [b for b in (self.router_bias, self.gate_up_bias, self.down_bias) if b is not None]
-        biases += list(self.shared or ())
+        biases += [t for w in self.shared or () for t in tensors_of(w)]
         if self.packed:
             return [self.router] + [t for w in self.packed for t in tensors_of(w)] + biases
         return [self.router, self.gate_up, self.down] + biases
@@ -131,8 +141,8 @@ class SparseMoE:
         """sigmoid(x·gᵀ) · down(glu(gate(x), up(x))): on a rank, its columns' partial sum
         (the layer's all-reduce adds the ranks' parts)."""
         gate_up, down, gate = self.shared
-        g, u = F.linear(x, gate_up).chunk(2, dim=-1)
-        return torch.sigmoid(F.linear(x, gate)) * F.linear(self.glu(g, u), down)
+        g, u = linear(x, gate_up).chunk(2, dim=-1)
+        return torch.sigmoid(F.linear(x, gate)) * linear(self.glu(g, u), down)
 
     def _gate_up(self, xs: torch.Tensor, plan: ExpertPlan) -> torch.Tensor:  # [P, 2I]
         if not self.packed:

@@ -262,6 +262,24 @@ def tensors_of(w: QuantizedWeight | torch.Tensor | PackedLinear) -> list[torch.T
     return [v for f in dataclasses.fields(w) if isinstance(v := getattr(w, f.name), torch.Tensor)]
 
 
+def on_device(
+    w: QuantizedWeight | torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> QuantizedWeight | torch.Tensor:
+    """A dense weight in the engine's `dtype` on `device`; a packed one as stored."""
+    if isinstance(w, torch.Tensor):
+        return w.to(device=device, dtype=dtype)
+    return to_device(w, device)
+
+
+def fused_weight(parts: list[QuantizedWeight | torch.Tensor]) -> torch.Tensor | PackedLinear:
+    """The base weight of a projection group whose outputs sit side by side (q, k, v; gate,
+    up; a Gated DeltaNet's qkv, z, b, a): one dense tensor when every part is dense, else
+    the parts as they are (packed ones stay packed, an ignored module dense)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return PackedLinear(parts)
+
+
 class PackedLinear:
     """y = x · [W_0; W_1; ...]ᵀ (+ bias): the parts' outputs side by side (q, k, v), each
     part packed (kernels.quant_linear, activations unquantized) or dense (an ignored

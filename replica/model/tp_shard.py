@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from replica.model.hybrid import LINEAR_IN_MODULES
+from replica.model.quant_shares import quantization_cuts
 from replica.model.spec import ModelConfigError, ModelSpec
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -80,51 +81,9 @@ class TPShard:
             raise ModelConfigError(f"tp_size={n} cannot split the quantized model: {cuts[0]}{more}")
 
     def quantization_cuts(self) -> list[str]:
-        """Each packed projection whose share on this rank would start or end inside a
-        scale block, a group or a packed word (model/quant_config.py's alignments): a rank
-        could not dequantize it. Every rank's bounds are multiples of rank 0's share, so
-        checking this rank's is checking them all."""
-        s = self.spec
-        if s.quant is None or self.size == 1:
-            return []
-        whole = s.module_shapes()
-        fused = {part: (name, parts) for name, parts in s.fused_modules().items()
-                 for part in parts}  # fmt: skip
-        cuts = []
-        for layer in range(s.num_layers):
-            shares = []
-            for module in COLUMN_PARALLEL + ROW_PARALLEL:
-                name, offset = module, 0
-                if module in fused:
-                    name, parts = fused[module]
-                    offset = sum(whole[p][1] for p in parts[: parts.index(module)])
-                if s.is_sparse(layer) and module in ("gate_proj", "up_proj", "down_proj"):
-                    continue  # the experts, below
-                if module in ROW_PARALLEL:
-                    shares.append((name, "input columns", self.in_range(module), True))
-                else:
-                    lo, hi = self.out_range(module)
-                    shares.append((name, "output rows", (lo + offset, hi + offset), False))
-            if s.is_sparse(layer):
-                where = f"{s.weight_prefixes[0]}layers.{layer}.{s.moe_block}.experts.0."
-                gate, up, down = s.expert_names
-                shares += [(where + gate, "output rows", self.expert_range, False),
-                           (where + down, "input columns", self.expert_range, True)]  # fmt: skip
-            for name, what, (lo, hi), by_input in shares:
-                path = name if "." in name else s.module_path(layer, name)
-                fmt = s.quant.format_of(path)
-                if fmt is None:
-                    continue
-                align = fmt.in_align() if by_input else fmt.out_align()
-                units = {"fp8": "scale blocks", "nf4": "absmax blocks (along flattened rows)"}
-                unit = units.get(fmt.kind, "groups or packed words")
-                if align == 0:
-                    cuts.append(f"{path} ({s.quant.method}): its {what} cannot be split, "
-                                f"every one of its {unit} spans them")  # fmt: skip
-                elif lo % align or hi % align:
-                    cuts.append(f"{path} ({s.quant.method}): its {what} {lo}:{hi} on rank "
-                                f"{self.rank} cut its {unit} of {align}")  # fmt: skip
-        return cuts
+        """Each packed projection whose share on this rank would cut a scale block, a group
+        or a packed word (model/quant_shares.py)."""
+        return quantization_cuts(self)
 
     def layer(self, layer: int) -> TPShard:
         """This rank's shard of `layer` alone, of the layer's own shapes (itself when every

@@ -1,0 +1,191 @@
+"""Quantized bases of the hybrid and Gemma 4 families served packed, adapters exact on top:
+against transformers (+ PEFT) on the same weights dequantized, fp32 logits and greedy ids
+in one mixed batch; TP=2 against TP=1; the memory plan against what the model holds.
+
+Qwen3.5 / 3.6 as Qwen ships them in FP8 (128x128 blocks, `weight_scale_inv`): the
+Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj, attention, MLP, experts and the
+shared expert quantized; in_proj_b / in_proj_a (one row per value head), the conv, the
+routers and the shared expert's gate dense, named in modules_to_not_convert. The
+community's W4A16 (compressed-tensors pack-quantized, GPTQ) likewise. Checkpoints are
+written by tests/quant_checkpoints.py in the published layouts (each packer checked
+against its format's tooling in tests/kernels/test_quant_formats.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.demo.families import family_model_dir
+from kernels import Fp8Weight, GptqInt4, PackQuantizedInt4
+from replica.executor import memory_plan as mp
+from replica.model.decoder import CausalLM
+from replica.model.quant_weights import PackedLinear
+from replica.model.spec import ModelConfigError, load_model_spec
+from replica.model.tp_layers import TPRank
+from replica.model.tp_shard import TPShard
+from tests.engines import held_bytes
+from tests.oracle import (
+    ATTENTION,
+    EVERYTHING,
+    LINEAR_ATTENTION,
+    check_mixed_batch,
+    hf_model,
+    peft_adapter,
+)
+from tests.quant_checkpoints import quantize_dir
+from tests.replica.model.families import MARGIN, engine_for, prompts, router_margin
+
+NEW_TOKENS = 6
+LM = "model.language_model.layers."
+LINEAR_LAYERS = (0, 2)  # the tiny Qwen3.5's Gated DeltaNet layers
+# Qwen's FP8 checkpoints keep each value head's b and a projections dense
+SMALL_DENSE = tuple(f"{LM}{i}.linear_attn.{m}" for i in LINEAR_LAYERS
+                    for m in ("in_proj_b", "in_proj_a"))  # fmt: skip
+PACKED = {"fp8-block": Fp8Weight, "ct-fp8-channel": Fp8Weight, "ct-w4a16-g16": PackQuantizedInt4,
+          "ct-w4a16-asym-g32": PackQuantizedInt4, "gptq-g32": GptqInt4}  # fmt: skip
+EXPERTS = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+
+
+def adapters_of(family: str, model_dir, root) -> dict:
+    """peft adapters: one on the linear-attention projections only, and one on every
+    linear module (Qwen3.5) or the stacked experts (Qwen3.5-MoE)."""
+    linear = peft_adapter(model_dir, root / "linear", LINEAR_ATTENTION, r=8, alpha=16, seed=1)
+    if family == "qwen35moe":
+        other = peft_adapter(model_dir, root / "experts", [], r=4, alpha=8, seed=3, **EXPERTS)
+        return {"linear": linear, "experts": other}
+    every = EVERYTHING + LINEAR_ATTENTION
+    return {"linear": linear, "all": peft_adapter(model_dir, root / "all", every, r=16,
+                                                  alpha=8, seed=2)}  # fmt: skip
+
+
+def parts_of(weight) -> list:
+    return weight.parts if isinstance(weight, PackedLinear) else [weight]
+
+
+# (family, format, modules left dense beside SMALL_DENSE): layer 2's in_proj_z and layer
+# 1's shared-expert up dense too, so that one fused group mixes packed and dense parts
+CASES = [
+    ("qwen35", "fp8-block", ()),
+    ("qwen35", "ct-w4a16-g16", (f"{LM}2.linear_attn.in_proj_z",)),
+    ("qwen35", "gptq-g32", ()),
+    ("qwen35moe", "fp8-block", (f"{LM}1.mlp.shared_expert.up_proj",)),
+    ("qwen35moe", "ct-w4a16-asym-g32", ()),
+]
+
+
+@pytest.mark.parametrize(("family", "fmt", "dense"), CASES)
+def test_quantized_qwen3_5_with_adapters_matches_transformers_on_its_dequantization(
+    tmp_path, family, fmt, dense
+):
+    """The Gated DeltaNet's projections (and the MoE's shared expert) are held packed, the
+    modules the config names dense stay dense, and the base with a linear-attention-only
+    adapter and another one in one mixed batch equal transformers + PEFT on the same
+    weights dequantized."""
+    src = family_model_dir(family)
+    model_dir = tmp_path / fmt
+    oracle = quantize_dir(src, model_dir, fmt, SMALL_DENSE + dense)
+    adapters = adapters_of(family, src, tmp_path)
+    eng = engine_for(model_dir, adapters)
+    model = eng.executor.model
+    for i in LINEAR_LAYERS:
+        mixer = model.layers[i].linear_attn
+        in_parts = parts_of(mixer.in_proj.weight)
+        qkv, z, b, a = in_parts
+        assert isinstance(qkv, PACKED[fmt]) and isinstance(mixer.out_proj.weight, PackedLinear)
+        assert isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor)  # ignored: dense
+        assert isinstance(z, torch.Tensor) == (f"{LM}{i}.linear_attn.in_proj_z" in dense)
+    if family == "qwen35moe":
+        for i, layer in enumerate(model.layers):
+            gate_up, down, _ = layer.mlp.shared
+            kinds = [type(p) for p in parts_of(gate_up) + parts_of(down)]
+            want = [PACKED[fmt]] * 3
+            if f"{LM}{i}.mlp.shared_expert.up_proj" in dense:
+                want[1] = torch.Tensor
+            assert kinds == want, i
+            assert [type(w) for w in layer.mlp.packed] == [PACKED[fmt]] * 3
+        for adapter in (None, *adapters.values()):
+            ref = hf_model(oracle, adapter, eager=True)
+            for p in prompts(eng.spec.vocab_size):
+                assert router_margin(ref, p, eng.spec.num_experts_per_tok) > MARGIN
+    got = check_mixed_batch(eng, oracle, adapters, prompts(eng.spec.vocab_size), NEW_TOKENS)
+    assert got["linear"] != got[None]  # the linear-attention adapter bites
+
+
+def test_a_quantized_attention_only_adapter_leaves_the_gated_deltanet_to_the_base(tmp_path):
+    """LoRA on q/k/v/o of an FP8 Qwen3.5 (PEFT finds them on the attention layers only):
+    equal to transformers + PEFT on the dequantized weights."""
+    src = family_model_dir("qwen35")
+    model_dir = tmp_path / "fp8"
+    oracle = quantize_dir(src, model_dir, "fp8-block", SMALL_DENSE)
+    adapters = {"attn": peft_adapter(src, tmp_path / "attn", ATTENTION, r=4, alpha=8, seed=3)}
+    eng = engine_for(model_dir, adapters)
+    check_mixed_batch(eng, oracle, adapters, prompts(eng.spec.vocab_size)[:1], NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [("qwen35", "fp8-block"), ("qwen35", "gptq-g32"), ("qwen35moe", "ct-w4a16-asym-g32"),
+     ("qwen35moe", "ct-fp8-channel")],
+)  # fmt: skip
+def test_the_plan_counts_what_a_quantized_qwen3_5_holds(tmp_path, family, fmt):
+    """The memory plan's weight bytes are what the model holds, packed linear attention and
+    shared expert included, whole and (where the format splits) as rank 0 of 2."""
+    model_dir = tmp_path / fmt
+    quantize_dir(family_model_dir(family), model_dir, fmt, SMALL_DENSE)
+    spec = load_model_spec(model_dir)
+    model = CausalLM(model_dir, "cpu", torch.float32, spec=spec)
+    assert mp.weight_bytes(spec, 1, torch.float32) == held_bytes(model)
+    assert held_bytes(model) < held_bytes(CausalLM(family_model_dir(family), "cpu"))
+    if fmt == "ct-fp8-channel":
+        rank = TPRank(TPShard(spec, 0, 2), None)
+        meta = CausalLM(model_dir, "meta", torch.bfloat16, None, spec, rank, "dummy")
+        assert mp.weight_bytes(spec, 2, torch.bfloat16) == held_bytes(meta)
+
+
+def test_a_tp_split_inside_a_linear_attention_block_is_refused_naming_it(tmp_path):
+    """Two ranks would take in_proj_qkv's q rows 0:16 of a 128-row FP8 block: refused by
+    the shard (so by the plan and the engine), naming the module; a channel-wise FP8
+    Qwen3.5 splits."""
+    model_dir = tmp_path / "fp8"
+    quantize_dir(family_model_dir("qwen35"), model_dir, "fp8-block", SMALL_DENSE)
+    spec = load_model_spec(model_dir)
+    cut = (r"tp_size=2 cannot split the quantized model: model\.language_model\.layers\.0\."
+           r"linear_attn\.in_proj_qkv \(fp8\): its output rows 0:16 on rank 0 cut its scale "
+           r"blocks of 128")  # fmt: skip
+    with pytest.raises(ModelConfigError, match=cut):
+        TPShard(spec, 0, 2)
+    with pytest.raises(ModelConfigError, match="in_proj_qkv"):
+        mp.weight_bytes(spec, 2, torch.bfloat16)
+    quantize_dir(family_model_dir("qwen35"), tmp_path / "ch", "ct-fp8-channel", SMALL_DENSE)
+    TPShard(load_model_spec(tmp_path / "ch"), 1, 2)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("family", "fmt", "overrides"),
+    [("qwen35", "ct-w4a16-g16", {"linear_value_head_dim": 16}),
+     ("qwen35moe", "ct-fp8-channel", {})],
+)  # fmt: skip
+def test_quantized_qwen3_5_on_two_ranks_equals_one(local_ray, tmp_path, family, fmt, overrides):
+    """Packed Gated DeltaNet projections on 2 ranks, each holding its key heads' q and k
+    rows and its value heads' v, z, b, a rows of the packed in_proj tensors and its
+    columns of out_proj (groups of 16 whole: value heads of 16 here), and Qwen3.5-MoE's
+    packed shared expert split like the dense MLP: logits and a staggered mixed batch with
+    the linear-attention adapter equal TP=1."""
+    from tests.replica.executor.test_tensor_parallel import check_tp2_equals_tp1
+
+    src = family_model_dir(family, overrides=overrides)
+    model_dir = tmp_path / fmt
+    quantize_dir(src, model_dir, fmt, SMALL_DENSE)
+    check_tp2_equals_tp1(model_dir, adapters_of(family, src, tmp_path), f"{family} {fmt}")
