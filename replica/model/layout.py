@@ -30,6 +30,9 @@ from replica.model.tp_shard import TPShard
 from replica.model.weights import Checkpoint, DummyCheckpoint, WeightLoadError
 
 Range = tuple[int, int]
+# A quantized Linear's tensors beside (or instead of) its weight, in the served formats
+PACKED_TENSORS = ("weight_scale_inv", "weight_scale", "weight_packed", "qweight",
+                  "weight.absmax")  # fmt: skip
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
@@ -114,8 +117,17 @@ class CheckpointLayout:
 
     def format_of(self, layer: int, module: str) -> ModuleFormat | None:
         """How `module` of `layer` is stored: its quantization format, None when dense."""
+        return self.format_at(self.module_path(layer, module))
+
+    def format_at(self, path: str) -> ModuleFormat | None:
+        """How the Linear at checkpoint path `path` is stored (None: dense), the module
+        known by its path under each of the family's prefixes (QuantScheme.format_of)."""
         quant = self.spec.quant
-        return None if quant is None else quant.format_of(self.module_path(layer, module))
+        if quant is None:
+            return None
+        rel = path.removeprefix(self.prefix)
+        return quant.format_of(path, *(p + rel for p in self.spec.weight_prefixes
+                                       if p != self.prefix))  # fmt: skip
 
     def module_path(self, layer: int, module: str) -> str:
         """The checkpoint's path of a projection (its tensors' names less the suffix)."""
@@ -125,9 +137,17 @@ class CheckpointLayout:
         """The router of sparse layer `layer`: [num_experts, hidden] (its bias
         [num_experts]), whole on every rank."""
         s = self.spec
-        name = f"{self.prefix}layers.{layer}.{s.moe_block}.{s.router_name}.{kind}"
+        path = f"{self.prefix}layers.{layer}.{s.moe_block}.{s.router_name}"
+        if isinstance(self.ckpt, Checkpoint) and any(
+            self.ckpt.has(f"{path}.{packed}") for packed in PACKED_TENSORS
+        ):
+            raise WeightLoadError(
+                f"{self.ckpt.dir}: the router {path!r} is stored quantized: not served (routers "
+                "are read unquantized, as published quantized checkpoints keep them; name it "
+                "in the config's ignore / modules_to_not_convert and store it dense)"
+            )
         shape = (s.num_experts, s.hidden_size) if kind == "weight" else (s.num_experts,)
-        return self.ckpt.get(name, shape)
+        return self.ckpt.get(f"{path}.{kind}", shape)
 
     def shared_expert(
         self, layer: int
@@ -144,7 +164,7 @@ class CheckpointLayout:
 
         def part(module: str, shape: tuple[int, int], dim: int) -> torch.Tensor | QuantizedWeight:
             name = f"{where}.{module}"
-            fmt = None if s.quant is None else s.quant.format_of(name)
+            fmt = self.format_at(name)
             if fmt is not None:
                 return read_packed(self.ckpt, name, fmt, shape, **{("rows", "cols")[dim]: cut})
             return self.ckpt.get_part(f"{name}.weight", shape, dim, *cut)
@@ -184,8 +204,7 @@ class CheckpointLayout:
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
         where = f"{self.prefix}layers.{layer}.{s.moe_block}.experts"
         gate, up, down = s.expert_names
-        quant = s.quant
-        if quant is not None and quant.format_of(f"{where}.0.{gate}") is not None:
+        if self.format_at(f"{where}.0.{gate}") is not None:
             return self._packed_experts(where, (lo, hi))
         gate_up, downs = [], []
         for e in range(s.num_experts):
@@ -203,7 +222,7 @@ class CheckpointLayout:
             ws = []
             for e in range(s.num_experts):
                 name = f"{where}.{e}.{m}"
-                fmt = s.quant.format_of(name)
+                fmt = self.format_at(name)
                 if fmt is None or fmt.kind == NF4:
                     raise WeightLoadError(
                         f"{self.ckpt.dir}: expert {name!r} is "
@@ -235,15 +254,21 @@ class CheckpointLayout:
         down = self.ckpt.get(f"{where}.down_proj", (e, i, h)).transpose(1, 2)
         return self._split_gate_up(gate_up), down[:, :, lo:hi].contiguous()
 
-    def _gemma4_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gemma4_experts(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedWeight, ...]:
         """Gemma 4's stacks as transformers holds them: layers.L.experts.gate_up_proj
-        [E, 2I, hidden] (gate rows, then up rows) and down_proj [E, hidden, I]."""
+        [E, 2I, hidden] (gate rows, then up rows) and down_proj [E, hidden, I]; or, from a
+        quantized checkpoint that un-fused them (llm-compressor's per-expert layout,
+        layers.L.experts.{e}.<gate|up|down>_proj), packed like other families' experts."""
         s = self.spec
         e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
         where = f"{self.prefix}layers.{layer}.experts"
+        lo, hi = (0, i) if self.shard is None else self.shard.expert_range
+        if not self.ckpt.has(f"{where}.gate_up_proj") and s.quant is not None:
+            return self._packed_experts(where, (lo, hi))  # refuses one left dense, by name
         gate_up = self.ckpt.get(f"{where}.gate_up_proj", (e, 2 * i, h))
         down = self.ckpt.get(f"{where}.down_proj", (e, h, i))
-        lo, hi = (0, i) if self.shard is None else self.shard.expert_range
         gate_up = torch.cat([gate_up[:, lo:hi], gate_up[:, i + lo : i + hi]], dim=1)
         return gate_up, down[:, :, lo:hi].contiguous()
 
@@ -268,6 +293,18 @@ class CheckpointLayout:
         blocks = self.ckpt.get_packed(f"{name}_blocks", (*groups, 16), (torch.uint8,))
         scales = self.ckpt.get_packed(f"{name}_scales", groups, (torch.uint8,))
         return blocks, scales
+
+    def replicated_linear(
+        self, layer: int | None, module: str, shape: tuple[int, int]
+    ) -> torch.Tensor | QuantizedWeight:
+        """A Linear held whole on every rank (Gemma 4's per-layer-input gate and projection
+        in layer `layer`, its per_layer_model_projection at the model's level: None): its
+        weight [out, in] dense, or packed as the checkpoint stores it."""
+        where = self.prefix if layer is None else f"{self.prefix}layers.{layer}."
+        fmt = self.format_at(where + module)
+        if fmt is not None:
+            return read_packed(self.ckpt, where + module, fmt, shape)
+        return self.ckpt.get(f"{where}{module}.weight", shape)
 
     def tensor(self, layer: int | None, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A replicated tensor: `name` of layer `layer`, or of the model (None)."""

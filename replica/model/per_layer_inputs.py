@@ -6,7 +6,9 @@ embedding (times hidden^-0.5, RMS-normed per layer), the two summed and halved i
 variance (· 2^-0.5). After its MLP, layer i adds
 norm(proj(gelu(gate(x)) · input_i)) to the residual stream (transformers'
 Gemma4TextModel.get_per_layer_inputs / project_per_layer_inputs and the decoder layer's
-per_layer_input_gate / per_layer_projection).
+per_layer_input_gate / per_layer_projection). The three projections are held dense or
+packed as a quantized checkpoint stores them (replicated on every rank), their LoRA on
+the unquantized input.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 
 from kernels import SegmentInfo
 from replica.model.layout import CheckpointLayout
-from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace
+from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace, linear
+from replica.model.quant_weights import fused_weight, on_device, tensors_of
 from replica.model.spec import ModelSpec
 
 
@@ -42,7 +45,8 @@ class PerLayerInputs:
             return layout.tensor(None, name, shape).to(device=device, dtype=dtype)
 
         self.embed = get("embed_tokens_per_layer.weight", (spec.per_layer_vocab_size, n * w))
-        self.projection = get("per_layer_model_projection.weight", (n * w, h))
+        projection = layout.replicated_linear(None, "per_layer_model_projection", (n * w, h))
+        self.projection = fused_weight([on_device(projection, device, dtype)])
         self.norm = get("per_layer_projection_norm.weight", (w,))
         # transformers rounds sqrt(width) to the weights' dtype, as the main embedding's
         self.embed_scale = torch.tensor(math.sqrt(w)).to(device, dtype)
@@ -50,13 +54,13 @@ class PerLayerInputs:
 
     def weights(self) -> list[torch.Tensor]:
         """The tensors a step reads in full (the embedding is gathered by row)."""
-        return [self.projection, self.norm]
+        return tensors_of(self.projection) + [self.norm]
 
     def __call__(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """input_ids [T] and their scaled input embeddings [T, hidden] -> [T, layers, width]."""
         t = input_ids.shape[0]
         tokens = (F.embedding(input_ids, self.embed) * self.embed_scale).view(t, self.layers, -1)
-        proj = F.linear(embeds, self.projection) * self.projection_scale
+        proj = linear(embeds, self.projection) * self.projection_scale
         proj = _norm(proj.view(t, self.layers, self.width), self.norm, self.eps)
         return (proj + tokens) * 2.0**-0.5
 
@@ -79,15 +83,17 @@ class PerLayerInputBlock:
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return layout.tensor(index, name, shape).to(device=device, dtype=dtype)
 
+        def lora_linear(module: str, shape: tuple[int, int]) -> LoRALinear:
+            w = on_device(layout.replicated_linear(index, module, shape), device, dtype)
+            return LoRALinear(fused_weight([w]), None, bufs.get(module))
+
         bufs = lora or {}
-        self.gate = LoRALinear(get("per_layer_input_gate.weight", (w, h)), None,
-                               bufs.get("per_layer_input_gate"))  # fmt: skip
-        self.projection = LoRALinear(get("per_layer_projection.weight", (h, w)), None,
-                                     bufs.get("per_layer_projection"))  # fmt: skip
+        self.gate = lora_linear("per_layer_input_gate", (w, h))
+        self.projection = lora_linear("per_layer_projection", (h, w))
         self.norm = get("post_per_layer_input_norm.weight", (h,))
 
     def weights(self) -> list[torch.Tensor]:
-        return [self.gate.weight, self.projection.weight, self.norm]
+        return tensors_of(self.gate.weight) + tensors_of(self.projection.weight) + [self.norm]
 
     def __call__(
         self,

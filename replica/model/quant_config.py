@@ -113,12 +113,17 @@ class QuantScheme:
     groups: tuple[tuple[tuple[str, ...], ModuleFormat], ...]  # (targets, format), first wins
     dense: tuple[str, ...] = ()  # ignore / modules_to_not_convert patterns
 
-    def format_of(self, module: str) -> ModuleFormat | None:
-        """The format `module` (a Linear's checkpoint path) is stored in; None: dense."""
-        if any(_matches(pattern, module) for pattern in self.dense):
+    def format_of(self, module: str, *aliases: str) -> ModuleFormat | None:
+        """The format `module` (a Linear's checkpoint path) is stored in; None: dense.
+        `aliases`: the module's paths under the family's other checkpoint prefixes (a
+        multimodal wrapper's model.language_model. or a text-only export's model.): it
+        is dense when ignored under any of its names, as config.json's lists may name it
+        either way."""
+        names = (module, *aliases)
+        if any(_matches(pattern, name) for pattern in self.dense for name in names):
             return None
         for targets, fmt in self.groups:
-            if any(t == "Linear" or _matches(t, module) for t in targets):
+            if any(t == "Linear" or _matches(t, name) for t in targets for name in names):
                 return fmt
         return None
 

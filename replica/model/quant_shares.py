@@ -7,7 +7,8 @@ DeltaNet's in_proj_qkv (its q, k and v rows apart under tensor parallelism: thre
 shares), in_proj_z/b/a and out_proj; the dense MLP (also beside Gemma 4's experts), a
 sparse layer's experts (expert 0's path standing for all; Gemma 4's stay dense),
 Qwen3.5-MoE's shared expert;
-Gemma 4's per-layer-input gate and projection (replicated). A module the scheme leaves
+Gemma 4's per-layer-input gate and projection and its model-level
+per_layer_model_projection (replicated). A module the scheme leaves
 dense (`ignore`, `modules_to_not_convert`) has no share. The plan (executor/memory_plan.py)
 counts the shares' packed bytes; tp_shard.py refuses a split whose share cuts one.
 """
@@ -73,14 +74,20 @@ def packed_shares(shard: TPShard) -> list[PackedShare]:
     s = shard.spec
     if s.quant is None:
         return []
-    shares = []
+    modules = []
+    if s.per_layer_input_size:  # Gemma 4's per_layer_model_projection, whole on every rank
+        n, h = s.num_layers * s.per_layer_input_size, s.hidden_size
+        modules.append(("per_layer_model_projection", (n, h), [((0, n), (0, h))]))
     for layer in range(s.num_layers):
-        own = shard.layer(layer)
-        for path, whole, parts in _layer_modules(own, layer):
-            fmt = s.quant.format_of(path)
-            if fmt is not None:
-                count = s.num_experts if ".experts.0." in path else 1
-                shares += [PackedShare(path, fmt, whole, r, c, count) for r, c in parts]
+        modules += _layer_modules(shard.layer(layer), layer)
+    shares = []
+    for rel, whole, parts in modules:
+        # the path under the first prefix names it; a config may name it under any
+        first, *others = (prefix + rel for prefix in s.weight_prefixes)
+        fmt = s.quant.format_of(first, *others)
+        if fmt is not None:
+            count = s.num_experts if ".experts.0." in rel else 1
+            shares += [PackedShare(first, fmt, whole, r, c, count) for r, c in parts]
     return shares
 
 
@@ -106,8 +113,8 @@ Parts = list[tuple[Range, Range]]  # (rows, cols) of each part a rank holds
 
 
 def _layer_modules(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int], Parts]]:
-    """(checkpoint path, whole (N, K), this rank's parts) of every projection `layer`
-    loads, whatever its format; `shard`: the layer's own."""
+    """(checkpoint path below the prefix, whole (N, K), this rank's parts) of every
+    projection `layer` loads, whatever its format; `shard`: the layer's own."""
     s = shard.spec
     whole = s.module_shapes()
     split = shard.size > 1
@@ -121,7 +128,7 @@ def _layer_modules(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int
         elif split:
             rows = shard.out_range(module)
         rows = (rows[0] + offset, rows[1] + offset)
-        out.append((path or s.module_path(layer, module), (total or n, k), [(rows, cols)]))
+        out.append((path or s.module_path(layer, module, ""), (total or n, k), [(rows, cols)]))
 
     fused = s.fused_modules()
 
@@ -132,13 +139,13 @@ def _layer_modules(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int
             return
         total, first = sum(whole[p][1] for p in modules), 0
         for m in modules:  # each part's rows of the fused checkpoint tensor
-            add(m, s.module_path(layer, name), first, total)
+            add(m, s.module_path(layer, name, ""), first, total)
             first += whole[m][1]
 
     if s.is_linear(layer):
         k, n = whole["in_proj_qkv"]
         rows = shard.qkv_rows() if split else [(0, n)]
-        out.append((s.module_path(layer, "in_proj_qkv"), (n, k), [(r, (0, k)) for r in rows]))
+        out.append((s.module_path(layer, "in_proj_qkv", ""), (n, k), [(r, (0, k)) for r in rows]))
         for m in (*LINEAR_IN_MODULES[1:], "out_proj"):
             add(m)
     else:
@@ -152,7 +159,7 @@ def _layer_modules(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int
         out += _experts(shard, layer)
     h, w = s.hidden_size, s.per_layer_input_size
     if w:  # Gemma 4's per-layer-input gate and projection, whole on every rank
-        where = f"{s.weight_prefixes[0]}layers.{layer}."
+        where = f"layers.{layer}."
         out += [(where + "per_layer_input_gate", (w, h), [((0, w), (0, h))]),
                 (where + "per_layer_projection", (h, w), [((0, h), (0, w))])]  # fmt: skip
     return out
@@ -163,7 +170,7 @@ def _experts(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int], Par
     Gemma 4's are held as its checkpoints stack them, unquantized (model/layout.py)."""
     s = shard.spec
     h, i = s.hidden_size, s.moe_intermediate_size
-    prefix = f"{s.weight_prefixes[0]}layers.{layer}."
+    prefix = f"layers.{layer}."
     out = []
     if s.expert_layout != "gemma4":
         where = f"{prefix}{s.moe_block}.experts.0."

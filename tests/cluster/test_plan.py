@@ -152,6 +152,32 @@ def test_plan_fits_llama_70b_in_w4a16_on_the_gpu_bf16_does_not(capsys, tmp_path)
     assert 36 * GiB < got["weights_bytes_per_gpu"] < 37 * GiB  # 131.48 GiB in bf16
 
 
+def test_plan_counts_a_block_fp8_qwen3_5_moe_packed(capsys, tmp_path):
+    """Qwen3.5-MoE in Qwen's 128x128 FP8 (tiny): the Gated DeltaNet's in_proj_qkv, in_proj_z
+    and out_proj, attention, every expert and the shared expert at a byte a weight plus an
+    fp32 scale per block, in_proj_b / in_proj_a dense as the config names them; the split
+    of in_proj_qkv's 16 q rows on 2 ranks is refused naming it."""
+    from tests.quant_checkpoints import quantize_dir
+
+    src = family_model_dir("qwen35moe")
+    linear = [f"model.language_model.layers.{i}.linear_attn.in_proj_{m}"
+              for i in (0, 2) for m in ("b", "a")]  # fmt: skip
+    model = tmp_path / "fp8"
+    quantize_dir(src, model, "fp8-block", tuple(linear))
+    got = plan_json(capsys, "--model", str(model), "--gpu-memory", "1GiB")
+    dense = plan_json(capsys, "--model", str(src), "--gpu-memory", "1GiB")
+    h, e, i, s = 64, 4, 32, 48
+    mixer = [(136, h), (72, h), (h, 72)]  # in_proj_qkv, in_proj_z, out_proj
+    attention = [(256, h), (64, h), (64, h), (h, 128)]  # q (with its gate rows), k, v, o
+    mlp = e * [(i, h), (i, h), (h, i)] + [(s, h), (s, h), (h, s)]  # experts, shared expert
+    shapes = 2 * mixer + 2 * attention + 4 * mlp  # (out, in) of each packed weight
+    packed = sum(n * k + -(-n // 128) * -(-k // 128) * 4 for n, k in shapes)
+    saved = sum(n * k * 2 for n, k in shapes) - packed  # against bf16
+    assert got["weights_bytes_per_gpu"] == dense["weights_bytes_per_gpu"] - saved
+    line = refused(capsys, "plan", "--model", str(model), "--gpu-memory", "1GiB", "--tp", "2")
+    assert "layers.0.linear_attn.in_proj_qkv (fp8): its output rows 0:16 on rank 0" in line
+
+
 def test_an_unserved_quantized_checkpoint_is_refused_on_every_command(
     capsys,
     tmp_path,
