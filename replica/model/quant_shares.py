@@ -16,17 +16,35 @@ counts the shares' packed bytes; tp_shard.py refuses a split whose share cuts on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from replica.model.hybrid import LINEAR_IN_MODULES
 from replica.model.quant_config import ModuleFormat
-
-if TYPE_CHECKING:  # tp_shard imports this module
-    from replica.model.tp_shard import TPShard
+from replica.model.spec import ModelSpec
 
 Range = tuple[int, int]
+
+
+class RankShard(Protocol):
+    """What this module reads of model/tp_shard.py's TPShard (which calls it: a protocol,
+    not an import, keeps the two acyclic)."""
+
+    spec: ModelSpec
+    rank: int
+    size: int
+
+    def layer(self, layer: int) -> RankShard: ...
+    def out_range(self, module: str) -> Range: ...
+    def in_range(self, module: str) -> Range: ...
+    def qkv_rows(self) -> list[Range]: ...
+    @property
+    def expert_range(self) -> Range: ...
+    @property
+    def shared_expert_range(self) -> Range: ...
+
+
 UNITS = {"fp8": "scale blocks", "nf4": "absmax blocks (along flattened rows)"}
 
 
@@ -69,7 +87,7 @@ class PackedShare:
         return None
 
 
-def packed_shares(shard: TPShard) -> list[PackedShare]:
+def packed_shares(shard: RankShard) -> list[PackedShare]:
     """`shard`'s rank's share of every packed projection, layer by layer."""
     s = shard.spec
     if s.quant is None:
@@ -91,7 +109,7 @@ def packed_shares(shard: TPShard) -> list[PackedShare]:
     return shares
 
 
-def quantization_cuts(shard: TPShard) -> list[str]:
+def quantization_cuts(shard: RankShard) -> list[str]:
     """Each packed projection whose share on `shard`'s rank would cut a scale block, a
     group or a packed word (model/quant_config.py's alignments): the rank could not
     dequantize it. Every rank's bounds are multiples of rank 0's share, so checking one
@@ -102,7 +120,7 @@ def quantization_cuts(shard: TPShard) -> list[str]:
     return [cut for cut in found if cut is not None]
 
 
-def packed_difference(shard: TPShard, dtype: torch.dtype) -> int:
+def packed_difference(shard: RankShard, dtype: torch.dtype) -> int:
     """What `shard`'s rank holds of the packed projections and experts less what they would
     hold in `dtype` (negative: the saving). int4 scales are counted in 16 bits, as
     llm-compressor, auto-gptq and AutoAWQ store them; float8 scales in fp32."""
@@ -112,7 +130,7 @@ def packed_difference(shard: TPShard, dtype: torch.dtype) -> int:
 Parts = list[tuple[Range, Range]]  # (rows, cols) of each part a rank holds
 
 
-def _layer_modules(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int], Parts]]:
+def _layer_modules(shard: RankShard, layer: int) -> list[tuple[str, tuple[int, int], Parts]]:
     """(checkpoint path below the prefix, whole (N, K), this rank's parts) of every
     projection `layer` loads, whatever its format; `shard`: the layer's own."""
     s = shard.spec
@@ -165,7 +183,7 @@ def _layer_modules(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int
     return out
 
 
-def _experts(shard: TPShard, layer: int) -> list[tuple[str, tuple[int, int], Parts]]:
+def _experts(shard: RankShard, layer: int) -> list[tuple[str, tuple[int, int], Parts]]:
     """A sparse layer's experts (expert 0's path for all) and Qwen3.5-MoE's shared expert.
     Gemma 4's are held as its checkpoints stack them, unquantized (model/layout.py)."""
     s = shard.spec

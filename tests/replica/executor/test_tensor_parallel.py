@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 import ray
-import torch
 
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
@@ -27,11 +26,9 @@ from replica.wire import GenerateRequest, SamplingParams
 from tests.conftest import tiny_assets
 from tests.engines import make_engine
 from tests.fakes import FakeGraphs
+from tests.tp_checks import GREEDY, LOGIT_ATOL, check_tp2_equals_tp1, prompts, staggered
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-
-LOGIT_ATOL = 2e-4  # the bar TP=1 meets against transformers
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,29 +43,11 @@ def engine(assets, tp_size: int = 1, **kw) -> LLMEngine:
     return make_engine(assets, tp_size=tp_size, **kw)
 
 
-def prompts(vocab: int, lengths=(5, 23)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
 def mixed(assets, vocab: int) -> list[tuple[list[int], SamplingParams, str | None]]:
     names = [None, *assets.adapters, None, list(assets.adapters)[1]]
     lengths = [3, 17, 9, 30, 1, 12, 25, 6, 14, 8, 21][: len(names)]
     ps = prompts(vocab, lengths)
     return [(p, GREEDY, a) for p, a in zip(ps, names)]
-
-
-def staggered(eng: LLMEngine, requests) -> list[list[int]]:
-    """One request arrives per step, so prefills share steps with decodes."""
-    seqs = []
-    for r in requests:
-        seqs.append(eng.add_request(GenerateRequest(*r)))
-        eng.step()
-    for _ in range(1000):
-        if not eng.has_work():
-            return [s.output_ids for s in seqs]
-        eng.step()
-    raise AssertionError("engine did not drain")
 
 
 def peft_rank(path) -> int:
@@ -407,32 +386,3 @@ def test_quantized_bases_equal_tp1(family, fmt, tmp_path):
     adapters = family_adapters(family, src, tmp_path)
 
     check_tp2_equals_tp1(model_dir, adapters, fmt)
-
-
-def check_tp2_equals_tp1(model_dir, adapters: dict, what: str) -> None:
-    """TP=2 against TP=1 on `model_dir` with `adapters` loaded: every adapter's and the
-    base's logits on two prompts within LOGIT_ATOL, and a staggered mixed batch's tokens
-    equal (`what` names the case in a failure)."""
-
-    def build(tp_size: int) -> LLMEngine:
-        cfg = EngineConfig(model=str(model_dir), device="cpu", tp_size=tp_size,
-                           kv_cache_bytes=16 << 20, block_size=4)  # fmt: skip
-        eng = LLMEngine(cfg)
-        for name, path in adapters.items():
-            eng.load_adapter(name, path)
-        return eng
-
-    one = build(1)
-    two = build(2)
-    try:
-        ps = prompts(one.spec.vocab_size, (5, 23))
-        for adapter in (None, *adapters):
-            for p in ps:
-                diff = (two.score(p, adapter) - one.score(p, adapter)).abs().max().item()
-                assert diff < LOGIT_ATOL, f"{what} {adapter}: max |TP2 - TP1 logit| {diff}"
-        names = [None, *adapters, None]
-        reqs = [(p, GREEDY, a) for p, a in zip(prompts(one.spec.vocab_size, (3, 17, 30, 9)), names)]
-        assert staggered(two, reqs) == staggered(one, reqs)
-    finally:
-        two.shutdown()
-        one.shutdown()

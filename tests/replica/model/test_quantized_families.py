@@ -193,7 +193,7 @@ def test_quantized_qwen3_5_on_two_ranks_equals_one(local_ray, tmp_path, family, 
     columns of out_proj (groups of 16 whole: value heads of 16 here), and Qwen3.5-MoE's
     packed shared expert split like the dense MLP: logits and a staggered mixed batch with
     the linear-attention adapter equal TP=1."""
-    from tests.replica.executor.test_tensor_parallel import check_tp2_equals_tp1
+    from tests.tp_checks import check_tp2_equals_tp1
 
     src = family_model_dir(family, overrides=overrides)
     model_dir = tmp_path / fmt
