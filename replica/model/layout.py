@@ -9,7 +9,9 @@ A sparse layer's router and experts are read from the Hub's per-expert keys
 or, for gpt-oss, from its stacked experts (`mlp.experts.gate_up_proj` [E, hidden, 2I]
 with gate and up columns interleaved, `down_proj` [E, I, hidden], their biases) or the
 Hub's MXFP4 form of them (`*_blocks`, `*_scales`), kept packed as kernels.Mxfp4Weight
-stacks (gate, up, down) as other quantized experts are.
+stacks (gate, up, down) as other quantized experts are. A quantized checkpoint's
+projections come packed per module (dense where its config ignores them), a Gated
+DeltaNet's in_proj_qkv under tensor parallelism as its q, k and v rows apart (row_parts).
 Once the model is built, every checkpoint tensor it did not read must be one of
 KNOWN_UNREAD's, each with why it may go unread; any other is an error naming it (a
 module this server does not implement would otherwise be served silently without it).
