@@ -33,17 +33,17 @@ ranks and offsets), so a rank-8 adapter holds 8 rows where a rank-64 one holds 6
 The intermediate keeps a fixed [T, num_slices*R] layout, R = max_lora_rank: slice j of
 a token's adapter lands in columns [j*R, j*R + rank).
 
-Backends (kernels/backend.py, decided once): CUDA tensors go to Triton
-(`kernels.sgmv_triton`, imported lazily), CPU tensors to the torch path
-(`kernels.sgmv_torch`). LORAFLEET_KERNELS=triton|torch, read at import, or
-`force_backend` forces either; Triton on CPU needs TRITON_INTERPRET=1 (the tests). The
-attention ops have the same two backends (`kernels.paged_attention_{torch,triton}`,
-`kernels.prefill_attention_{torch,triton}`; on CUDA the prefill takes SDPA's flash kernel
-where it applies and Triton for the rest). Every
+Backends (decided once, below, rather than per op: a step issues a hundred ops): CUDA
+tensors go to Triton (`kernels.sgmv_triton`, imported lazily on the first Triton op, so a
+CPU-only install never needs triton), CPU tensors to the torch path (`kernels.sgmv_torch`).
+LORAFLEET_KERNELS=triton|torch, read at import, or `force_backend` forces either; Triton
+on CPU needs TRITON_INTERPRET=1 (the tests). The attention ops have the same two backends
+(`kernels.attention_{torch,triton}`; on CUDA the prefill takes SDPA's flash kernel where
+it applies and Triton for the rest). Every
 op checks shapes, dtypes, devices and metadata sizes here, before any backend runs, and
 none reads a device value for that (so offsets past the arena are the caller's bug, not
-checked). `kernels.reference` and `kernels.paged_attention_reference` are the slow
-oracles they are tested against (`kernels.prefill_attention_reference` the prefill's);
+checked). `kernels.reference` and `kernels.attention_reference` are the slow
+oracles they are tested against;
 `lorafleet bench kernels` times the LoRA ops.
 
 Gated DeltaNet (Qwen3.5/3.6's linear attention): `causal_conv1d` and `gated_delta_rule`
@@ -54,14 +54,17 @@ conv and recurrent state pools, read and written in place); backends
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import math
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
-from kernels.backend import backend_for, force_backend, forced_backend, implementation
 from kernels.gated_delta_batch import StateBatch, make_state_batch
 from kernels.lora_embedding import lora_embedding_shrink as _embedding_shrink
 from kernels.moe_plan import ExpertPlan, expert_segments, make_expert_plan
@@ -123,6 +126,57 @@ __all__ = [
     "warm_up",
     "warm_up_batches",
 ]
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+ENV = "LORAFLEET_KERNELS"
+BACKENDS = ("triton", "torch")
+
+
+def parse_forced(value: str | None) -> str | None:
+    """The backend LORAFLEET_KERNELS names, None when unset or empty."""
+    forced = (value or "").strip().lower()
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"{ENV}={forced!r}: expected 'triton' or 'torch'")
+    return forced or None
+
+
+_forced: str | None = parse_forced(os.environ.get(ENV))
+_modules: dict[tuple[str, str], ModuleType] = {}
+
+
+def force_backend(name: str | None) -> None:
+    """Run every op on `name` ('triton' or 'torch'), or by device again with None."""
+    global _forced
+    _forced = parse_forced(name)
+
+
+@contextlib.contextmanager
+def forced_backend(name: str | None) -> Iterator[None]:
+    """force_backend for the duration of a block, then what was forced before."""
+    before = _forced
+    force_backend(name)
+    try:
+        yield
+    finally:
+        force_backend(before)
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """Which implementation runs for tensors on x's device."""
+    return _forced or ("triton" if x.is_cuda else "torch")
+
+
+def implementation(x: torch.Tensor, family: str) -> ModuleType:
+    """The module implementing op `family` for x's device: `kernels.<family>_<backend>`,
+    imported once (e.g. family 'sgmv': kernels.sgmv_triton or kernels.sgmv_torch)."""
+    key = (family, backend_for(x))
+    module = _modules.get(key)
+    if module is None:
+        module = _modules[key] = importlib.import_module(f"kernels.{family}_{key[1]}")
+    return module
+
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -546,7 +600,7 @@ def paged_decode_attention(
     rounding). A captured graph keeps its grid, so pass a value fixed for the engine's
     lifetime: decode_splits(max_model_len, D, KVH). None: decode_splits over the table's
     width (W * block_size, a shape: the same for every step of one static batch).
-    See kernels.paged_attention_reference.paged_decode_attention_reference.
+    See kernels.attention_reference.paged_decode_attention_reference.
     """
     _check_paged_attention(
         q, k_cache, v_cache, block_tables, context_lens, block_size, sliding_window, soft_cap,
@@ -557,7 +611,7 @@ def paged_decode_attention(
         num_splits = decode_splits(block_tables.shape[1] * block_size, q.shape[0], k_cache.shape[0])
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits {num_splits!r} must be an int >= 1")
-    return implementation(q, "paged_attention").paged_decode_attention(
+    return implementation(q, "attention").paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
         sliding_window=sliding_window, soft_cap=soft_cap, out=out, num_splits=num_splits,
         sinks=sinks,
@@ -628,11 +682,11 @@ def prefill_attention(
     Slots outside the positions a row sees are never read. The positions' K/V must
     already be in k/v (the step's K/V written into the cache first). Host values pick
     the path; no device value is read.
-    See kernels.prefill_attention_reference.prefill_attention_reference.
+    See kernels.attention_reference.prefill_attention_reference.
     """
     _check_prefill_attention(q, k, v, slots, sliding_window, soft_cap, out)
     _check_sinks("prefill_attention", q, sinks)
-    return implementation(q, "prefill_attention").prefill_attention(
+    return implementation(q, "attention").prefill_attention(
         q, k, v, scale, slots, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
         sinks=sinks,
     )  # fmt: skip

@@ -22,12 +22,10 @@ from replica.adapters.residency import BASE_KEY, AdapterResidency
 from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype, use_device
-from replica.engine.block_allocator import BlockAllocator, blocks_needed
 from replica.engine.emit import Emitter, StepDraw, StepReplies, step_draws
 from replica.engine.fair_share import make_policy
-from replica.engine.planner import plan_batch, plan_step
-from replica.engine.prefix_cache import CacheIdentities
-from replica.engine.scheduler import Scheduler
+from replica.engine.kv_blocks import BlockAllocator, CacheIdentities, blocks_needed
+from replica.engine.scheduler import Scheduler, plan_step
 from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from replica.engine.state_slots import StateSlots
 from replica.engine.structured import StructuredOutputs
@@ -89,7 +87,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(c.model, self.spec.vocab_size, self.spec.eos_token_ids)
         self.telemetry = Telemetry(self.scheduler, self.adapters, self.executor.graph_stats)
         self.limits = RequestLimits(
-            self.spec.vocab_size, self.max_model_len, self.adapters.is_known, self.structured
+            self.spec.vocab_size, self.max_model_len, self.adapters.tier, self.structured
         )
         self.emitter = Emitter(
             self.scheduler,
@@ -199,7 +197,7 @@ class LLMEngine:
         same tenant and cache_salt."""
         request = self.limits.bounded(request)
         adapter = None if request.adapter is None else str(request.adapter)
-        self.limits.check(request, adapter)
+        tier = self.limits.check(request, adapter)
         arrival = next(self._arrivals)
         pinned = self.config.adapters.pin_base_slot
         key = adapter if adapter is not None else (None if pinned else BASE_KEY)
@@ -214,8 +212,8 @@ class LLMEngine:
             for seq in seqs:
                 seq.matcher = self.structured.matcher(request.sampling.structured_output)
         self.scheduler.add(seqs[0], request.tenant_weight)  # 1..n-1 fork from its prefill
-        if adapter is not None:
-            self.telemetry.count_lookup(adapter)
+        if tier is not None:
+            self.adapters.lookups[tier] += 1
         return seqs[0]
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
@@ -334,7 +332,7 @@ class LLMEngine:
         seq.blocks = allocator.allocate(blocks_needed(len(prompt_ids), self.config.block_size))
         seq.state_slot = None if states is None else states.acquire()
         try:
-            plan, _ = plan_batch([(seq, len(prompt_ids))], self.config.block_size)
+            plan, _, _ = plan_step([(seq, len(prompt_ids))], self.config.block_size)
             plan.state_copies, self.scheduler.state_copies = self.scheduler.state_copies, []
             return self.executor.execute(plan, self.executor.lora.table, all_rows=True)
         finally:
@@ -374,11 +372,11 @@ class RequestLimits:
         self,
         vocab_size: int,
         max_model_len: int,
-        is_known: Callable[[str], bool],
+        tier: Callable[[str], str | None],
         structured: StructuredOutputs,
     ) -> None:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
-        self.is_known, self.structured = is_known, structured
+        self.tier, self.structured = tier, structured
 
     def bounded(self, request: GenerateRequest) -> GenerateRequest:
         """`request` with max_tokens None made the rest of the context (at least 1: a
@@ -390,13 +388,15 @@ class RequestLimits:
         bounded = sampling.model_copy(update={"max_tokens": max(rest, sampling.min_tokens)})
         return dataclasses.replace(request, sampling=bounded)
 
-    def check(self, request: GenerateRequest, adapter: str | None) -> None:
+    def check(self, request: GenerateRequest, adapter: str | None) -> str | None:
         """Raise RequestError if the engine cannot serve this (bounded) request, whose
-        adapter the engine names `adapter`."""
+        adapter the engine names `adapter`; else the tier that adapter is in now (None
+        for a base request)."""
         prompt_ids, sampling = request.prompt_ids, request.sampling
         if not prompt_ids:
             raise RequestError("empty prompt")
-        if adapter is not None and not self.is_known(adapter):
+        tier = None if adapter is None else self.tier(adapter)
+        if adapter is not None and tier is None:
             raise RequestError(f"unknown adapter {adapter!r}")
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
@@ -411,3 +411,4 @@ class RequestLimits:
             raise RequestError(f"logit_bias token id {outside[0]} out of range [0, {vocab})")
         if sampling.structured_output is not None:
             self.structured.grammar(sampling.structured_output)  # compiled now: 400 if bad
+        return tier

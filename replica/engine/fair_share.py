@@ -5,7 +5,8 @@ blocks, sequences, adapters per batch, readiness, aging): a candidate it cannot 
 is skipped, not waited on, whatever the policy. Two policies, chosen once from the
 engine config (`scheduling`):
 
-- `FCFS`: arrival order (what the engine always did).
+- `FCFS`: arrival order, the scheduler's default (engine/scheduler.py, beside the
+  `AdmissionPolicy` protocol every policy implements).
 - `VTC`: weighted Virtual Token Counter fair share (Sheng et al., "Fairness in Serving
   Large Language Models", OSDI '24). Each tenant has a counter, charged
   `(W_IN * uncached prompt tokens + W_OUT * output tokens) / weight` as it is served
@@ -31,64 +32,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterator
-from typing import Protocol
 
+from replica.engine.scheduler import FCFS, AdmissionPolicy
 from replica.engine.sequence import SeqStatus, Sequence
 
 W_IN = 1.0  # counter charge per uncached prompt token
 W_OUT = 2.0  # counter charge per output token
-
-
-class AdmissionPolicy(Protocol):
-    def arrived(
-        self, seq: Sequence, weight: float, waiting: list[Sequence], running: list[Sequence]
-    ) -> None:
-        """A new request, before it joins `waiting` (the queues as they are)."""
-
-    def candidates(
-        self, waiting: list[Sequence], running: list[Sequence] = ()
-    ) -> Iterator[Sequence]:
-        """Waiting requests in the order to consider them; the next one is chosen after
-        the caller has handled (admitted or skipped) the previous."""
-
-    def admitted(self, seq: Sequence, uncached_prompt_tokens: int) -> None:
-        """`seq` starts running; it will compute this many prompt tokens not cached."""
-
-    def generated(self, seq: Sequence) -> None:
-        """`seq` drew one output token."""
-
-    def counters(self) -> dict[str | None, float]:
-        """Each tenant's counter (empty for a policy that keeps none)."""
-
-    def lags(self, waiting: list[Sequence], running: list[Sequence]) -> dict[str | None, float]:
-        """How far each tenant's counter is above that of the tenant served next (its
-        counter as a request arriving now would have it); tenants at 0 are left out."""
-
-
-class FCFS:
-    """Arrival order; keeps no counters."""
-
-    def arrived(
-        self, seq: Sequence, weight: float, waiting: list[Sequence], running: list[Sequence]
-    ) -> None:
-        pass
-
-    def candidates(
-        self, waiting: list[Sequence], running: list[Sequence] = ()
-    ) -> Iterator[Sequence]:
-        return iter(list(waiting))
-
-    def admitted(self, seq: Sequence, uncached_prompt_tokens: int) -> None:
-        pass
-
-    def generated(self, seq: Sequence) -> None:
-        pass
-
-    def counters(self) -> dict[str | None, float]:
-        return {}
-
-    def lags(self, waiting: list[Sequence], running: list[Sequence]) -> dict[str | None, float]:
-        return {}
 
 
 class VTC:

@@ -8,9 +8,12 @@ requests, and every base request, are still admitted. A request skipped
 `aging_steps` times starves no longer: other adapters' requests are held
 back behind it (base requests are not) until its own adapter gets a slot.
 
-In which order waiting requests are considered is the admission policy's
-(engine/fair_share.py: FCFS, or VTC fair share between tenants); the budgets
+In which order waiting requests are considered is the admission policy's (FCFS
+below, or engine/fair_share.py's VTC fair share between tenants); the budgets
 above, skip-not-block and aging hold under either.
+
+plan_step, at the end, turns a step's scheduled work into the BatchPlan of host ints
+that the executor (and, under tensor parallelism, every rank) builds the batch from.
 
 With prefix caching a waiting request starts after its longest cached prefix: those
 blocks are shared, not allocated, and cost KV budget only if nobody else holds them.
@@ -18,14 +21,67 @@ blocks are shared, not allocated, and cost KV budget only if nobody else holds t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from replica.adapters.slot_pool import AdapterSlotPool
-from replica.engine.block_allocator import BlockAllocator, blocks_needed
-from replica.engine.fair_share import FCFS, AdmissionPolicy
-from replica.engine.prefix_cache import PrefixCache
+from replica.engine.kv_blocks import BlockAllocator, PrefixCache, blocks_needed
 from replica.engine.sequence import SeqStatus, Sequence
 from replica.engine.state_slots import StateSlots
+from replica.executor.batch import BatchPlan
+
+
+class AdmissionPolicy(Protocol):
+    def arrived(
+        self, seq: Sequence, weight: float, waiting: list[Sequence], running: list[Sequence]
+    ) -> None:
+        """A new request, before it joins `waiting` (the queues as they are)."""
+
+    def candidates(
+        self, waiting: list[Sequence], running: list[Sequence] = ()
+    ) -> Iterator[Sequence]:
+        """Waiting requests in the order to consider them; the next one is chosen after
+        the caller has handled (admitted or skipped) the previous."""
+
+    def admitted(self, seq: Sequence, uncached_prompt_tokens: int) -> None:
+        """`seq` starts running; it will compute this many prompt tokens not cached."""
+
+    def generated(self, seq: Sequence) -> None:
+        """`seq` drew one output token."""
+
+    def counters(self) -> dict[str | None, float]:
+        """Each tenant's counter (empty for a policy that keeps none)."""
+
+    def lags(self, waiting: list[Sequence], running: list[Sequence]) -> dict[str | None, float]:
+        """How far each tenant's counter is above that of the tenant served next (its
+        counter as a request arriving now would have it); tenants at 0 are left out."""
+
+
+class FCFS:
+    """Arrival order; keeps no counters."""
+
+    def arrived(
+        self, seq: Sequence, weight: float, waiting: list[Sequence], running: list[Sequence]
+    ) -> None:
+        pass
+
+    def candidates(
+        self, waiting: list[Sequence], running: list[Sequence] = ()
+    ) -> Iterator[Sequence]:
+        return iter(list(waiting))
+
+    def admitted(self, seq: Sequence, uncached_prompt_tokens: int) -> None:
+        pass
+
+    def generated(self, seq: Sequence) -> None:
+        pass
+
+    def counters(self) -> dict[str | None, float]:
+        return {}
+
+    def lags(self, waiting: list[Sequence], running: list[Sequence]) -> dict[str | None, float]:
+        return {}
 
 
 @dataclass
@@ -223,3 +279,48 @@ class Scheduler:
         if self.states is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
+
+
+# -- batch preparation's host half: the plan a tensor-parallel rank 0 broadcasts -------------
+
+
+def plan_step(
+    work: list[tuple[Sequence, int]], block_size: int
+) -> tuple[BatchPlan, list[Sequence], list[tuple[Sequence, range]]]:
+    """The plan of `work` ((sequence, new tokens), decodes first), the sequences whose
+    logits it samples, in row order, and the prompt positions it scores: (sequence,
+    positions) of prefills whose request asked for prompt logprobs. The plan's logit rows
+    are the sampled rows, then the scored positions' rows in that order."""
+    plan = BatchPlan([], [], [0], [], [], [], [], [], [], [], [], [])
+    sampled, scored, scored_rows = [], [], []
+    for seq, n in work:
+        start, ctx = seq.num_computed, seq.num_computed + n
+        plan.input_ids += seq.token_slice(start, ctx)
+        plan.positions += range(start, ctx)
+        row0 = plan.seg_indptr[-1]
+        plan.seg_indptr.append(row0 + n)
+        plan.seg_slots.append(seq.slot)
+        if seq.state_slot is not None:  # a hybrid model: its state row, from zeros at first
+            plan.state_slots.append(seq.state_slot)
+            plan.state_initial.append(start > 0)
+        if n == 1 and not plan.prefill_starts:
+            plan.decode_tables.append(seq.blocks)
+            plan.decode_context_lens.append(ctx)
+            plan.decode_new_slots.append(
+                seq.blocks[start // block_size] * block_size + start % block_size
+            )
+        else:
+            plan.prefill_starts.append(row0)
+            plan.prefill_lens.append(n)
+            plan.prefill_context_lens.append(ctx)
+            plan.prefill_tables.append(seq.blocks)
+        if ctx == seq.num_tokens:
+            plan.logit_rows.append(row0 + n - 1)
+            sampled.append(seq)
+        group = seq.group
+        positions = group.prompt_logprob_positions(seq, start, ctx) if group else range(0)
+        if positions:
+            scored.append((seq, positions))
+            scored_rows += (row0 + p - start for p in positions)
+    plan.logit_rows += scored_rows
+    return plan, sampled, scored

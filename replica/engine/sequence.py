@@ -26,7 +26,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
-    # prefix caching (engine/prefix_cache.py): what computed its K/V ("" = the base model,
+    # prefix caching (engine/kv_blocks.py): what computed its K/V ("" = the base model,
     # else one adapter version), the keys of its full blocks so far, how many of its blocks
     # are cached, and how many prompt tokens its first admission found cached
     cache_id: str = ""

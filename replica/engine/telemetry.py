@@ -7,13 +7,11 @@ Host-side state only: reading it never touches the device or waits for a step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from replica.adapters.residency import AdapterResidency
 from replica.engine.scheduler import Scheduler
-
-LOOKUP_TIERS = ("device", "host", "miss")
 
 
 @dataclass
@@ -21,9 +19,6 @@ class EngineStats:
     idle_on_loads_seconds: float = 0.0  # step loop idle: nothing runnable, loads in flight
     prefetch_seconds: float = 0.0  # step loop bookkeeping: polling, planning, submitting
     steps: int = 0  # steps that ran a batch
-    # Adapter requests by where their adapter was when they arrived: "device" (a slot,
-    # ready or loading), "host" (host memory only) or "miss" (fetched from the source).
-    lookups: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOOKUP_TIERS, 0))
     aborted: int = 0  # requests ended by abort() (client gone, deadline) before they finished
     prompt_tokens: int = 0  # prompt tokens computed (prefills; recomputes after preemption too)
 
@@ -38,10 +33,6 @@ class Telemetry:
         """`graph_stats`: the executor's (Executor.graph_stats), host counters."""
         self.scheduler, self.adapters, self.graph_stats = scheduler, adapters, graph_stats
         self.stats = EngineStats()
-
-    def count_lookup(self, adapter: str) -> None:
-        """An adapter request arrived: count where its adapter was."""
-        self.stats.lookups[self.adapters.tier(adapter)] += 1
 
     @property
     def load_wait_seconds(self) -> float:
@@ -86,7 +77,7 @@ class Telemetry:
         pf.recent_load_seconds.clear()
         return {
             "slots": self.adapters.pool.occupancy(),
-            "lookups": dict(stats.lookups),
+            "lookups": dict(self.adapters.lookups),  # by tier (adapters/residency.py)
             "loads_started": pf.loads_started,
             "loads_done": pf.loads_done,
             "loads_used": self.adapters.pool.num_used_loads,

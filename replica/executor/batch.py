@@ -1,7 +1,8 @@
 """Batch preparation's device half: a BatchPlan of host ints -> ForwardBatch, without a
 device read. Host tensors are built here and copied with non_blocking; every rank of a
 tensor-parallel replica runs this on the plan rank 0 broadcasts. The plan itself is made
-from the scheduled sequences by the engine (engine/planner.py).
+from the scheduled sequences by the engine (engine/scheduler.py: plan_step). SlotTensors
+keeps the adapter slot table where the kernels read it.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import SegmentInfo, StateBatch, make_segment_infos, make_state_batch
-from replica.device import to_device, to_device_packed
-from replica.model.attention import AttentionMetadata
-from replica.model.decoder import ForwardBatch
-from replica.model.lora_slots import SlotTable, SlotTensorViews
+from replica.device import StagedBuffer, to_device, to_device_packed
+from replica.model.decoder import AttentionMetadata, ForwardBatch
+from replica.model.lora import MODULE_GROUPS
+from replica.model.lora_slots import SlotTable
+
+# The slot table on the device: (ranks per group, scalings, offsets per group).
+SlotTensorViews = tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -162,3 +166,41 @@ def _token_slots(tables: list[list[int]], block_size: int) -> torch.Tensor:
     return (blocks.view(len(tables), width, 1) * block_size + offsets).view(
         len(tables), width * block_size
     )
+
+
+class SlotTensors:
+    """The slot table where the kernels read it: device tensors at fixed addresses,
+    rewritten in place (one copy) only when the table a step runs with is another version
+    than the last one sent: after a slot is activated or cleared, or for the one step that
+    runs with the view taken before a hand-over. Comparing the values instead costs host
+    time every step, growing with the slot handles (docs/performance.md)."""
+
+    def __init__(
+        self, num_slots: int, device: torch.device, groups: tuple[str, ...] = tuple(MODULE_GROUPS)
+    ) -> None:
+        self.groups = groups
+        layout = {f"ranks.{g}": (torch.int32, (num_slots,)) for g in groups}
+        layout |= {f"offsets.{g}": (torch.int32, (num_slots,)) for g in groups}
+        layout["scalings"] = (torch.float32, (num_slots,))
+        self._buffer = StagedBuffer(layout, device)
+        self.ranks = {g: self._buffer.device[f"ranks.{g}"] for g in groups}
+        self.offsets = {g: self._buffer.device[f"offsets.{g}"] for g in groups}
+        self.scalings = self._buffer.device["scalings"]
+        self._sent: int | None = None  # the version of the table last sent
+        self.uploads = 0  # how often the values changed (tests: not every step)
+
+    def update(self, table: SlotTable) -> None:
+        if table.version == self._sent:
+            return
+        host = self._buffer.writable()
+        for g in self.groups:
+            host[f"ranks.{g}"].copy_(torch.tensor(table.ranks[g], dtype=torch.int32))
+            host[f"offsets.{g}"].copy_(torch.tensor(table.offsets[g], dtype=torch.int32))
+        host["scalings"].copy_(torch.tensor(table.scalings, dtype=torch.float32))
+        self._buffer.upload()
+        self._sent = table.version
+        self.uploads += 1
+
+    def tensors(self) -> SlotTensorViews:
+        """(ranks per group, scalings, offsets per group): make_segment_infos' slot_tensors."""
+        return self.ranks, self.scalings, self.offsets

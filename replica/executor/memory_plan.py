@@ -303,7 +303,7 @@ def widest_layer(spec: ModelSpec) -> ModelSpec:
 
 def flash_prefill(spec: ModelSpec, dtype: torch.dtype, context: int) -> bool:
     """Whether some layer's prefill over `context` positions may run on SDPA's flash
-    kernel on CUDA (kernels.prefill_attention_triton: a half dtype, no soft cap, no window
+    kernel on CUDA (kernels.attention_triton: a half dtype, no soft cap, no window
     shorter than the context; it also needs a head dim and GPU flash takes, so this may
     say yes where the Triton kernel runs). Every other prefill runs the Triton kernel."""
     if dtype not in (torch.float16, torch.bfloat16) or spec.attn_soft_cap is not None:

@@ -15,12 +15,12 @@ import kernels
 from replica.config import EngineConfig
 from replica.device import StepProgress
 from replica.executor.base import Executor
-from replica.executor.batch import BatchPlan, build_batch
+from replica.executor.batch import BatchPlan, SlotTensors, build_batch
 from replica.executor.memory_profile import size_kv_cache
 from replica.executor.static_decode import StaticDecode
 from replica.model.decoder import CausalLM
 from replica.model.kv_cache import KVCache
-from replica.model.lora_slots import LoRASlotBuffers, SlotTable, SlotTensors
+from replica.model.lora_slots import LoRASlotBuffers, SlotTable
 from replica.model.spec import ModelSpec
 from replica.model.tp_layers import TPRank
 

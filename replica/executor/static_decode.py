@@ -32,11 +32,9 @@ import torch
 import kernels
 from kernels import SegmentInfo, StateBatch
 from replica.device import StagedBuffer, packed_offsets
-from replica.executor.batch import BatchPlan
-from replica.model.attention import AttentionMetadata
-from replica.model.decoder import CausalLM, ForwardBatch
+from replica.executor.batch import BatchPlan, SlotTensors
+from replica.model.decoder import AttentionMetadata, CausalLM, ForwardBatch
 from replica.model.kv_cache import KVCache
-from replica.model.lora_slots import SlotTensors
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """Tensors: one decoder for every served family and what it runs on.
 
-decoder.py          the model and its forward over a flattened mixed batch
+decoder.py          the model and its forward over a flattened mixed batch; paged
+                    attention over the KV cache (prefill and decode)
 families.py         config.json -> what a family changes on ModelSpec (norms, caps, windows...)
 gemma4_config.py    Gemma 4's config -> its per-layer shapes, shared KV, ropes, MoE block
 hybrid.py           LinearAttentionSpec: a hybrid model's linear-attention shapes and state
@@ -10,7 +11,6 @@ gemma4_moe.py       Gemma 4's experts beside the dense MLP
 moe.py              a sparse MLP: router, experts grouped by expert, expert LoRA
 layout.py           where a checkpoint keeps each tensor (prefixes, fused rows, a rank's part;
                     gpt-oss's MXFP4 experts, kept packed)
-attention.py        paged attention over the KV cache (prefill and decode)
 rope.py             rotary embeddings (linear, llama3, yarn, longrope; partial rotary)
 spec.py             ModelSpec: the shapes and the family's differences
 hf_config.py        config.json values several modules read (rope parameters, layer types)

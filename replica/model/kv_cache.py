@@ -1,7 +1,7 @@
 """The paged KV cache's tensors: fixed-size blocks of one preallocated pool per layer.
 
 Which block holds which sequence's tokens is the engine's host-only bookkeeping
-(engine/block_allocator.py), so admission never touches the device.
+(engine/kv_blocks.py), so admission never touches the device.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import kernels
-from replica.device import StagedBuffer, StepProgress
+from replica.device import StepProgress
 from replica.model.adapter_weights import VOCAB_LAYER, LoRAAdapterWeights
 from replica.model.lora import (
     EXPERT_GROUPS,
@@ -76,16 +76,15 @@ def adapter_group_ranks(spec: ModelSpec, adapter: LoRAAdapterWeights) -> dict[st
 # The first arena row of an adapter's block per projection group (an int: the same row
 # in every group).
 Rows = Mapping[str, int] | int
-# The slot table on the device: (ranks per group, scalings, offsets per group).
-SlotTensorViews = tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]
 
 
 @dataclass
 class SlotTable:
     """The host view of every slot a step runs with, per projection group the ranks (0
     where the adapter does not target it) and first arena rows; the scalings. `version`
-    changes with every change of the values (activate, clear), so SlotTensors tells a
-    table it has sent from one it has not without comparing every value each step."""
+    changes with every change of the values (activate, clear), so SlotTensors
+    (executor/batch.py) tells a table it has sent from one it has not without comparing
+    every value each step."""
 
     ranks: dict[str, list[int]]
     scalings: list[float]
@@ -268,44 +267,6 @@ class LoRASlotBuffers:
             self.table.offsets[group][slot] = 0
         self.table.scalings[slot] = 0.0
         self.table.version += 1
-
-
-class SlotTensors:
-    """The slot table where the kernels read it: device tensors at fixed addresses,
-    rewritten in place (one copy) only when the table a step runs with is another version
-    than the last one sent: after a slot is activated or cleared, or for the one step that
-    runs with the view taken before a hand-over. Comparing the values instead costs host
-    time every step, growing with the slot handles (docs/performance.md)."""
-
-    def __init__(
-        self, num_slots: int, device: torch.device, groups: tuple[str, ...] = tuple(MODULE_GROUPS)
-    ) -> None:
-        self.groups = groups
-        layout = {f"ranks.{g}": (torch.int32, (num_slots,)) for g in groups}
-        layout |= {f"offsets.{g}": (torch.int32, (num_slots,)) for g in groups}
-        layout["scalings"] = (torch.float32, (num_slots,))
-        self._buffer = StagedBuffer(layout, device)
-        self.ranks = {g: self._buffer.device[f"ranks.{g}"] for g in groups}
-        self.offsets = {g: self._buffer.device[f"offsets.{g}"] for g in groups}
-        self.scalings = self._buffer.device["scalings"]
-        self._sent: int | None = None  # the version of the table last sent
-        self.uploads = 0  # how often the values changed (tests: not every step)
-
-    def update(self, table: SlotTable) -> None:
-        if table.version == self._sent:
-            return
-        host = self._buffer.writable()
-        for g in self.groups:
-            host[f"ranks.{g}"].copy_(torch.tensor(table.ranks[g], dtype=torch.int32))
-            host[f"offsets.{g}"].copy_(torch.tensor(table.offsets[g], dtype=torch.int32))
-        host["scalings"].copy_(torch.tensor(table.scalings, dtype=torch.float32))
-        self._buffer.upload()
-        self._sent = table.version
-        self.uploads += 1
-
-    def tensors(self) -> SlotTensorViews:
-        """(ranks per group, scalings, offsets per group): make_segment_infos' slot_tensors."""
-        return self.ranks, self.scalings, self.offsets
 
 
 def _first_rows(rows: Rows, group_ranks: dict[str, int]) -> dict[str, int]:

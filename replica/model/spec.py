@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -122,19 +123,20 @@ class ModelSpec:
     # layer, its output times sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE); 0: none
     shared_expert_size: int = 0
 
-    @property
+    # Derived sizes, read by every layer every step: computed once (the spec is frozen).
+    @cached_property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
+    @cached_property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @cached_property
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
-    @property
+    @cached_property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -191,7 +193,7 @@ class ModelSpec:
         linear = self.linear_attention
         return self.num_layers - (0 if linear is None else len(linear.layers))
 
-    @property
+    @cached_property
     def q_proj_size(self) -> int:
         """q_proj's output rows: the queries, and with attn_output_gate each head's gate."""
         return self.q_size * (2 if self.attn_output_gate else 1)

@@ -11,18 +11,20 @@ import pytest
 import torch
 
 import kernels
-from kernels import paged_attention_torch, prefill_attention_torch
-from kernels.paged_attention_reference import paged_decode_attention_reference
-from kernels.prefill_attention_reference import prefill_attention_reference
+from kernels import attention_torch
+from kernels.attention_reference import (
+    paged_decode_attention_reference,
+    prefill_attention_reference,
+)
 from tests.conftest import TEST_DEVICE
 from tests.kernels import paged_cases as paged_tests
 from tests.kernels import prefill_cases as prefill_tests
 
 try:
-    from kernels import paged_attention_triton, prefill_attention_triton
+    from kernels import attention_triton
 except ImportError:  # a platform without triton still tests the torch path
-    paged_attention_triton = prefill_attention_triton = None
-needs_triton = pytest.mark.skipif(paged_attention_triton is None, reason="triton not installed")
+    attention_triton = None
+needs_triton = pytest.mark.skipif(attention_triton is None, reason="triton not installed")
 pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value encountered in subtract:RuntimeWarning"
 )
@@ -69,17 +71,17 @@ def test_decode_reference_with_sinks_is_the_closed_form():
         torch.testing.assert_close(got[i], closed_form(scores, v, sinks), rtol=1e-5, atol=1e-6)
 
 
-PREFILL = {"torch": prefill_attention_torch.prefill_attention}
-DECODE = {"torch": paged_attention_torch.paged_decode_attention}
-if prefill_attention_triton is not None:
+PREFILL = {"torch": attention_torch.prefill_attention}
+DECODE = {"torch": attention_torch.paged_decode_attention}
+if attention_triton is not None:
 
     def _prefill_triton(q, k, v, scale, slots, window, cap, sinks=None):
-        return prefill_attention_triton.prefill_attention_kernel(
+        return attention_triton.prefill_attention_kernel(
             q, k, v, scale, slots, window, cap, torch.empty_like(q), sinks
         )
 
     PREFILL["triton"] = _prefill_triton
-    DECODE["triton"] = paged_attention_triton.paged_decode_attention
+    DECODE["triton"] = attention_triton.paged_decode_attention
 
 
 @pytest.mark.parametrize("backend", list(PREFILL))
@@ -96,11 +98,11 @@ def test_prefill_with_sinks_matches_reference(backend, shape, window):
 
 def test_prefill_torch_by_hand_with_sinks_matches_reference(monkeypatch):
     """Where torch has no flash op with a log-sum-exp, sinks take the by-hand chunks."""
-    monkeypatch.setattr(prefill_attention_torch, "FLASH_CPU_WITH_LSE", None)
+    monkeypatch.setattr(attention_torch, "FLASH_CPU_WITH_LSE", None)
     for shape, window in (((9, 9), None), ((16, 40), 7), ((37, 37), 5)):
         case = prefill_tests.make_case(*shape, (8, 2), window=window, seed=shape[1])
         sinks = sinks_for(8, shape[0])
-        out = prefill_attention_torch.prefill_attention(*case.args(), sinks=sinks)
+        out = attention_torch.prefill_attention(*case.args(), sinks=sinks)
         ref = prefill_attention_reference(*case.args(), sinks=sinks)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -110,7 +112,7 @@ def test_prefill_torch_with_sinks_in_half_precision(dtype):
     for shape, window in (((40, 40), None), ((16, 40), 7)):
         case = prefill_tests.make_case(*shape, (8, 2), dtype=dtype, window=window, seed=6)
         sinks = sinks_for(8, 6)
-        out = prefill_attention_torch.prefill_attention(*case.args(), sinks=sinks)
+        out = attention_torch.prefill_attention(*case.args(), sinks=sinks)
         ref = prefill_attention_reference(*case.args(), sinks=sinks)
         rtol, atol = prefill_tests.TOL[dtype]
         torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)

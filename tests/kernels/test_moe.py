@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import backend, make_expert_plan, make_segment_infos
+from kernels import forced_backend, make_expert_plan, make_segment_infos
 from kernels.moe_reference import expert_lora_reference, moe_grouped_gemm_reference
 from tests.conftest import TEST_DEVICE
 
@@ -68,7 +68,7 @@ def test_grouped_gemm_matches_reference(name, load, dtype):
     used = set(ids.flatten().tolist())
     w[[e for e in range(E) if e not in used]] = float("nan")
     want = moe_grouped_gemm_reference(x, w, plan.expert_indptr)
-    with backend.forced_backend(name):
+    with forced_backend(name):
         got = kernels.moe_grouped_gemm(x, w, plan)
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
@@ -92,7 +92,7 @@ def test_graph_safe_torch_path_equals_eager_and_reads_no_device_value(load):
                 reads.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    with ScalarReads(), backend.forced_backend("torch"):
+    with ScalarReads(), forced_backend("torch"):
         plan = make_expert_plan(ids, E, seg)
         got = kernels.moe_grouped_gemm(x, w, plan)
     assert plan.graph_safe and not reads, reads[:3]
@@ -134,7 +134,7 @@ def test_expert_lora_matches_reference(name, load, mode):
         x, a, b, pair_slots, plan.experts, seg.slot_ranks, seg.slot_scalings,
         seg.slot_offsets, rows, slice_offsets,
     )  # fmt: skip
-    with backend.forced_backend(name):
+    with forced_backend(name):
         inter = kernels.expert_lora_shrink(x, a, plan, seg, 16)
         got = kernels.expert_lora_expand(y0.clone(), inter, b, plan, seg, slice_offsets)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

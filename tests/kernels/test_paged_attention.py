@@ -1,4 +1,4 @@
-"""Paged decode attention: both backends against kernels.paged_attention_reference, and the
+"""Paged decode attention: both backends against kernels.attention_reference, and the
 reference against a dense causal SDPA over each sequence's contiguous K/V.
 
 Triton runs compiled on a CUDA machine and in its interpreter elsewhere (tests/conftest.py
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import paged_attention_torch
-from kernels.paged_attention_reference import paged_decode_attention_reference
+from kernels import attention_torch
+from kernels.attention_reference import paged_decode_attention_reference
 from tests.conftest import CUDA, TEST_DEVICE
 from tests.kernels.paged_cases import HD, NAN, Case, make_case, mixed_lens
 
@@ -30,14 +30,12 @@ try:
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels import paged_attention_triton
+    from kernels import attention_triton
 except ImportError:  # a platform without triton still tests the torch path
-    paged_attention_triton = None
-needs_triton = pytest.mark.skipif(paged_attention_triton is None, reason="triton not installed")
+    attention_triton = None
+needs_triton = pytest.mark.skipif(attention_triton is None, reason="triton not installed")
 
-BACKENDS = {"torch": paged_attention_torch} | (
-    {"triton": paged_attention_triton} if paged_attention_triton else {}
-)
+BACKENDS = {"torch": attention_torch} | ({"triton": attention_triton} if attention_triton else {})
 # (rtol, atol): fp32 end to end; half outputs are rounded once, about one ulp (|out| < ~2)
 TOL = {
     torch.float32: (1e-5, 1e-5),
@@ -108,7 +106,7 @@ HEADS = {"gqa4": (8, 2), "mqa": (8, 1), "mha": (4, 4)}
 
 @needs_triton
 def test_paged_triton_is_compiled_on_cuda_and_interpreted_elsewhere():
-    assert isinstance(paged_attention_triton._paged_decode_kernel, InterpretedFunction) is not CUDA
+    assert isinstance(attention_triton._paged_decode_kernel, InterpretedFunction) is not CUDA
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 100])
@@ -145,9 +143,9 @@ def test_paged_half_precision(backend, dtype):
 def test_paged_triton_online_softmax_over_many_tiles(monkeypatch):
     """16-position tiles: up to 5 tiles per row, the window's start inside a tile, tiles
     spanning several 4-blocks; and a head dim that is not a power of two."""
-    real = paged_attention_triton.decode_config
+    real = attention_triton.decode_config
     monkeypatch.setattr(
-        paged_attention_triton,
+        attention_triton,
         "decode_config",
         lambda *a: real(*a) | {"BLOCK_N": 16},
     )
@@ -191,9 +189,9 @@ def test_paged_triton_soft_cap_over_many_tiles(monkeypatch, window):
     window's start inside a tile, head dim 24): with q scaled up, uncapped scores reach
     ~+-16 and the cap (2) squashes most of them, so a tile whose scores reach the running
     max or the sum uncapped shows."""
-    real = paged_attention_triton.decode_config
+    real = attention_triton.decode_config
     monkeypatch.setattr(
-        paged_attention_triton,
+        attention_triton,
         "decode_config",
         lambda *a: real(*a) | {"BLOCK_N": 16},
     )
@@ -211,9 +209,9 @@ LONG_LENS = [1, 15, 16, 17, 255, 256, 257, 769, 1025, 8192]
 def wide_tiles(monkeypatch, block_n: int) -> None:
     """Run the Triton kernel on tiles of block_n positions (the interpreter's time goes
     by tile, so 8k contexts take 32 tiles each instead of 128)."""
-    real = paged_attention_triton.decode_config
+    real = attention_triton.decode_config
     monkeypatch.setattr(
-        paged_attention_triton, "decode_config", lambda *a: real(*a) | {"BLOCK_N": block_n}
+        attention_triton, "decode_config", lambda *a: real(*a) | {"BLOCK_N": block_n}
     )
 
 
@@ -227,7 +225,7 @@ def wide_tiles(monkeypatch, block_n: int) -> None:
 def test_paged_triton_split_kv_long_contexts(monkeypatch, splits, window, cap):
     wide_tiles(monkeypatch, 256)
     case = make_case(LONG_LENS, 16, (4, 2), window=window, seed=splits, soft_cap=cap)
-    out = paged_attention_triton.paged_decode_attention(*case.args(), num_splits=splits)
+    out = attention_triton.paged_decode_attention(*case.args(), num_splits=splits)
     ref = paged_decode_attention_reference(*case.args())
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -242,7 +240,7 @@ def test_paged_triton_split_kv_shares_at_tile_edges(dtype):
     lens = [1, 63, 64, None, 65, 129, 193, 257, 300]
     for window in (None, 70):
         case = make_case(lens, 4, (8, 1), dtype, window=window, seed=21)
-        out = paged_attention_triton.paged_decode_attention(*case.args(), num_splits=4)
+        out = attention_triton.paged_decode_attention(*case.args(), num_splits=4)
         ref = paged_decode_attention_reference(*case.args())
         rtol, atol = TOL[dtype]
         torch.testing.assert_close(out[case.real], ref[case.real], rtol=rtol, atol=atol)
@@ -265,13 +263,13 @@ def test_paged_public_op_passes_num_splits(monkeypatch):
     """Given, num_splits reaches the Triton backend as is; omitted, decode_splits of the
     table's width, the batch and the kv heads (here on a 132-SM device)."""
     seen = []
-    real = paged_attention_triton.paged_decode_attention
+    real = attention_triton.paged_decode_attention
 
     def spy(*args, **kw):
         seen.append(kw["num_splits"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(paged_attention_triton, "paged_decode_attention", spy)
+    monkeypatch.setattr(attention_triton, "paged_decode_attention", spy)
     case = make_case([600, 1000], 16, (8, 2), seed=22)
     ref = paged_decode_attention_reference(*case.args())
     with kernels.forced_backend("triton"):
@@ -350,13 +348,13 @@ def test_paged_public_op_soft_cap_by_keyword_with_out(backend):
     torch.testing.assert_close(out[case.real], ref[case.real], rtol=1.6e-2, atol=1.6e-2)
 
 
-if paged_attention_triton is not None:
+if attention_triton is not None:
 
     @triton.jit
     def _tanh_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(out_ptr + offs, paged_attention_triton._tanh(x), mask=offs < n)
+        tl.store(out_ptr + offs, attention_triton._tanh(x), mask=offs < n)
 
 
 @needs_triton
@@ -509,7 +507,7 @@ def test_paged_triton_rejects_strided_last_dim():
     args = list(case.args())
     args[0] = wide[..., ::2]
     with pytest.raises(ValueError, match="unit stride"):
-        paged_attention_triton.paged_decode_attention(*args)
+        attention_triton.paged_decode_attention(*args)
 
 
 @needs_triton
@@ -547,7 +545,7 @@ def test_paged_triton_kernel_compiles_for_cuda(tmp_path):
         import torch
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
-        from kernels import paged_attention_triton as pa
+        from kernels import attention_triton as pa
 
         target = GPUTarget("cuda", 90, 32)
         ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}

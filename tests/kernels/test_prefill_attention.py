@@ -1,4 +1,4 @@
-"""Prefill attention: both backends against kernels.prefill_attention_reference, the
+"""Prefill attention: both backends against kernels.attention_reference, the
 reference against dense oracles (SDPA's MATH with an explicit mask; Gemma 2's eager
 soft-capped attention by hand), and the torch path held to fused SDPA kernels and
 bounded intermediates.
@@ -24,16 +24,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
-from kernels import prefill_attention_torch
-from kernels.prefill_attention_reference import prefill_attention_reference
+from kernels import attention_torch
+from kernels.attention_reference import prefill_attention_reference
 from tests.conftest import CUDA, TEST_DEVICE
 from tests.kernels.prefill_cases import HD, NAN, TOL, Case, make_case
 
 try:
-    from kernels import prefill_attention_triton
+    from kernels import attention_triton
 except ImportError:  # a platform without triton still tests the torch path
-    prefill_attention_triton = None
-needs_triton = pytest.mark.skipif(prefill_attention_triton is None, reason="triton not installed")
+    attention_triton = None
+needs_triton = pytest.mark.skipif(attention_triton is None, reason="triton not installed")
 
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 HEADS = {"gqa4": (8, 2), "mqa": (8, 1), "mha": (4, 4)}
@@ -63,12 +63,12 @@ def dense_oracle(case: Case) -> torch.Tensor:  # [n, H, hd] fp32
     return o.transpose(0, 1)
 
 
-BACKENDS = {"torch": prefill_attention_torch.prefill_attention}
-if prefill_attention_triton is not None:
+BACKENDS = {"torch": attention_torch.prefill_attention}
+if attention_triton is not None:
 
     def _triton(q, k, v, scale, slots=None, sliding_window=None, soft_cap=None, out=None):
         out = torch.empty_like(q) if out is None else out
-        return prefill_attention_triton.prefill_attention_kernel(
+        return attention_triton.prefill_attention_kernel(
             q, k, v, scale, slots, sliding_window, soft_cap, out
         )
 
@@ -154,9 +154,9 @@ def test_prefill_triton_many_programs_and_tiles(monkeypatch, window, cap):
     """16-row programs over 16-position tiles: up to 7 programs and 7 tiles each, rows
     that meet tiles before their window opens, a last program with rows past n; head
     dim 24 (not a power of two)."""
-    real = prefill_attention_triton.prefill_config
+    real = attention_triton.prefill_config
     monkeypatch.setattr(
-        prefill_attention_triton, "prefill_config",
+        attention_triton, "prefill_config",
         lambda *a: real(*a) | {"BLOCK_M": 16, "BLOCK_N": 16},
     )  # fmt: skip
     case = make_case(100, 100, (4, 2), window=window, soft_cap=cap, seed=9, hd=24)
@@ -168,16 +168,16 @@ def test_prefill_triton_many_programs_and_tiles(monkeypatch, window, cap):
 def test_prefill_torch_chunks_agree(monkeypatch):
     """Query chunks of 16 rows (CHUNK_BYTES small) give the one-chunk result, also for a
     chunk after earlier positions on a torch without the flash-with-LSE op."""
-    monkeypatch.setattr(prefill_attention_torch, "FLASH_CPU_WITH_LSE", None)
+    monkeypatch.setattr(attention_torch, "FLASH_CPU_WITH_LSE", None)
     cases = [
         make_case(70, 70, window=9, seed=11),
         make_case(37, 100, seed=12),
         make_case(37, 100, window=20, soft_cap=2.0, seed=13),
     ]
-    whole = [prefill_attention_torch.prefill_attention(*c.args()) for c in cases]
-    monkeypatch.setattr(prefill_attention_torch, "CHUNK_BYTES", 1)
+    whole = [attention_torch.prefill_attention(*c.args()) for c in cases]
+    monkeypatch.setattr(attention_torch, "CHUNK_BYTES", 1)
     for c, want in zip(cases, whole):
-        got = prefill_attention_torch.prefill_attention(*c.args())
+        got = attention_torch.prefill_attention(*c.args())
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -192,10 +192,10 @@ def test_prefill_torch_runs_on_fused_sdpa_only(monkeypatch, lse_op, shape, windo
     4-D inputs and enable_gqa, masks included, reach a fused kernel (on the CPU, flash),
     with or without the op that returns flash's log-sum-exp."""
     if not lse_op:
-        monkeypatch.setattr(prefill_attention_torch, "FLASH_CPU_WITH_LSE", None)
+        monkeypatch.setattr(attention_torch, "FLASH_CPU_WITH_LSE", None)
     case = make_case(*shape, heads, window=window, seed=14)
     with sdpa_kernel(FUSED):
-        out = prefill_attention_torch.prefill_attention(*case.args())
+        out = attention_torch.prefill_attention(*case.args())
     torch.testing.assert_close(out, prefill_attention_reference(*case.args()))
 
 
@@ -216,12 +216,12 @@ class LargestTensor(TorchDispatchMode):
 
 def test_prefill_torch_chunk_takes_flash_with_lse_where_torch_has_it(monkeypatch):
     """A plain chunk after earlier positions is the two flash calls, on every dtype."""
-    if prefill_attention_torch.FLASH_CPU_WITH_LSE is None or CUDA:
+    if attention_torch.FLASH_CPU_WITH_LSE is None or CUDA:
         pytest.skip("this torch has no CPU flash op returning its log-sum-exp")
     calls = []
-    real = prefill_attention_torch.FLASH_CPU_WITH_LSE
+    real = attention_torch.FLASH_CPU_WITH_LSE
     monkeypatch.setattr(
-        prefill_attention_torch, "FLASH_CPU_WITH_LSE",
+        attention_torch, "FLASH_CPU_WITH_LSE",
         lambda *a, **kw: calls.append(kw.get("is_causal", False)) or real(*a, **kw),
     )  # fmt: skip
     for dtype in TOL:
@@ -236,11 +236,11 @@ def test_prefill_torch_holds_no_score_matrix(monkeypatch, shape, window, cap):
     """No op of the torch backend makes a tensor a quarter the size of the [H, n, ctx]
     scores (SDPA's MATH would make several), with chunks of 16 rows for soft-capped
     attention: the fused kernels keep their blocks to themselves."""
-    monkeypatch.setattr(prefill_attention_torch, "CHUNK_BYTES", 16 * 8 * 320 * 4)
+    monkeypatch.setattr(attention_torch, "CHUNK_BYTES", 16 * 8 * 320 * 4)
     n, ctx = shape
     case = make_case(n, ctx, (8, 2), window=window, soft_cap=cap, seed=15)
     with LargestTensor() as seen:
-        out = prefill_attention_torch.prefill_attention(*case.args())
+        out = attention_torch.prefill_attention(*case.args())
     assert seen.largest < 8 * n * ctx // 4, seen.largest
     torch.testing.assert_close(out, prefill_attention_reference(*case.args()))
 
@@ -298,15 +298,15 @@ def test_prefill_triton_backend_routes_by_case(monkeypatch):
     """The CUDA backend sends plain causal attention to SDPA's flash kernel when flash
     takes the inputs, everything else (window, cap, or flash refusing) to Triton."""
     calls = []
-    monkeypatch.setattr(prefill_attention_triton, "_flash", lambda *a: calls.append("flash"))
-    real = prefill_attention_triton.prefill_attention_kernel
+    monkeypatch.setattr(attention_triton, "_flash", lambda *a: calls.append("flash"))
+    real = attention_triton.prefill_attention_kernel
     monkeypatch.setattr(
-        prefill_attention_triton, "prefill_attention_kernel",
+        attention_triton, "prefill_attention_kernel",
         lambda *a: calls.append("triton") or real(*a),
     )  # fmt: skip
-    op = prefill_attention_triton.prefill_attention
+    op = attention_triton.prefill_attention
     for flash in (True, False):
-        monkeypatch.setattr(prefill_attention_triton, "flash_applies", lambda q, k, f=flash: f)
+        monkeypatch.setattr(attention_triton, "flash_applies", lambda q, k, f=flash: f)
         op(*make_case(16, 40, seed=19).args())
         op(*make_case(16, 16, seed=19).args())
         op(*make_case(16, 40, window=1000, seed=19).args())  # a window past everything
@@ -319,7 +319,7 @@ def test_prefill_triton_backend_routes_by_case(monkeypatch):
 def test_prefill_triton_flash_is_asked_only_on_cuda():
     case = make_case(16, 16, dtype=torch.bfloat16)
     qh, kh = case.q.transpose(0, 1).unsqueeze(0), case.k.unsqueeze(0)
-    assert prefill_attention_triton.flash_applies(qh, kh) is CUDA
+    assert attention_triton.flash_applies(qh, kh) is CUDA
 
 
 @needs_triton
@@ -332,7 +332,7 @@ def test_prefill_triton_kernel_compiles_for_cuda(tmp_path):
         import torch
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
-        from kernels import prefill_attention_triton as pa
+        from kernels import attention_triton as pa
 
         target = GPUTarget("cuda", 90, 32)
         ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import backend, dequantize, make_expert_plan, stack_experts
+from kernels import dequantize, forced_backend, make_expert_plan, stack_experts
 from kernels.moe_reference import moe_grouped_gemm_reference
 from kernels.quant_pack import (
     pack_awq,
@@ -87,7 +87,7 @@ def test_quant_linear_fp32_matches_dequantized_matmul(name, fmt, m):
     w = on_device(WEIGHTS[fmt](gen))
     x = torch.randn(m, w.shape[1], generator=gen).to(TEST_DEVICE)
     bias = torch.randn(w.shape[0], generator=gen).to(TEST_DEVICE) if m % 2 else None
-    with backend.forced_backend(name):
+    with forced_backend(name):
         got = kernels.quant_linear(x, w, bias)
     assert got.dtype == torch.float32 and got.shape == (m, w.shape[0])
     torch.testing.assert_close(got, expected(x, w, bias), rtol=TOL[x.dtype], atol=TOL[x.dtype])
@@ -100,7 +100,7 @@ def test_quant_linear_bf16_matches_dequantized_matmul(name, fmt):
     w = on_device(WEIGHTS[fmt](gen))
     x = torch.randn(17, w.shape[1], generator=gen).to(TEST_DEVICE, torch.bfloat16)
     bias = torch.randn(w.shape[0], generator=gen).to(TEST_DEVICE, torch.bfloat16)
-    with backend.forced_backend(name):
+    with forced_backend(name):
         got = kernels.quant_linear(x, w, bias)
     assert got.dtype == torch.bfloat16
     want = expected(x, w, bias)
@@ -128,7 +128,7 @@ def test_torch_path_never_holds_more_than_a_tile_of_dense_weight():
             return out
 
     x = torch.randn(2, k)
-    with backend.forced_backend("torch"), Largest():
+    with forced_backend("torch"), Largest():
         kernels.quant_linear(x, w)
     rows = quant_torch.tile_rows(w)
     assert rows < n  # the test needs several tiles
@@ -165,7 +165,7 @@ def test_quant_moe_gemm_matches_reference(name, fmt, t):
     x = torch.randn(t * top, w.shape[1], generator=gen)
     want = moe_grouped_gemm_reference(x, dequantize(w), plan.expert_indptr.cpu())
     w = on_device(poison_experts(w, [4, 5]))
-    with backend.forced_backend(name):
+    with forced_backend(name):
         got = kernels.quant_moe_gemm(x.to(TEST_DEVICE), w, plan)
     torch.testing.assert_close(got.cpu(), want, rtol=TOL[torch.float32], atol=TOL[torch.float32])
 
@@ -190,7 +190,7 @@ def test_graph_safe_torch_moe_equals_eager(fmt):
     plan = make_expert_plan(ids, 4)
     graph_safe = type(plan)(**{**plan.__dict__, "graph_safe": True})
     x = torch.randn(10, w.shape[1], generator=gen)
-    with backend.forced_backend("torch"):
+    with forced_backend("torch"):
         eager = kernels.quant_moe_gemm(x, w, plan)
         fixed = kernels.quant_moe_gemm(x, w, graph_safe)
     torch.testing.assert_close(fixed, eager, rtol=TOL[x.dtype], atol=TOL[x.dtype])
@@ -204,13 +204,13 @@ def test_w8a8_triton_matches_per_token_quantized_reference(block):
     x = (torch.randn(17, 200, generator=gen) * torch.rand(17, 1, generator=gen) * 4).to(TEST_DEVICE)
     xq, xs = quant_triton.per_token_fp8(x)
     want = (xq.float() * xs[:, None]) @ dequantize(w).T
-    with backend.forced_backend("triton"):
+    with forced_backend("triton"):
         got = kernels.quant_linear(x, w, act_fp8=True)
     torch.testing.assert_close(got, want, rtol=TOL[torch.float32], atol=1e-4)
-    with backend.forced_backend("torch"), pytest.raises(ValueError, match="Triton path only"):
+    with forced_backend("torch"), pytest.raises(ValueError, match="Triton path only"):
         kernels.quant_linear(x.cpu(), quantize_fp8(torch.randn(8, 200)), act_fp8=True)
     odd_blocks = on_device(quantize_fp8(torch.randn(8, 200), (128, 96)))  # a scale per element
-    with backend.forced_backend("triton"), pytest.raises(ValueError, match="act_fp8 needs"):
+    with forced_backend("triton"), pytest.raises(ValueError, match="act_fp8 needs"):
         kernels.quant_linear(x, odd_blocks, act_fp8=True)
 
 

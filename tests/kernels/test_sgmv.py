@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import SegmentInfo, backend, make_segment_info, sgmv_torch
+from kernels import SegmentInfo, make_segment_info, parse_forced, sgmv_torch
 from kernels.reference import lora_expand_reference, lora_shrink_reference
 from tests.conftest import CUDA, TEST_DEVICE
 
@@ -368,9 +368,9 @@ def test_dispatch():
         with kernels.forced_backend("triton"):
             assert kernels.backend_for(x) == "triton"
         assert kernels.backend_for(x) == "torch"
-    assert backend.parse_forced(" Triton ") == "triton" and backend.parse_forced("") is None
+    assert parse_forced(" Triton ") == "triton" and parse_forced("") is None
     with pytest.raises(ValueError, match="LORAFLEET_KERNELS"):
-        backend.parse_forced("cuda")
+        parse_forced("cuda")
     with pytest.raises(ValueError, match="LORAFLEET_KERNELS"):
         kernels.force_backend("cuda")
 

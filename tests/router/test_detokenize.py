@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from cluster.demo.assets import DemoSpec, cached_demo_assets
-from router.detokenize import IncrementalDetokenizer, StopStringMatcher
+from router.choices import IncrementalDetokenizer, StopStringMatcher
 from tests.router.tokenizers import SP_WORDS, added_text, sentencepiece_tokenizer
 
 MULTIBYTE = "héllo wörld ✓ 日本語 🙂"

@@ -448,7 +448,7 @@ def test_ids_are_unique():
 
 def test_router_modules_import_neither_torch_nor_ray():
     code = (
-        "import sys, router.protocol, router.detokenize; "
+        "import sys, router.protocol, router.choices; "
         "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

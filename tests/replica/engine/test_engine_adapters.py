@@ -11,8 +11,9 @@ import torch
 from replica.adapters.slot_pool import SlotState
 from replica.adapters.sources import PeftDirectorySource
 from replica.engine.engine import LLMEngine
-from replica.engine.planner import prepare_batch
+from replica.engine.scheduler import plan_step
 from replica.engine.sequence import SeqStatus, Sequence
+from replica.executor.batch import build_batch
 from replica.model.lora_slots import SlotTable
 from replica.model.spec import load_model_spec
 from replica.wire import GenerateRequest, SamplingParams
@@ -249,7 +250,8 @@ def test_batch_preparation_reads_no_device_value(tiny):
         [0.0, 2.0],
         {"qkv_proj": [0, 8], "down_proj": [0, 0]},
     )
-    batch, rows, sampled = prepare_batch(work, 4, slots, torch.device("meta"))
+    plan, sampled, _ = plan_step(work, 4)
+    batch, rows = build_batch(plan, 4, slots, torch.device("meta"))
     assert batch.input_ids.device.type == "meta" and rows.device.type == "meta"
     qkv, down = batch.lora["qkv_proj"], batch.lora["down_proj"]
     assert qkv.seg_slots.device.type == "meta" and qkv.slot_ranks.device.type == "meta"

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from replica.adapters.slot_pool import AdapterSlotPool
 from replica.adapters.slot_pool import make_policy as make_eviction
-from replica.engine.block_allocator import BlockAllocator
-from replica.engine.fair_share import FCFS, VTC, W_IN, W_OUT, AdmissionPolicy, make_policy
-from replica.engine.scheduler import Scheduler
+from replica.engine.fair_share import VTC, W_IN, W_OUT, make_policy
+from replica.engine.kv_blocks import BlockAllocator
+from replica.engine.scheduler import FCFS, AdmissionPolicy, Scheduler
 from replica.engine.sequence import SeqStatus, Sequence
 from replica.wire import GenerateRequest, SamplingParams
 

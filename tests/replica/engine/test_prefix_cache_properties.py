@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from replica.adapters.slot_pool import AdapterSlotPool, make_policy
-from replica.engine.block_allocator import BlockAllocator
+from replica.engine.kv_blocks import BlockAllocator
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from replica.wire import GenerateRequest, SamplingParams

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from replica.engine.engine import LLMEngine
-from replica.engine.prefix_cache import BASE_IDENTITY, root_key
+from replica.engine.kv_blocks import BASE_IDENTITY, root_key
 from replica.engine.sequence import SeqStatus, Sequence
 from replica.wire import GenerateRequest, SamplingParams, cache_scope
 from tests.engines import make_engine, tokens

@@ -4,7 +4,7 @@ step's plan, a static decode path built on the CPU, and the Triton kernels a war
 from __future__ import annotations
 
 from replica.engine.engine import LLMEngine
-from replica.engine.planner import plan_batch
+from replica.engine.scheduler import plan_step
 from replica.executor.static_decode import StaticDecode
 from replica.wire import GenerateRequest, SamplingParams
 
@@ -31,7 +31,7 @@ def decoding(eng: LLMEngine, requests: list[tuple[int, str | None]]) -> None:
 def next_plan(eng: LLMEngine):
     """The plan of the engine's next step (a decode-only one here), without running it."""
     work = eng.scheduler.schedule().ordered()
-    plan, _ = plan_batch(work, eng.config.block_size)
+    plan, _, _ = plan_step(work, eng.config.block_size)
     assert not plan.prefill_starts
     return plan, work
 
@@ -44,10 +44,9 @@ def static_for(eng: LLMEngine, max_num_seqs: int) -> StaticDecode:
 
 def triton_kernels() -> list:
     from kernels import (
+        attention_triton,
         gated_delta_triton,
         moe_triton,
-        paged_attention_triton,
-        prefill_attention_triton,
         sgmv_triton,
     )
 
@@ -56,9 +55,9 @@ def triton_kernels() -> list:
         sgmv_triton._expand_kernel,
         sgmv_triton._shrink_bgmv_kernel,
         sgmv_triton._expand_bgmv_kernel,
-        paged_attention_triton._paged_decode_kernel,
-        paged_attention_triton._merge_splits_kernel,
-        prefill_attention_triton._prefill_kernel,
+        attention_triton._paged_decode_kernel,
+        attention_triton._merge_splits_kernel,
+        attention_triton._prefill_kernel,
         moe_triton._grouped_gemm_kernel,
         gated_delta_triton._conv_kernel,  # a hybrid model's linear attention
         gated_delta_triton._recurrent_kernel,

@@ -14,10 +14,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import prefill_attention_torch
-from kernels.paged_attention_reference import paged_decode_attention_reference
-from kernels.prefill_attention_reference import prefill_attention_reference
-from replica.model.attention import AttentionMetadata, paged_attention
+from kernels import attention_torch
+from kernels.attention_reference import (
+    paged_decode_attention_reference,
+    prefill_attention_reference,
+)
+from replica.model.decoder import AttentionMetadata, paged_attention
 
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 BLOCK = 4
@@ -109,7 +111,7 @@ class LargestTensor(TorchDispatchMode):
 def test_whole_prompt_holds_no_score_matrix(monkeypatch, window, cap):
     """A 256-token prompt over 8 heads: no op makes a tensor a quarter the size of its
     [8, 256, 256] scores (soft-capped attention in chunks of 16 rows here)."""
-    monkeypatch.setattr(prefill_attention_torch, "CHUNK_BYTES", 16 * 8 * 256 * 4)
+    monkeypatch.setattr(attention_torch, "CHUNK_BYTES", 16 * 8 * 256 * 4)
     gen = torch.Generator().manual_seed(1)
     n, h, kvh = 256, 8, 2
     q, k, v = (torch.randn(n, heads, HD, generator=gen) for heads in (h, kvh, kvh))

@@ -14,8 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from replica import device as dev
 from replica.adapters.host_cache import HostCache
 from replica.device import StepProgress
+from replica.executor.batch import SlotTensors
 from replica.model.adapter_weights import LoRAAdapterWeights
-from replica.model.lora_slots import LoRASlotBuffers, SlotTensors
+from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.spec import load_model_spec
 
 
