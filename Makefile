@@ -13,18 +13,19 @@ QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 run: $(STAMP)
 	$(VENV)/bin/lorafleet up
 
-# The unit tests on two pytest-xdist workers, then the tests that start a Ray of their own
+# The unit tests on two pytest-xdist workers (worksteal: an idle worker takes tests queued
+# on the other, so one long test file does not leave a core idle at the end), then the tests that start a Ray of their own
 # (marked serve or ray) one after another with the machine to themselves: two of the
 # suite's Ray clusters never run at once, nor beside CPU-bound unit tests that would fill
 # their queues. The two-node Ray test runs on its own (make test-multinode).
 UNIT := not serve and not ray and not multinode
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 -m "$(UNIT)"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "$(UNIT)"
 	$(PY) -m pytest -q -m "(serve or ray) and not multinode"
 
 # The inner loop: the unit tests only (nothing marked serve, ray, slow or multinode).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "$(UNIT) and not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "$(UNIT) and not slow"
 
 test-multinode: $(STAMP)
 	$(PY) -m pytest -q -m multinode

@@ -276,7 +276,7 @@ def _demo_assets(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from cluster.engine_args import engine_config_from_args
     from cluster.offline import GenerateRequest, OfflineGenerator
-    from replica.wire import SamplingParams
+    from replica.wire import SamplingParams, applied_text
 
     loras = dict(_parse_lora(s) for s in args.lora)
     adapters = _pair_adapters(args.prompt, args.adapter)
@@ -292,6 +292,8 @@ def _generate(args: argparse.Namespace) -> int:
     slots = {} if sized else {"num_slots": max(2, len(loras) + 1)}
     config = engine_config_from_args(args, model=args.model, adapters=slots)
     gen = OfflineGenerator(config, loras)
+    for name, applied in gen.applied.items():  # on stderr: --json's stdout stays rows only
+        print(f"adapter {name!r} applies {applied_text(applied)}", file=sys.stderr)
     try:
         requests = [GenerateRequest(p, a, sampling) for p, a in zip(args.prompt, adapters)]
         results = gen.generate(requests)

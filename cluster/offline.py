@@ -47,9 +47,11 @@ class OfflineGenerator:
         except (OSError, ValueError) as e:
             self.engine.shutdown()
             raise ModelConfigError(f"{config.model}: no usable tokenizer ({e})") from None
+        # adapter -> the modules it changes, with their layer counts (what a load reports)
+        self.applied: dict[str, dict[str, int]] = {}
         try:
             for name, path in loras.items():
-                self.engine.load_adapter(name, path)
+                self.applied[name] = self.engine.load_adapter(name, path).applied()
         except BaseException:
             self.engine.shutdown()
             raise

@@ -165,7 +165,8 @@ class AdapterKey:
 
 
 def applied_text(applied: Mapping[str, int]) -> str:
-    """'q_proj ×32, v_proj ×32': the modules an adapter changes, with their layer counts."""
+    """'self_attn.q_proj ×32, self_attn.v_proj ×32': the modules an adapter changes, named
+    within their layer, with their layer counts (LoRAAdapterWeights.applied)."""
     return ", ".join(f"{m} \u00d7{n}" for m, n in applied.items()) or "no module"
 
 
@@ -187,8 +188,9 @@ class AdapterInfo:
     nbytes: int  # the converted weights' bytes
     created: int  # unix time of the registration
     source: str | None = None  # the resolver that found it; None: loaded or preloaded
-    # module -> layers it is applied on (LoRAAdapterWeights.applied); {} in checkpoints
-    # written before it was recorded
+    # module within its layer ("linear_attn.in_proj_qkv") -> layers it is applied on
+    # (LoRAAdapterWeights.applied); {} in checkpoints written before it was recorded, and
+    # bare module names ("q_proj") in those written before the layer path was
     applied: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     @property

@@ -52,9 +52,7 @@ async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
     errors = [_unicode_error(err) for err in e.errors()]
     if errors and errors[0].get("type") == "json_invalid":
         return error_response(400, _json_error(errors[0], e.body))
-    loc = errors[0].get("loc", ()) if errors else ()
-    param = ".".join(str(part) for part in loc if part != "body") or None
-    return error_response(400, p.format_validation_errors(errors), param)
+    return error_response(400, *p.validation_error(errors))
 
 
 def _json_error(error: dict[str, Any], document: Any) -> str:

@@ -327,9 +327,7 @@ class Ingress(AdapterRoutes):
         try:
             chat = rq.ResponsesRequest.chat_request(body)
         except ValidationError as e:
-            errors = e.errors()
-            param = ".".join(str(part) for part in errors[0]["loc"]) if errors else None
-            raise BadRequestError(p.format_validation_errors(errors), param or None) from None
+            raise BadRequestError(*p.validation_error(e.errors())) from None
         prepare = functools.partial(self._chat_prompts, chat)
         return await self._serve(chat, prepare, True, start, caller, ra.ResponsesFront(body))
 

@@ -630,12 +630,80 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 def format_validation_errors(errors: Sequence[Mapping[str, Any]]) -> str:
     """One line per error of pydantic's / FastAPI's `.errors()`, each naming its field."""
+    return validation_error(errors)[0]
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) of a 400 for pydantic's / FastAPI's `.errors()`: one line per error
+    naming its field as the client wrote it, the first error's field the param.
+
+    pydantic names a union's branches in `loc` (`input.str`, `input.list[tagged-union[
+    MessageItem,...]].0.function_call.namespace`) and reports every branch that failed:
+    the branch labels are left out of the field (`input.0.namespace`) and, of a union's
+    failed branches, only those the input got deepest into are told (the client meant
+    that one, not a plain string)."""
+    kept = _deepest_branches([(_field(err.get("loc", ())), err) for err in errors])
     lines = []
-    for err in errors:
-        loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+    for field, err in kept:
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(lines)
+        msg = _TAG_FUNCTION.sub("", msg)
+        lines.append(f"{field}: {msg}" if field else msg)
+    return "; ".join(lines), (kept[0][0] or None) if kept else None
+
+
+# pydantic's name of a scalar branch of a union, in a loc: `str` in `input.str`
+_SCALAR_BRANCHES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+# "Input tag 'x' found using _item_type() does not match": the discriminator is ours
+_TAG_FUNCTION = re.compile(r" found using \w+\(\)")
+
+
+def _branch_at(loc: Sequence[Any]) -> int | None:
+    """Where the first union branch label is in a raw `loc` (None: no union)."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and ("[" in part or part in _SCALAR_BRANCHES):
+            return i
+    return None
+
+
+def _field(loc: Sequence[Any]) -> str:
+    """The field a raw `loc` names, as a client wrote it: no `body`, no branch labels, no
+    tag of a tagged union's branch (the tag follows its list index, or the label)."""
+    parts: list[str] = []
+    tag_next = False
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and ("[" in part or part in _SCALAR_BRANCHES):
+            tag_next = "tagged-union[" in part
+            continue
+        if tag_next and isinstance(part, str):
+            tag_next = False
+            continue
+        parts.append(str(part))
+    return ".".join(parts)
+
+
+def _deepest_branches(
+    errors: list[tuple[str, Mapping[str, Any]]],
+) -> list[tuple[str, Mapping[str, Any]]]:
+    """`errors` less those of a union's branches other than the deepest one."""
+    branches: dict[tuple, dict[Any, int]] = {}  # union (loc before it) -> branch -> depth
+    for field, err in errors:
+        loc = tuple(err.get("loc", ()))
+        at = _branch_at(loc)
+        if at is not None:
+            depths = branches.setdefault(loc[:at], {})
+            depths[loc[at]] = max(depths.get(loc[at], 0), field.count(".") + 1)
+
+    def kept(err: Mapping[str, Any]) -> bool:
+        loc = tuple(err.get("loc", ()))
+        at = _branch_at(loc)
+        if at is None:
+            return True
+        depths = branches[loc[:at]]
+        return depths[loc[at]] == max(depths.values())  # ties: every such branch is told
+
+    return [(field, err) for field, err in errors if kept(err)]
 
 
 # ---------------------------------------------------------------------------------------

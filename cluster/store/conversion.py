@@ -47,7 +47,7 @@ class Converted:
     nbytes: int
     weights: ray.ObjectRef  # the packed arrays (replica/adapters/packing.py)
     source: str | None  # the resolver that found it; None: loaded or preloaded
-    applied: Mapping[str, int]  # module -> layers it is applied on
+    applied: Mapping[str, int]  # "self_attn.q_proj" -> layers it is applied on
 
     def info(self, version: int, created: int | None = None) -> AdapterInfo:
         """What the registry lists for it under `version` (`created`: now by default)."""

@@ -31,6 +31,7 @@ def pack_adapter(adapter: LoRAAdapterWeights) -> dict[str, Any]:
         "target_modules": list(adapter.target_modules),
         "dtype": str(dtype).removeprefix("torch."),
         "weights": weights,
+        "layer_paths": {f"{layer}.{m}": p for (layer, m), p in adapter.layer_paths.items()},
     }
 
 
@@ -47,12 +48,17 @@ def unpack_adapter(
         if select is not None:
             a, b = select(module, a, b, layer=int(layer))  # numpy views: nothing copied
         weights[(int(layer), module)] = (_to_torch(a, dtype), _to_torch(b, dtype))
+    paths = {}
+    for key, path in payload["layer_paths"].items():
+        layer, module = key.split(".", 1)
+        paths[(int(layer), module)] = path
     return LoRAAdapterWeights(
         name or payload["name"],
         int(payload["rank"]),
         float(payload["scaling"]),
         tuple(payload["target_modules"]),
         weights,
+        paths,
     )
 
 

@@ -21,6 +21,7 @@ import torch
 from replica.device import to_device
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import Sequence, SequenceGroup
+from replica.errors import RequestError
 from replica.model.sampler import Row, Sampler, logprob_table, read_logprobs
 from replica.wire import Reply, TokenLogprobs
 
@@ -102,7 +103,12 @@ class Emitter:
             seq.logprobs.append(logprobs)
         p = seq.sampling
         if seq.matcher is not None and not seq.matcher.accept_token(token):
-            seq.group.error = f"structured output: the grammar refused token {token}"
+            # the mask left no token: this vocabulary cannot write what the grammar requires
+            # next (a draw from an all-masked row is never accepted)
+            seq.group.error = RequestError(
+                f"structured output: no token of the model's vocabulary can continue the "
+                f"required output after {len(seq.output_ids) - 1} generated tokens"
+            )
             return "error"
         if token in p.stop_token_ids:
             seq.stop_token = token

@@ -30,7 +30,7 @@ from replica.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from replica.engine.state_slots import StateSlots
 from replica.engine.structured import StructuredOutputs
 from replica.engine.telemetry import Telemetry
-from replica.errors import RequestError
+from replica.errors import RequestError, Unavailable
 from replica.executor.batch import BatchPlan
 from replica.executor.create import create_executor
 from replica.executor.memory_plan import MemoryPlan, plan_memory
@@ -308,10 +308,10 @@ class LLMEngine:
         """Requests whose adapter failed to load end with an error instead of waiting
         forever: in `out`, their groups with the error."""
         for failure in self.adapters.poll():
-            msg = f"adapter {failure.name!r} failed to load: {failure.error}"
+            error = Unavailable(f"adapter {failure.name!r} failed to load: {failure.error}")
             for seq in [s for s in self.scheduler.waiting if s.lora_key == failure.name]:
                 if seq.status is not SeqStatus.FINISHED:  # not ended with another choice
-                    seq.group.error = msg
+                    seq.group.error = error
                     self.abort(seq, "error")
                     out.setdefault(seq.group, [])
 

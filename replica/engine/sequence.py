@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from replica.errors import RequestRefused
 from replica.wire import GenerateRequest, SamplingParams, TokenLogprobs
 
 
@@ -112,9 +113,10 @@ class SequenceGroup:
     # token), sent with its first output
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
-    # why the request failed (a choice's grammar refused its token, its adapter did not
-    # load): the engine ends every choice of it
-    error: str | None = None
+    # why the request failed, as its caller is told: RequestError when its grammar has no
+    # token of the vocabulary to go on with (retrying cannot help), Unavailable when its
+    # adapter did not load; the engine ends every choice of it
+    error: RequestRefused | None = None
 
     def __post_init__(self) -> None:
         for seq in self.seqs:

@@ -39,6 +39,10 @@ What adapter_config.json may hold is model/peft_config.py's; refused here: LoRA 
 embed_tokens / lm_head, and tensors of modules the family does not have.
 layers_to_transform / layers_pattern are served as written: the file must hold weights
 only for the layers they select.
+
+A load reports what it serves by the names the file uses within a layer
+(LoRAAdapterWeights.applied: "linear_attn.in_proj_qkv" ×18, "self_attn.q_proj" ×6), so a
+layer type or a layer the adapter leaves out shows.
 """
 
 from __future__ import annotations
@@ -104,6 +108,10 @@ VOCAB_LAYER = -1  # the (layer, module) key of embed_tokens / lm_head weights
 _VOCAB_COPY = re.compile(
     r"^base_model\.model\.(?:.*\.)?(?:embed_tokens|lm_head)\.base_layer\.weight$"
 )
+# A module's path in the base model up to its layer's, and an expert's index in it: what
+# LoRAAdapterWeights.layer_paths leaves out
+_LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 # Anything else of the input embedding or the output head (a saved copy, a bias)
 _EMBED_HEAD = re.compile(r"^base_model\.model\.(?:.*\.)?(?:embed_tokens|lm_head)\.")
 # (module, A [r, in], B [out, r]) -> the part of (A, B) to keep, as views: how a
@@ -121,6 +129,10 @@ class LoRAAdapterWeights:
     target_modules: tuple[str, ...]
     # (layer, module) -> (A [r, in], B [out, r]); modules the adapter does not target are absent
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    # (layer, module) -> where the adapter's file puts it in its layer, experts' indices
+    # left out ("self_attn.q_proj", "linear_attn.in_proj_qkv", "mlp.experts.gate_up_proj";
+    # "embed_tokens" / "lm_head" on VOCAB_LAYER): what applied() counts; absent: `module`
+    layer_paths: dict[tuple[int, str], str] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -134,13 +146,16 @@ class LoRAAdapterWeights:
         return ranks
 
     def applied(self) -> dict[str, int]:
-        """Each module the adapter changes, with the number of layers it changes it on
-        (the vocabulary modules count one): what a load reports, so an adapter is never
-        silently partly applied."""
-        layers: dict[str, int] = {}
-        for _, module in self.weights:
-            layers[module] = layers.get(module, 0) + 1
-        return dict(sorted(layers.items()))
+        """Each module the adapter changes, named as its file names it within a layer
+        ("linear_attn.in_proj_qkv", "self_attn.q_proj"), with the number of layers it
+        changes it on (the vocabulary modules count one).
+
+        What a load reports, so an adapter is never silently partly applied, per layer
+        type: a hybrid model's linear-attention and attention layers show apart."""
+        layers: dict[str, set[int]] = {}
+        for layer, module in self.weights:
+            layers.setdefault(self.layer_paths.get((layer, module), module), set()).add(layer)
+        return {path: len(on) for path, on in sorted(layers.items())}
 
     def group_rank(self, modules: tuple[str, ...]) -> int:
         """The rank rows a projection group holds and computes with: its largest module's
@@ -155,7 +170,9 @@ class LoRAAdapterWeights:
         for (layer, module), (a, b) in self.weights.items():
             a, b = select(module, a, b, layer=layer)
             weights[(layer, module)] = (_own(a), _own(b))
-        return LoRAAdapterWeights(self.name, self.rank, self.scaling, self.target_modules, weights)
+        return LoRAAdapterWeights(
+            self.name, self.rank, self.scaling, self.target_modules, weights, self.layer_paths
+        )
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -365,6 +382,7 @@ def convert_peft_tensors(
 
     weights = {}
     experts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    paths = {(layer, mod): _layer_path(entry.path) for (layer, mod, _), entry in pairs.items()}
     for layer, module, parts, a, b, _r_m, s_m, expert in modules:
         if s_m != scaling:  # only when modules' scalings differ (then scaling != 0)
             b = (b.to(torch.promote_types(b.dtype, torch.float32)) * (s_m / scaling)).to(b.dtype)
@@ -376,7 +394,17 @@ def convert_peft_tensors(
     for key, per_expert in experts.items():
         weights[key] = stack_experts(per_expert, spec.num_experts)
     targets = tuple(m for m in TARGETABLE if any(k[1] == m for k in weights))
-    return LoRAAdapterWeights(name, rank, scaling, targets, weights)
+    return LoRAAdapterWeights(name, rank, scaling, targets, weights, paths)
+
+
+def _layer_path(path: str) -> str:
+    """A module's path within its layer, an expert's index left out:
+    "model.language_model.layers.3.linear_attn.in_proj_qkv" -> "linear_attn.in_proj_qkv",
+    "model.layers.1.block_sparse_moe.experts.3.w1" -> "block_sparse_moe.experts.w1";
+    "model.embed_tokens" -> "embed_tokens" (the vocabulary modules are in no layer)."""
+    if _LAYER_PREFIX.match(path) is None:
+        return path.rsplit(".", 1)[-1]
+    return _LAYER_PREFIX.sub("", _EXPERT_INDEX.sub(".experts.", path), count=1)
 
 
 def _check_layer_filter(

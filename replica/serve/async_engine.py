@@ -168,7 +168,7 @@ class AsyncLLMEngine:
             if replies:
                 stream._push(replies)
             if group.error is not None:
-                self._end(stream, Unavailable(f"generation failed: {group.error}"))
+                self._end(stream, group.error)
             elif group.finished:
                 self._end(stream, None)
 

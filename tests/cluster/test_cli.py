@@ -13,7 +13,9 @@ import yaml
 
 from cluster import ports, serving
 from cluster.cli import main
-from replica.wire import SamplingParams
+from replica.model.adapter_weights import load_peft_adapter
+from replica.model.spec import load_model_spec
+from replica.wire import SamplingParams, applied_text
 from tests.cluster.cli_runs import SERVE_FAILURE, refused, run_cli
 from tests.conftest import tiny_assets
 from tests.engines import make_engine
@@ -22,13 +24,17 @@ from tests.net import free_port
 
 def test_generate_json_mixed_batch_matches_engine(tiny, capsys):
     loras = [f"--lora={n}={p}" for n, p in tiny.adapters.items()]
-    code, out, _ = run_cli(
+    code, out, err = run_cli(
         capsys, "generate", "--model", str(tiny.model_dir), *loras,
         "--prompt", "hello world", "--adapter", "base",
         "--prompt", "the cat sat", "--adapter", "adapter-02",
         "--max-tokens", "8", "--json",
     )  # fmt: skip
     assert code == 0
+    # each adapter's load says what it applies, off stdout
+    for name, path in tiny.adapters.items():
+        applied = load_peft_adapter(path, load_model_spec(tiny.model_dir), 64).applied()
+        assert f"adapter {name!r} applies {applied_text(applied)}\n" in err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["adapter"] for r in rows] == [None, "adapter-02"]
     eng = make_engine(tiny, {"adapter-02": tiny.adapters["adapter-02"]})

@@ -109,11 +109,16 @@ def test_concurrent_loads_and_unloads_of_one_name_are_serialized(cluster, assets
 def test_unload_lets_requests_in_flight_finish_and_refuses_new_ones(cluster, assets):
     loaded = load(cluster, "leaving", assets.adapters["adapter-05"])
     assert loaded.status_code == 200
-    # the load says what it applies: each module's layer count, as its file holds them
+    # the load says what it applies: each module (named within its layer, as
+    # "self_attn.q_proj") with its layer count, as its file holds them
     keys = safetensors.safe_open(
         str(assets.adapters["adapter-05"] / "adapter_model.safetensors"), "pt"
     ).keys()
-    modules = Counter(k.split(".")[-3] for k in keys if k.endswith("lora_A.weight"))
+    modules = Counter(
+        k.split(".layers.")[1].split(".", 1)[1].removesuffix(".lora_A.weight")
+        for k in keys
+        if k.endswith("lora_A.weight")
+    )
     assert loaded.json()["applied"] == dict(sorted(modules.items()))
     body = {"model": "leaving", "prompt": "tell me", "max_tokens": 200, "ignore_eos": True}
     body["stream"] = True

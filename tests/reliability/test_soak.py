@@ -2,7 +2,7 @@
 flows) for a bounded time. No request fails, nothing leaks (KV blocks, slot references),
 and the replicas' memory stays flat.
 
-    LORAFLEET_SOAK_S=600 pytest tests/reliability/test_soak.py    # ten minutes instead of ~30 s
+    LORAFLEET_SOAK_S=600 pytest tests/reliability/test_soak.py    # ten minutes instead of ~20 s
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.reliability.conftest import ADMIN, PRELOADED, replica_stats, wait_idl
 
 pytestmark = pytest.mark.serve
 
-SOAK_S = float(os.environ.get("LORAFLEET_SOAK_S", "30"))
+SOAK_S = float(os.environ.get("LORAFLEET_SOAK_S", "20"))
 RATE = 6.0  # requests per second, Poisson arrivals
 CHURNED = ["adapter-04", "adapter-05", "adapter-06", "adapter-07"]  # loaded and unloaded
 RSS_GROWTH_LIMIT = 64 * 2**20  # per replica, between the warm-up and the end

@@ -453,3 +453,43 @@ def test_router_modules_import_neither_torch_nor_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_validation_error_names_the_field_as_written_and_only_the_branch_meant():
+    """pydantic reports each failed branch of a union under its label: the message keeps
+    the branch the input got deepest into, its field without labels or tags."""
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    from router.protocol import validation_error
+
+    class Call(BaseModel):
+        type: Literal["call"]
+        namespace: None = None
+
+    class Text(BaseModel):
+        type: Literal["text"]
+        text: str | list[int]
+
+    item = Annotated[Call | Text, Field(discriminator="type")]
+
+    class Body(BaseModel):
+        input: str | list[item]
+
+    def error(value):
+        with pytest.raises(ValidationError) as e:
+            Body.model_validate({"input": value})
+        raw = [{**err, "loc": ("body", *err["loc"])} for err in e.value.errors()]
+        return validation_error(raw)
+
+    assert error([{"type": "call", "namespace": "x"}]) == (
+        "input.0.namespace: Input should be None",
+        "input.0.namespace",
+    )
+    message, param = error([{"type": "text", "text": 5}])
+    assert param == "input.0.text" and "input.str" not in message and "[" not in message
+    assert message.count("input.0.text:") == 2  # the nested union's two branches, equal depth
+    message, param = error(5)  # no branch got deeper than another: all are told
+    assert param == "input" and "valid string" in message and "valid list" in message
+    assert validation_error([]) == ("", None)

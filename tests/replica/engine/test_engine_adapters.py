@@ -179,7 +179,7 @@ def test_failed_adapter_load_ends_its_requests_with_an_error(tiny):
     bad = eng.add_request(GenerateRequest(prompt(1), GREEDY, "adapter-03"))
     good = eng.add_request(GenerateRequest(prompt(2), GREEDY, "adapter-00"))
     run(eng)
-    assert bad.finish_reason == "error" and "disk on fire" in bad.group.error
+    assert bad.finish_reason == "error" and "disk on fire" in str(bad.group.error)
     assert good.finish_reason == "length"
     eng.adapters.pool.check_integrity()
 

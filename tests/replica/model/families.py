@@ -28,25 +28,36 @@ def engine_for(model_dir, adapters: dict, **kw) -> LLMEngine:
 
 
 def check_base_unchanged_beside_adapters(model_dir, adapters: dict, **kw) -> None:
-    """A base request with no adapter loaded, and with 16 (copies of `adapters`) loaded:
-    its greedy ids and logprobs bit-identical when it runs alone; its greedy ids the same
-    when the 16 run in its batches (its logprobs then may differ in the last bits: a batch
-    of another shape rounds the base rows' GEMMs differently on the CPU), while theirs
-    differ. `kw`: the engines' EngineConfig fields."""
+    """Check that base requests are untouched by adapters: with 16 (copies of `adapters`)
+    loaded, their greedy ids and logprobs are bit-identical to an engine's with none
+    loaded, when they run alone and when the 16 run in their batches, while the 16's
+    outputs differ from the base model's.
+
+    Beside the adapters, the reference runs the same batches: the base requests plus 16
+    base-model companions in place of the adapters' requests (same prompts and sampling),
+    so every step has the same rows and each base row's GEMMs round the same way; a LoRA
+    path that wrote into other rows would show in the last bits. Prefix caching is off in
+    both engines: the companions would reuse the base requests' blocks where the
+    adapters' requests cannot, and the batches would differ. `kw`: the engines'
+    EngineConfig fields."""
+    kw = {**kw, "enable_prefix_caching": False}
     paths = list(adapters.values())
     many = {f"a{i}": paths[i % len(paths)] for i in range(16)}
     sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     ps = prompts(256)
     base = [(p, sampling, None) for p in ps]
-    want = engine_for(model_dir, {}, **kw).generate(base)
-    crowd = engine_for(model_dir, many, **kw)
-    alone = crowd.generate(base)
-    assert [s.logprobs for s in alone] == [s.logprobs for s in want]
-    assert [s.output_ids for s in alone] == [s.output_ids for s in want]
     beside = [(ps[i % 2], sampling, name) for i, name in enumerate(many)]
-    got = crowd.generate(base + beside)
-    assert [s.output_ids for s in got[: len(ps)]] == [s.output_ids for s in want]
-    assert any(s.output_ids != want[0].output_ids for s in got[len(ps) :])
+    companions = [(p, s, None) for p, s, _ in beside]
+    plain = engine_for(model_dir, {}, **kw)
+    want_alone, want = plain.generate(base), plain.generate(base + companions)
+    crowd = engine_for(model_dir, many, **kw)
+    alone, got = crowd.generate(base), crowd.generate(base + beside)
+    n = len(ps)
+    assert [s.output_ids for s in alone] == [s.output_ids for s in want_alone]
+    assert [s.logprobs for s in alone] == [s.logprobs for s in want_alone]
+    assert [s.output_ids for s in got[:n]] == [s.output_ids for s in want[:n]]
+    assert [s.logprobs for s in got[:n]] == [s.logprobs for s in want[:n]]
+    assert any(g.output_ids != w.output_ids for g, w in zip(got[n:], want[n:]))
 
 
 def traced_static_decode(runner, max_seqs: int) -> tuple[list[int], list[str]]:

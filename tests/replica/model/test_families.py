@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from cluster.demo.families import family_model_dir
 from replica.model.decoder import CausalLM
 from replica.model.rope import RotaryEmbedding
+from tests.conftest import tiny_assets
 from tests.oracle import (
     check_mixed_batch,
     family_adapters,
@@ -30,6 +31,7 @@ from tests.replica.model.families import (
     GREEDY,
     LOGIT_ATOL,
     NEW_TOKENS,
+    check_base_unchanged_beside_adapters,
     engine_for,
     prompts,
     traced_static_decode,
@@ -203,6 +205,25 @@ def test_static_decode_path_equals_eager(decode_family):
     assert [s.output_ids for s in eng.generate(requests)] == want, name
     assert used, "no step took the static decode path"
     assert not reads, f"{name}: the static step read device values: {reads[:3]}"
+
+
+# The families whose own test file does not check it (gemma4, qwen35 and gptoss do); one
+# dense and one mixture of experts in the fast unit run, the rest marked slow
+BESIDE_ADAPTERS = ["llama", "mixtral", *(
+    pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "gemma2", "gemma3", "gemma3-mm",
+                                                      "phi3", "qwen3moe", "gemma4-mm",
+                                                      "gemma4moe", "qwen35moe"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BESIDE_ADAPTERS)
+def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(name, tmp_path):
+    if name == "llama":
+        tiny = tiny_assets("llama")
+        model_dir, adapters = tiny.model_dir, dict(list(tiny.adapters.items())[:2])
+    else:
+        model_dir = family_model_dir(name)
+        adapters = family_adapters(name, model_dir, tmp_path)
+    check_base_unchanged_beside_adapters(model_dir, adapters)
 
 
 # config.json as the Hub ships them (abridged to the fields the spec reads)

@@ -75,9 +75,10 @@ def test_vision_tower_lora_is_skipped_and_the_rest_applied(gemma4, tmp_path):
     assert any("vision_tower" in k for k in tensors) == (name == "gemma4-mm")
     spec = load_model_spec(model_dir)
     applied = load_peft_adapter(adapters["all"], spec, 64, "all").applied()
-    six = {m: 6 for m in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                          "per_layer_input_gate", "per_layer_projection")}  # fmt: skip
-    assert applied == {**six, "k_proj": 4, "v_proj": 2}
+    six = {m: 6 for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj",
+                          "mlp.up_proj", "mlp.down_proj", "per_layer_input_gate",
+                          "per_layer_projection")}  # fmt: skip
+    assert applied == {**six, "self_attn.k_proj": 4, "self_attn.v_proj": 2}
 
 
 def test_each_quirk_bites():
@@ -276,7 +277,7 @@ def test_moe_block_matches_transformers_and_peft_in_one_mixed_batch(tmp_path):
     spec = load_model_spec(model_dir)
     assert spec.moe_beside_mlp and spec.num_experts == 4 and spec.is_sparse(5)
     applied = load_peft_adapter(adapters["experts"], spec, 64, "experts").applied()
-    assert applied == {m: 6 for m in ("expert_down_proj", "expert_gate_proj", "expert_up_proj")}
+    assert applied == {"experts.gate_up_proj": 6, "experts.down_proj": 6}
     for adapter in (None, *adapters.values()):  # no expert choice within rounding
         ref = hf_model(model_dir, adapter, eager=True)
         assert all(_router_margin(ref, p) > MARGIN for p in prompts(256)), adapter

@@ -14,6 +14,7 @@ and every linear module.
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -86,13 +87,31 @@ def test_an_attention_only_adapter_equals_peft(qwen35):
     assert (eng.score(p) - ref).abs().max() > 0.05
 
 
-def test_the_load_reports_the_linear_attention_modules(qwen35):
+def test_the_load_reports_each_layer_types_modules(qwen35, caplog):
+    """An adapter on the linear attention only, one on the attention only and one on
+    everything: each load (its answer and its log line) names the modules as the
+    checkpoint's layers do, linear_attn.* on the Gated DeltaNet layers 0 and 2 and
+    self_attn.* on the attention layers 1 and 3 apart, the MLP on all 4."""
     model_dir, adapters = qwen35
     eng = engine_for(model_dir, {})
-    applied = eng.load_adapter("linear", adapters["linear"]).applied()
-    assert applied == dict.fromkeys(sorted(LINEAR), 2)  # layers 0 and 2
-    applied = eng.load_adapter("all", adapters["all"]).applied()
-    assert applied["in_proj_b"] == 2 and applied["q_proj"] == 2 and applied["down_proj"] == 4
+    linear = {f"linear_attn.{m}": 2 for m in sorted(LINEAR)}
+    attn = {f"self_attn.{m}": 2 for m in sorted(ATTENTION)}
+    mlp = {f"mlp.{m}": 4 for m in sorted(EVERYTHING) if m not in ATTENTION}
+    with caplog.at_level(logging.INFO, logger="replica.engine.engine"):
+        assert eng.load_adapter("linear", adapters["linear"]).applied() == linear
+        assert eng.load_adapter("attn", adapters["attn"]).applied() == attn
+        assert eng.load_adapter("all", adapters["all"]).applied() == linear | mlp | attn
+    logged = [r.getMessage() for r in caplog.records if "applies" in r.getMessage()]
+    assert logged == [
+        "adapter 'linear' applies linear_attn.in_proj_a ×2, linear_attn.in_proj_b ×2, "
+        "linear_attn.in_proj_qkv ×2, linear_attn.in_proj_z ×2, linear_attn.out_proj ×2",
+        "adapter 'attn' applies self_attn.k_proj ×2, self_attn.o_proj ×2, "
+        "self_attn.q_proj ×2, self_attn.v_proj ×2",
+        "adapter 'all' applies linear_attn.in_proj_a ×2, linear_attn.in_proj_b ×2, "
+        "linear_attn.in_proj_qkv ×2, linear_attn.in_proj_z ×2, linear_attn.out_proj ×2, "
+        "mlp.down_proj ×4, mlp.gate_proj ×4, mlp.up_proj ×4, self_attn.k_proj ×2, "
+        "self_attn.o_proj ×2, self_attn.q_proj ×2, self_attn.v_proj ×2",
+    ]
 
 
 def test_each_quirk_bites(qwen35):

@@ -167,3 +167,30 @@ def test_the_loop_thread_steps_on_the_engine_device(fake_cuda):
     finally:
         a.shutdown()
     assert fake_cuda.launches == [1]
+
+
+def test_a_grammar_the_vocabulary_cannot_write_is_the_callers_error_not_a_503():
+    """The trained demo's word-level vocabulary has no token that starts the JSON string
+    "zebra": the request ends with a RequestError (a 400 at the ingress: retrying cannot
+    help), not Unavailable, and nothing is left behind."""
+    from cluster.demo import training as dt
+    from replica.wire import StructuredOutput
+
+    eng = make_engine(dt.demo_assets().model_dir, num_slots=None)
+    aengine = AsyncLLMEngine(eng)
+    schema = StructuredOutput(kind="json_schema", json_schema='{"enum": ["zebra"]}')
+    sampling = SamplingParams(max_tokens=8, structured_output=schema)
+
+    async def main():
+        stream = aengine.add_request(GenerateRequest([5, 6, 7], sampling))
+        return await asyncio.wait_for(messages(stream), 30)
+
+    try:
+        with pytest.raises(RequestError, match="no token of the model's vocabulary can continue"):
+            asyncio.run(main())
+        assert not aengine._streams
+        assert asyncio.run(aengine.call(lambda: eng.scheduler.allocator.num_free)) == (
+            eng.scheduler.allocator.num_blocks
+        )
+    finally:
+        aengine.shutdown()
