@@ -48,9 +48,10 @@ def builds(tmp_path_factory) -> dict[str, tuple[DemoSpec, DemoAssets]]:
 
 
 @pytest.fixture(scope="session")
-def default_build(tmp_path_factory) -> tuple[DemoSpec, DemoAssets]:
-    spec = DemoSpec()
-    return spec, build_demo_assets(tmp_path_factory.mktemp("demo-default") / "d", spec)
+def default_build(demo) -> tuple[DemoSpec, DemoAssets]:
+    """The default demo as the machine's cache holds it (built by the same builder, once
+    per machine, for every test that runs on it)."""
+    return DemoSpec(), demo
 
 
 def _files(root: Path) -> dict[str, bytes]:
