@@ -15,6 +15,14 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a GPU machine)")
 
+# Under pytest-xdist (make test, make test-fast: a worker per core) each worker computes on
+# one thread, and so do the processes its tests start: torch's default, a thread per core in
+# every worker, oversubscribes the cores, and OpenMP's threads spin waiting on each other
+# (the model and bench tests took 3.5x as long).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 from cluster.demo.assets import DemoAssets, DemoSpec, cached_demo_assets, tiny_spec  # noqa: E402
 
 

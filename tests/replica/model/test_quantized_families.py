@@ -45,7 +45,7 @@ from tests.oracle import (
     peft_adapter,
 )
 from tests.quant_checkpoints import FORMATS, quantize_dir
-from tests.replica.model.families import MARGIN, engine_for, prompts, router_margin
+from tests.replica.model.families import LOGIT_ATOL, MARGIN, engine_for, prompts, router_margin
 
 NEW_TOKENS = 6
 LM = "model.language_model.layers."
@@ -157,8 +157,8 @@ def test_transformers_reads_a_block_fp8_qwen3_5_moe_as_we_do(tmp_path):
     model_dir = tmp_path / "fp8"
     oracle = quantize_dir(src, model_dir, "fp8-block", SMALL_DENSE)
     ref, dense = hf_model(model_dir, eager=True), hf_model(oracle, eager=True)
-    for p in prompts(256):
-        assert (hf_logits(ref, p) - hf_logits(dense, p)).abs().max() < 1e-5
+    for p in prompts(256):  # a misread block or scale moves logits by far more than this
+        assert (hf_logits(ref, p) - hf_logits(dense, p)).abs().max() < LOGIT_ATOL
 
 
 def test_awq_qwen3_5_with_adapters_matches_transformers_on_its_dequantization(tmp_path):
