@@ -238,8 +238,9 @@ def _group_after_cut(c0: int, c1: int, k: int, group: int) -> int:
 def _aligned(start: int, stop: int, total: int, align: int, what: str, unit: str) -> None:
     if start % align or (stop % align and stop != total):
         raise WeightLoadError(
-            f"{what} {start}:{stop} of {total} cut {unit} of {align}: refused (the plan "
-            "refuses such a tensor-parallel split by name)"
+            f"{what} {start}:{stop} of {total} cut {unit} of {align}: refused (a "
+            "tensor-parallel split must keep every quantization group whole: a smaller "
+            "tp_size may)"
         )
 
 

@@ -129,3 +129,21 @@ def test_a_ranks_adapter_shard_is_a_copy_of_only_its_part(tiny):
         layer, module = next(k for k in adapter.weights if k[1] == "o_proj")
         arrays = payload["weights"][f"{layer}.{module}"]
         assert not np.shares_memory(from_store.weights[(layer, module)][0].numpy(), arrays[0])
+
+
+def test_a_load_time_cut_through_a_quantization_group_is_refused_saying_what_to_change():
+    """The load's own check (the plan refuses most such splits first, but not every layout:
+    Gemma 4's per-expert packed experts reach it): it names the cut and asks for a split
+    that keeps groups whole, without claiming the plan refused it."""
+    from kernels.quant_pack import quantize_fp8
+    from replica.model.quant_weights import slice_cols, slice_rows
+    from replica.model.weights import WeightLoadError
+
+    w = quantize_fp8(torch.randn(256, 256), (128, 128))
+    assert slice_rows(w, 128, 256).weight.shape == (128, 256)  # whole blocks: served
+    for cut in (lambda: slice_rows(w, 0, 64), lambda: slice_cols(w, 64, 256)):
+        with pytest.raises(WeightLoadError) as e:
+            cut()
+        message = str(e.value)
+        assert "cut FP8 scale blocks of 128" in message and "plan" not in message
+        assert "keep every quantization group whole" in message
