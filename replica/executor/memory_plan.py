@@ -188,6 +188,8 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         if spec.qk_norm:  # q's and, where the layer keeps KV, k's (no linear-attention layer)
             norms += sum((1 + (spec.kv_source(i) == i)) * spec.layer(i).head_dim
                          for i in range(spec.num_layers) if not spec.is_linear(i))  # fmt: skip
+        if spec.per_layer_input_size:  # Gemma 4's per-layer inputs: a norm per layer, one
+            norms += spec.num_layers * spec.hidden_size + spec.per_layer_input_size  # of all
         extra += (norms + spec.hidden_size) * (4 - dtype.itemsize)
     packed = packed_difference(TPShard(spec, 0, tp_size), dtype)  # model/quant_shares.py
     return params * dtype.itemsize + extra + packed

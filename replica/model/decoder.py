@@ -256,7 +256,9 @@ class DecoderLayer:
                 "post_feedforward_layernorm_2"))  # fmt: skip
         self.per_layer_input = None  # Gemma 4: this layer's share of the per-layer inputs
         if spec.per_layer_input_size:
-            self.per_layer_input = PerLayerInputBlock(spec, layout, index, bufs, device, dtype)
+            self.per_layer_input = PerLayerInputBlock(
+                spec, layout, index, bufs, device, dtype, lambda w: spec_norm(w, spec)
+            )
         self.scalar = None  # Gemma 4: the layer's output times a stored scalar
         if spec.layer_scalar:
             self.scalar = layout.layer_scalar(index).to(device=device, dtype=dtype)
@@ -419,7 +421,9 @@ class CausalLM:
             self.embed_scale = torch.tensor(spec.embed_scale).to(self.device, dtype)
         self.per_layer_inputs = None  # Gemma 4's per-layer input embeddings
         if spec.per_layer_input_size:
-            self.per_layer_inputs = PerLayerInputs(spec, layout, self.device, dtype)
+            self.per_layer_inputs = PerLayerInputs(
+                spec, layout, self.device, dtype, lambda w: spec_norm(w, spec)
+            )
         ropes: list[tuple[tuple[RopeSpec, int], RotaryEmbedding]] = []
         self.layers = []
         for i in range(spec.num_layers):

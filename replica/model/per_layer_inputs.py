@@ -14,6 +14,7 @@ the unquantized input.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,22 +25,23 @@ from replica.model.lora import LoRABuffers, LoRALinear, LoRAWorkspace, linear
 from replica.model.quant_weights import fused_weight, on_device, tensors_of
 from replica.model.spec import ModelSpec
 
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma 4's RMSNorm: x̂·w in fp32, rounded to x's dtype last."""
-    h = x.float()
-    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    return (h * weight.float()).to(x.dtype)
+# The family's RMSNorm of a weight (the decoder's spec_norm: Gemma 4's x̂·w in fp32)
+NormOf = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 
 class PerLayerInputs:
     """The model-level half: a step's [T, layers, width] per-layer inputs."""
 
     def __init__(
-        self, spec: ModelSpec, layout: CheckpointLayout, device: torch.device, dtype: torch.dtype
+        self,
+        spec: ModelSpec,
+        layout: CheckpointLayout,
+        device: torch.device,
+        dtype: torch.dtype,
+        norm: NormOf,
     ) -> None:
         h, n, w = spec.hidden_size, spec.num_layers, spec.per_layer_input_size
-        self.layers, self.width, self.eps = n, w, spec.rms_norm_eps
+        self.layers, self.width = n, w
 
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return layout.tensor(None, name, shape).to(device=device, dtype=dtype)
@@ -47,21 +49,21 @@ class PerLayerInputs:
         self.embed = get("embed_tokens_per_layer.weight", (spec.per_layer_vocab_size, n * w))
         projection = layout.replicated_linear(None, "per_layer_model_projection", (n * w, h))
         self.projection = fused_weight([on_device(projection, device, dtype)])
-        self.norm = get("per_layer_projection_norm.weight", (w,))
+        self.norm = norm(get("per_layer_projection_norm.weight", (w,)))
         # transformers rounds sqrt(width) to the weights' dtype, as the main embedding's
         self.embed_scale = torch.tensor(math.sqrt(w)).to(device, dtype)
         self.projection_scale = h**-0.5
 
     def weights(self) -> list[torch.Tensor]:
         """The tensors a step reads in full (the embedding is gathered by row)."""
-        return tensors_of(self.projection) + [self.norm]
+        return tensors_of(self.projection) + [self.norm.weight]
 
     def __call__(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """input_ids [T] and their scaled input embeddings [T, hidden] -> [T, layers, width]."""
         t = input_ids.shape[0]
         tokens = (F.embedding(input_ids, self.embed) * self.embed_scale).view(t, self.layers, -1)
         proj = linear(embeds, self.projection) * self.projection_scale
-        proj = _norm(proj.view(t, self.layers, self.width), self.norm, self.eps)
+        proj = self.norm(proj.view(t, self.layers, self.width))
         return (proj + tokens) * 2.0**-0.5
 
 
@@ -76,9 +78,9 @@ class PerLayerInputBlock:
         lora: dict[str, LoRABuffers] | None,  # the layer's arenas
         device: torch.device,
         dtype: torch.dtype,
+        norm: NormOf,
     ) -> None:
         h, w = spec.hidden_size, spec.per_layer_input_size
-        self.eps = spec.rms_norm_eps
 
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return layout.tensor(index, name, shape).to(device=device, dtype=dtype)
@@ -90,10 +92,12 @@ class PerLayerInputBlock:
         bufs = lora or {}
         self.gate = lora_linear("per_layer_input_gate", (w, h))
         self.projection = lora_linear("per_layer_projection", (h, w))
-        self.norm = get("post_per_layer_input_norm.weight", (h,))
+        self.norm = norm(get("post_per_layer_input_norm.weight", (h,)))
 
     def weights(self) -> list[torch.Tensor]:
-        return tensors_of(self.gate.weight) + tensors_of(self.projection.weight) + [self.norm]
+        return (
+            tensors_of(self.gate.weight) + tensors_of(self.projection.weight) + [self.norm.weight]
+        )
 
     def __call__(
         self,
@@ -107,4 +111,4 @@ class PerLayerInputBlock:
         gate = self.gate(x, lora.get("per_layer_input_gate"), ws)
         g = F.gelu(gate, approximate="tanh") * per_layer_input
         out = self.projection(g, lora.get("per_layer_projection"), ws)
-        return _norm(out, self.norm, self.eps)
+        return self.norm(out)
