@@ -332,8 +332,7 @@ class CheckpointLayout:
 
     def norm(self, layer: int | None, name: str, size: int) -> torch.Tensor:
         """A replicated norm weight: `name` of layer `layer`, or of the model (None)."""
-        where = self.prefix if layer is None else f"{self.prefix}layers.{layer}."
-        return self.ckpt.get(where + name, (size,))
+        return self.tensor(layer, name, (size,))
 
     def vocab(self, lm_head: bool) -> torch.Tensor:
         """The embedding (or untied lm_head): this rank's vocab rows, zero-padded."""
