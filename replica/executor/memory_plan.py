@@ -158,9 +158,8 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
     its vocabulary rows of the embedding and the head (padded to a multiple of tp_size),
     the replicated norms (Gemma's in fp32), routers and q/k/v biases (gpt-oss's o_proj,
     router and expert biases too, and its sinks in fp32), Gemma 4's replicated per-layer
-    inputs and layer scalars (and the zero k/v columns of its layers without their own),
-    and one cos and one sin table [max_position_embeddings, rotary_dim] per distinct rope
-    and rotary_dim."""
+    inputs and layer scalars, and one cos and one sin table [max_position_embeddings,
+    rotary_dim] per distinct rope and rotary_dim."""
     local = local_spec(spec, tp_size)
     heads = 1 if spec.tie_word_embeddings else 2
     vocab_rows = -(-spec.vocab_size // tp_size)

@@ -40,6 +40,13 @@ embed_tokens / lm_head, and tensors of modules the family does not have.
 layers_to_transform / layers_pattern are served as written: the file must hold weights
 only for the layers they select.
 
+LoRA on a k_proj / v_proj its layer does not have (Gemma 4's KV-sharing layers have
+neither, its full layers whose values are the keys' projection no v_proj) is skipped, not
+refused: transformers builds no such module there, so PEFT loads the file and drops those
+tensors (unexpected keys under strict=False), and in any model their output would go
+unused. The load report counts the layers the module is applied on (self_attn.k_proj ×4
+of 6 layers), so the skip shows.
+
 A load reports what it serves by the names the file uses within a layer
 (LoRAAdapterWeights.applied: "linear_attn.in_proj_qkv" ×18, "self_attn.q_proj" ×6), so a
 layer type or a layer the adapter leaves out shows.
@@ -262,6 +269,7 @@ def convert_peft_tensors(
     multimodal = len(spec.weight_prefixes) > 1
     shapes, fused = spec.lora_shapes(), spec.fused_modules()
     expert_tensors = {}
+    skipped: set[str] = set()  # LoRA on a k/v projection its layer does not have
     for key, tensor in tensors.items():
         if multimodal and _VISION.match(key):
             continue
@@ -308,6 +316,9 @@ def convert_peft_tensors(
             raise AdapterFormatError(
                 f"{name}: tensor {key!r} targets layer {layer}, model has {spec.num_layers}"
             )
+        if module in ("k_proj", "v_proj") and not spec.has_kv_projection(layer, module):
+            skipped.add(key)  # transformers' layer has no such module: PEFT drops it too
+            continue
         mixer = module in LINEAR_MODULES or module in ATTENTION_MODULES
         if mixer and (module in LINEAR_MODULES) != spec.is_linear(layer):
             kind = "a Gated DeltaNet" if spec.is_linear(layer) else "an attention"
@@ -323,7 +334,10 @@ def convert_peft_tensors(
         entry = _Module(part.path, {"A": part.a, "B": part.b})
         pairs[(part.layer, part.module, part.expert)] = entry
     if not pairs:
-        raise AdapterFormatError(f"{name}: the adapter holds no LoRA weights")
+        unused = f" the model uses ({len(skipped)} on k/v projections their layers lack)"
+        raise AdapterFormatError(
+            f"{name}: the adapter holds no LoRA weights{unused if skipped else ''}"
+        )
 
     # (layer, module, A [r_m, in], B [out, r_m], r_m, s_m), validated
     modules = []

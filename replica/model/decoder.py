@@ -225,7 +225,7 @@ class DecoderLayer:
         if spec.is_linear(index):  # a Gated DeltaNet layer: no q/k/v/o, no KV
             self.linear_attn = gated_deltanet(spec, layout, index, bufs, device, dtype, tp)
         else:
-            self._init_attention(spec, layout, index, bufs, proj, norm, device, dtype, tp)
+            self._init_attention(spec, layout, index, bufs, proj, norm, device, tp)
         glu = gated_activation(spec)
         self.mlp: DenseMLP | SparseMoE
         if spec.is_sparse(index) and not spec.moe_beside_mlp:
@@ -272,26 +272,20 @@ class DecoderLayer:
         proj: Callable[..., torch.Tensor | QuantizedWeight],
         norm: Callable[[str, int], RMSNorm],
         device: torch.device,
-        dtype: torch.dtype,
         tp: TPRank | None,
     ) -> None:
-        """The attention projections, sinks and q/k norms of layer `index`."""
-
-        def kv_proj(module: str) -> torch.Tensor | QuantizedWeight:
-            # a layer without its own k/v projection (Gemma 4) computes zero columns in
-            # their place: the qkv group keeps one layout, and LoRA slices their offsets
-            if spec.has_kv_projection(index, module):
-                return proj(module)
-            return torch.zeros(spec.kv_size, spec.hidden_size, device=device, dtype=dtype)
-
+        """The attention projections, sinks and q/k norms of layer `index`. The qkv group
+        holds the rows of the projections the layer has (spec.qkv_modules): q_proj's
+        alone on a layer reading another's KV, q_proj's and k_proj's where values are the
+        keys' projection (Gemma 4)."""
         self.owns_kv = spec.kv_source(index) == index  # else: reads an earlier layer's
         self.k_eq_v = self.owns_kv and not spec.has_kv_projection(index, "v_proj")
         self.v_norm = spec.v_norm
-        qkv_w = fused_weight([proj("q_proj"), kv_proj("k_proj"), kv_proj("v_proj")])
+        modules = spec.qkv_modules(index)
+        qkv_w = fused_weight([proj(m) for m in modules])
         qkv_b = None
         if spec.qkv_bias:
-            qkv_b = torch.cat([proj("q_proj", "bias"), proj("k_proj", "bias"),
-                               proj("v_proj", "bias")])  # fmt: skip
+            qkv_b = torch.cat([proj(m, "bias") for m in modules])
         self.qkv_proj = LoRALinear(qkv_w, qkv_b, bufs.get("qkv_proj"))
         o_w = fused_weight([proj("o_proj")])
         o_b = proj("o_proj", "bias") if spec.o_bias else None
@@ -359,29 +353,28 @@ class DecoderLayer:
         """The attention branch's output [T, hidden], before any post-attention norm."""
         s = self.spec
         t, heads, kv_heads, hd = h.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
+        # [T, q_proj rows], then k_proj's and v_proj's where the layer has them
         qkv = self.qkv_proj(h, batch.lora["qkv_proj"], ws)
         q_rows = s.q_proj_size
-        v = qkv[:, q_rows + s.kv_size :].view(t, kv_heads, hd)
-        if self.k_eq_v:  # values are the keys' projection, before k's norm and rope
-            v = qkv[:, q_rows : q_rows + s.kv_size].view(t, kv_heads, hd)
-        if self.v_norm and self.owns_kv:
-            v = unit_rms(v, s.rms_norm_eps)
+        k = v = None  # None: the source layer wrote this step's K/V, attended there
+        if self.owns_kv:
+            k = qkv[:, q_rows : q_rows + s.kv_size].view(t, kv_heads, hd)
+            # values: v_proj's rows, or the keys' projection before k's norm and rope
+            v = k if self.k_eq_v else qkv[:, q_rows + s.kv_size :].view(t, kv_heads, hd)
+            if self.v_norm:
+                v = unit_rms(v, s.rms_norm_eps)
         gate = None
         if s.attn_output_gate:  # q_proj's rows: [q_h, gate_h] per head
             q_gate = qkv[:, :q_rows].view(t, heads, 2 * hd)
             q, gate = q_gate[..., :hd], q_gate[..., hd:]
-            k = qkv[:, q_rows : q_rows + s.kv_size].view(t, kv_heads, hd)
             q, k = rotation.rotate(self.q_norm(q)), rotation.rotate(self.k_norm(k))
         elif self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
             qk = qkv[:, : s.q_size + s.kv_size].view(t, heads + kv_heads, hd)
             q, k = rotation.rotate(qk).split([heads, kv_heads], dim=1)
         else:
             q = rotation.rotate(self.q_norm(qkv[:, : s.q_size].view(t, heads, hd)))
-            k = qkv[:, s.q_size : s.q_size + s.kv_size].view(t, kv_heads, hd)
-            if self.k_norm is not None:
+            if self.k_norm is not None:  # a layer reading another's KV has no k_norm
                 k = rotation.rotate(self.k_norm(k))
-        if not self.owns_kv:  # the source layer wrote this step's K/V: attend to them there
-            k = v = None
         attn = paged_attention(
             q, k, v, kv.k[self.index], kv.v[self.index], batch.attn,
             s.scale, self.window, self.soft_cap, self.sinks,

@@ -52,13 +52,17 @@ def layer_groups(spec: ModelSpec, layer: int) -> dict[str, tuple[str, ...]]:
     MLP's, or on a sparse layer its experts'. A checkpoint's fused projection (Phi-3's
     qkv_proj, gate_up_proj) is one slice, as its adapters target it: A stored and read
     once. Held split, each part would hold the whole A (`lorafleet bench kernels --fused`
-    measured that at 1.67x the qkv LoRA time, 1.24x gate_up's, on Phi-3-mini shapes)."""
+    measured that at 1.67x the qkv LoRA time, 1.24x gate_up's, on Phi-3-mini shapes).
+    The qkv group holds only the projections the layer has (ModelSpec.qkv_modules:
+    q_proj alone on Gemma 4's KV-sharing layers), as its base weight does."""
     fused = spec.fused_modules()
 
     def slices(group: str) -> tuple[str, ...]:
         return (group,) if group in fused else MODULE_GROUPS[group]
 
     groups = {g: slices(g) for g in ("qkv_proj", "o_proj")}
+    if "qkv_proj" not in fused:
+        groups["qkv_proj"] = spec.qkv_modules(layer)
     if spec.is_linear(layer):
         groups = dict(LINEAR_GROUPS)
     if spec.per_layer_input_size:

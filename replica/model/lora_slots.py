@@ -65,9 +65,10 @@ def adapter_group_ranks(spec: ModelSpec, adapter: LoRAAdapterWeights) -> dict[st
     not target left out): its largest module's rank in the group, over every layer
     (LoRAAdapterWeights.group_rank). A function of the weights and the model only, so it
     is computed once, where the adapter is converted, and travels with it."""
-    modules: dict[str, tuple[str, ...]] = dict(VOCAB_GROUPS)
-    for layer in range(spec.num_layers):
-        modules.update(layer_groups(spec, layer))
+    modules: dict[str, set[str]] = {g: set(names) for g, names in VOCAB_GROUPS.items()}
+    for layer in range(spec.num_layers):  # a group's slices may differ by layer (Gemma 4)
+        for group, names in layer_groups(spec, layer).items():
+            modules.setdefault(group, set()).update(names)
     ranks = adapter.module_ranks()  # one pass over the weights, not one per group
     by_group = {g: max((ranks.get(m, 0) for m in names), default=0) for g, names in modules.items()}
     return {g: r for g, r in by_group.items() if r}

@@ -162,6 +162,13 @@ class ModelSpec:
             return False
         return not (module == "v_proj" and self.k_eq_v and not self.is_sliding(layer))
 
+    def qkv_modules(self, layer: int) -> tuple[str, ...]:
+        """The projections `layer` holds in its q/k/v group, in row order: q_proj, then
+        the k_proj and v_proj it has of its own (has_kv_projection). A Gemma 4 layer
+        without them computes no rows in their place: its KV comes from elsewhere."""
+        own = tuple(m for m in ("k_proj", "v_proj") if self.has_kv_projection(layer, m))
+        return ("q_proj", *own)
+
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
@@ -219,8 +226,8 @@ class ModelSpec:
             if self.is_linear(layer):  # it mixes by linear attention instead
                 total += self.linear_attention.parameters_per_layer(self.hidden_size)
             else:
-                total += sum(i * o for m, (i, o) in shapes.items()
-                             if m not in MLP_MODULES and m not in LINEAR_MODULES)  # fmt: skip
+                total += sum(shapes[m][0] * shapes[m][1]
+                             for m in (*self.qkv_modules(layer), "o_proj"))  # fmt: skip
                 if self.qk_norm:  # a layer reading another's KV has no k_norm (Gemma 4)
                     total += (1 + (self.kv_source(layer) == layer)) * own.head_dim
             if self.is_sparse(layer):

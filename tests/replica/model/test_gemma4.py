@@ -22,6 +22,7 @@ from replica.config import EngineConfig
 from replica.executor.memory_plan import kv_block_bytes
 from replica.model.adapter_weights import load_peft_adapter
 from replica.model.kv_cache import KVCache
+from replica.model.lora import LoRALinear
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
 from tests.oracle import (
     GEMMA4_EXPERTS,
@@ -97,8 +98,8 @@ def test_each_quirk_bites():
         "per-layer inputs": lambda layer: setattr(layer, "per_layer_input", None),
         "layer scalar": lambda layer: setattr(layer, "scalar", None),
         "v_norm": lambda layer: setattr(layer, "v_norm", False),
-        "k_eq_v": lambda layer: setattr(layer, "k_eq_v", False),
-        "shared KV": lambda layer: setattr(layer, "owns_kv", True),
+        "k_eq_v": _values_from_zero_rows,
+        "shared KV": _own_kv_from_zero_rows,
         "proportional rope": lambda layer: setattr(layer, "rope", plain)
         if layer.spec.head_dim == 32 else None,
     }  # fmt: skip
@@ -118,6 +119,29 @@ def test_each_quirk_bites():
     model.spec = replace(spec, final_soft_cap=None)
     assert (eng.score(p) - want).abs().max() > 0.05, "final soft-cap"
     model.spec = spec
+
+
+def _zero_rows(layer, kv_projections: int) -> None:
+    """Append rows of zeros for `kv_projections` k/v projections to `layer`'s qkv weight."""
+    w = layer.qkv_proj.weight
+    zeros = w.new_zeros(kv_projections * layer.spec.kv_size, w.shape[1])
+    layer.qkv_proj = LoRALinear(torch.cat([w, zeros]), None, layer.qkv_proj.lora)
+
+
+def _values_from_zero_rows(layer) -> None:
+    """A full layer without v_proj made to read its values from rows of zeros, not from
+    k_proj's rows."""
+    if layer.k_eq_v:
+        _zero_rows(layer, 1)
+        layer.k_eq_v = False
+
+
+def _own_kv_from_zero_rows(layer) -> None:
+    """A KV-sharing layer made to write keys and values of its own (zeros) over its source
+    layer's, not to read the source's."""
+    if not layer.owns_kv:
+        _zero_rows(layer, 2)
+        layer.owns_kv = True
 
 
 def test_kv_sharing_layers_hold_no_kv_of_their_own():
@@ -354,3 +378,89 @@ def test_step_memory_is_planned_for_the_widest_layer():
     uniform = replace(spec, layer_head_dims=(), layer_kv_heads=(), layer_intermediate_sizes=())
     args = (config, torch.bfloat16, 64, 64, 1)
     assert step_bytes(spec, *args) == step_bytes(wide, *args) > step_bytes(uniform, *args)
+
+
+def _own_kv_projections(spec, layer: int) -> int:
+    """How many of k_proj and v_proj `layer` has, from the config's fields: none when it
+    reads another layer's KV, k_proj alone on a full layer under attention_k_eq_v."""
+    if spec.kv_sources[layer] != layer:
+        return 0
+    return 1 if spec.k_eq_v and not spec.is_sliding(layer) else 2
+
+
+def test_qkv_weights_hold_only_the_projections_a_layer_has():
+    """A KV-sharing layer's qkv weight is q_proj's rows alone (a full layer's whose values
+    are the keys' q_proj's and k_proj's) and its LoRA group has those slices; the plan's
+    weight bytes are what the model holds, less by exactly the zero k/v rows the plan
+    counted when every layer held q, k and v (an unshared spec's plan, less the k_norms
+    only KV-owning layers have)."""
+    from dataclasses import replace
+
+    from replica.executor.memory_plan import weight_bytes
+    from replica.model.decoder import CausalLM
+    from replica.model.lora_slots import LoRASlotBuffers
+    from tests.engines import held_bytes
+
+    model_dir = family_model_dir("gemma4")
+    spec, meta, b = load_model_spec(model_dir), torch.device("meta"), torch.bfloat16
+    lora = LoRASlotBuffers(spec, 3, 8, meta, b)
+    model = CausalLM(model_dir, meta, b, lora, spec, None, "dummy")
+    h, zero_rows, k_norms = spec.hidden_size, 0, 0
+    for i, layer in enumerate(model.layers):
+        own = spec.layer(i)
+        kv = _own_kv_projections(spec, i)
+        rows = own.q_proj_size + kv * own.kv_size
+        assert layer.qkv_proj.weight.shape == (rows, h), i
+        assert layer.qkv_proj.weight.nbytes == rows * h * b.itemsize
+        names = ("q_proj", "k_proj", "v_proj")[: 1 + kv]
+        group = layer.qkv_proj.lora
+        assert group.slice_names == names and group.slice_offsets[-1] == rows, i
+        zero_rows += (2 - kv) * own.kv_size
+        k_norms += (kv == 0) * own.head_dim
+    assert zero_rows == 2 * (16 * 2) + 2 * 32 + 2 * 32  # 2 sharing layers, 2 with k_eq_v
+    assert weight_bytes(spec, 1, b) == held_bytes(model)
+    unshared = replace(spec, kv_sources=(), k_eq_v=False)
+    every_layer_qkv = weight_bytes(unshared, 1, b) - k_norms * 4  # norms held in fp32
+    assert every_layer_qkv - weight_bytes(spec, 1, b) == zero_rows * h * b.itemsize
+
+
+def test_lora_on_kv_projections_a_layer_lacks_is_skipped_as_peft_drops_it(tmp_path):
+    """An adapter file that also holds k_proj / v_proj LoRA on the layers without them
+    (the KV-sharing layers; v_proj on the full layers): PEFT loads it and drops those
+    tensors (transformers' layers have no such modules), so the served adapter skips them:
+    its report counts k_proj on the 4 layers having it, v_proj on 2, it holds the bytes of
+    the modules it applies, and its logits and greedy tokens in a mixed batch equal
+    transformers + PEFT's."""
+    from safetensors.torch import save_file
+
+    from replica.model.peft_config import AdapterFormatError
+
+    model_dir = family_model_dir("gemma4")
+    spec = load_model_spec(model_dir)
+    path = peft_adapter(model_dir, tmp_path / "qkv", ["q_proj", "k_proj", "v_proj"], r=4,
+                        alpha=8, seed=8)  # fmt: skip
+    plain = load_peft_adapter(path, spec, 64, "qkv")
+    tensors = load_file(path / "adapter_model.safetensors")
+    g, extra = torch.Generator().manual_seed(9), {}
+    for layer in range(spec.num_layers):
+        for module in ("k_proj", "v_proj"):
+            if spec.has_kv_projection(layer, module):
+                continue
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            extra[f"{key}.lora_A.weight"] = torch.randn(4, spec.hidden_size, generator=g)
+            extra[f"{key}.lora_B.weight"] = torch.randn(spec.layer(layer).kv_size, 4, generator=g)
+    assert len(extra) == 2 * (2 + 2 + 2)  # k and v on layers 4, 5; v on layers 1, 3
+    save_file({**tensors, **extra}, path / "adapter_model.safetensors")
+    weights = load_peft_adapter(path, spec, 64, "qkv")
+    assert weights.applied() == {"self_attn.q_proj": 6, "self_attn.k_proj": 4,
+                                 "self_attn.v_proj": 2}  # fmt: skip
+    assert weights.nbytes == plain.nbytes and weights.weights.keys() == plain.weights.keys()
+    eng = engine_for(model_dir, {"qkv": path})
+    got = check_mixed_batch(eng, model_dir, {"qkv": path}, prompts(spec.vocab_size), NEW_TOKENS)
+    assert got["qkv"] != got[None]
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "adapter_config.json").write_text((path / "adapter_config.json").read_text())
+    save_file(extra, only / "adapter_model.safetensors")
+    with pytest.raises(AdapterFormatError, match="12 on k/v projections their layers lack"):
+        load_peft_adapter(only, spec, 64, "only")
