@@ -195,6 +195,22 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
     return params * dtype.itemsize + extra + packed
 
 
+def weights_note(spec: ModelSpec) -> str | None:
+    """What weight_bytes could not count exactly for `spec`, None when it is exact: a
+    quantized Gemma 4 MoE planned from config.json alone, whose experts may be packed per
+    expert or stacked dense (only the checkpoint's tensor names tell; model/spec.py)."""
+    if spec.expert_layout != "gemma4" or spec.experts_unfused is not None or spec.quant is None:
+        return None
+    layer = next(i for i in range(spec.num_layers) if spec.is_sparse(i))
+    paths = [f"{prefix}layers.{layer}.experts.0.gate_proj" for prefix in spec.weight_prefixes]
+    if spec.quant.format_of(*paths) is None:
+        return None  # packed or not, the scheme leaves them dense
+    return (
+        "Gemma 4's experts counted dense, an upper bound: no checkpoint tensors beside "
+        "config.json tell experts packed per expert from stacked ones"
+    )
+
+
 def kv_block_bytes(spec: ModelSpec, tp_size: int, block_size: int, dtype: torch.dtype) -> int:
     return KVCache.bytes_per_block(local_spec(spec, tp_size), block_size, dtype)
 
