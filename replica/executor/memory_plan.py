@@ -159,6 +159,7 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
     the replicated norms (Gemma's in fp32), routers and q/k/v biases (gpt-oss's o_proj,
     router and expert biases too, and its sinks in fp32), Gemma 4's replicated per-layer
     inputs and layer scalars (and the zero k/v columns of its layers without their own),
+    each Gated DeltaNet layer's decay rate in fp32,
     and one cos and one sin table [max_position_embeddings, rotary_dim] per distinct rope
     and rotary_dim."""
     local = local_spec(spec, tp_size)
@@ -191,6 +192,9 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         if spec.per_layer_input_size:  # Gemma 4's per-layer inputs: a norm per layer, one
             norms += spec.num_layers * spec.hidden_size + spec.per_layer_input_size  # of all
         extra += (norms + spec.hidden_size) * (4 - dtype.itemsize)
+    if local.linear_attention is not None:  # each Gated DeltaNet layer's decay rate, fp32
+        linear = local.linear_attention
+        extra += len(linear.layers) * linear.num_value_heads * (4 - dtype.itemsize)
     packed = packed_difference(TPShard(spec, 0, tp_size), dtype)  # model/quant_shares.py
     return params * dtype.itemsize + extra + packed
 
