@@ -158,7 +158,8 @@ def _add_up(p: argparse.ArgumentParser) -> None:
 def _add_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="A Hugging Face model directory: its config.json is enough (no "
-                        "weights are read, no GPU is used).")  # fmt: skip
+                        "weights are read, no GPU is used); the checkpoint's tensor names, "
+                        "when there, tell how a Gemma 4 MoE holds its experts.")  # fmt: skip
     p.add_argument("--gpu-memory", required=True, metavar="SIZE",
                    help="Memory of one GPU, e.g. 80GiB, 141GB or bytes.")  # fmt: skip
     p.add_argument("--tp", type=int, default=1, metavar="N",
@@ -493,7 +494,7 @@ def _plan(args: argparse.Namespace) -> int:
     from cluster.serving import set_path
     from replica.config import EngineConfig
     from replica.device import resolve_dtype
-    from replica.executor.memory_plan import gib, plan_memory
+    from replica.executor.memory_plan import gib, plan_memory, weights_note
     from replica.model.spec import load_model_spec
     from replica.model.weights import checkpoint_bytes
 
@@ -511,6 +512,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_memory(spec, config, dtype, _size_bytes(args.gpu_memory))
     c = config
     stored = checkpoint_bytes(args.model)
+    note = weights_note(spec)
     lines = {
         "model": f"{args.model}: {spec.arch}, {spec.num_parameters() / 1e9:.2f}B parameters, "
         f"{str(dtype).removeprefix('torch.')}, tp_size {c.tp_size}",
@@ -519,7 +521,8 @@ def _plan(args: argparse.Namespace) -> int:
         f"{gib(plan.in_use_bytes)} for the CUDA context",
         "weights": f"{gib(plan.weights_bytes_per_gpu)} per GPU"
         + ("" if spec.quant is None else f", {_packed_what(spec)} packed ({spec.quant.method})")
-        + ("" if stored is None else f" (the checkpoint's index: {gib(stored)} in all)"),
+        + ("" if stored is None else f" (the checkpoint's index: {gib(stored)} in all)")
+        + ("" if note is None else f"; {note}"),
         "activations": f"{gib(plan.activation_bytes)}, estimated for the largest step "
         f"({min(c.max_num_batched_tokens, plan.max_model_len):,} tokens at context "
         f"{plan.max_model_len:,})"
@@ -538,7 +541,7 @@ def _plan(args: argparse.Namespace) -> int:
     for name, line in lines.items():
         print(f"{name:<12} {line}")
     if args.json:
-        print(json.dumps(plan.to_json() | {"checkpoint_bytes": stored}))
+        print(json.dumps(plan.to_json() | {"checkpoint_bytes": stored, "weights_note": note}))
     return 0
 
 

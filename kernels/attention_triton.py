@@ -79,7 +79,8 @@ import triton.language as tl
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
-from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.triton_launch import check_launch
 
 # Attending back this far is attending to everything: no context reaches it (int32).
 _NO_WINDOW = 2**31 - 1
@@ -252,7 +253,7 @@ def prefill_attention_kernel(
 ) -> torch.Tensor:
     """_prefill_kernel over every case (the tests call it directly). Reads no device
     value: the grid is (ceil(n / BLOCK_M), H), host ints."""
-    _check_launch(q, k, v, out)
+    check_launch("attention ops", _prefill_kernel, q, k, v, out)
     n, h, hd = q.shape
     ctx = k.shape[1] if slots is None else slots.shape[0]
     window = _NO_WINDOW if sliding_window is None else min(sliding_window, _NO_WINDOW)
@@ -480,23 +481,6 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     )
 
 
-def _check_launch(*tensors: torch.Tensor) -> None:
-    """What the kernel assumes beyond kernels' shared checks: a device it can run on and
-    unit stride along the last dim (other strides are passed)."""
-    if tensors[0].device.type == "cpu" and not isinstance(
-        _paged_decode_kernel, InterpretedFunction
-    ):
-        raise RuntimeError(
-            "the triton backend got CPU tensors: set TRITON_INTERPRET=1 before triton is "
-            "imported, or use LORAFLEET_KERNELS=torch"
-        )
-    for t in tensors:
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
-                f"triton paged attention needs unit stride on the last dim, got {t.stride()}"
-            )
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [D, H, hd]
     k_cache: torch.Tensor,  # [KVH, num_blocks * block_size, hd]
@@ -517,7 +501,9 @@ def paged_decode_attention(
     from the context length on the device."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _check_launch(q, k_cache, v_cache, block_tables, context_lens, out)
+    check_launch(
+        "attention ops", _paged_decode_kernel, q, k_cache, v_cache, block_tables, context_lens, out
+    )
     d, h, hd = q.shape
     kvh = k_cache.shape[0]
     if d == 0:

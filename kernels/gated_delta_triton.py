@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.gated_delta_batch import StateBatch
+from kernels.triton_launch import check_launch
 
 _EPS = 1e-6  # the l2norm epsilon (kernels.gated_delta_reference.L2NORM_EPS)
 _CHUNK = 64  # BLOCK_T of the chunked kernel: tokens per chunk
@@ -321,19 +321,6 @@ def _chunked_kernel(
     tl.store(row, s, mask=mask_s)
 
 
-def _check_launch(*tensors: torch.Tensor) -> None:
-    if tensors[0].device.type == "cpu" and not isinstance(_conv_kernel, InterpretedFunction):
-        raise RuntimeError(
-            "the triton backend got CPU tensors: set TRITON_INTERPRET=1 before triton is "
-            "imported, or use LORAFLEET_KERNELS=torch"
-        )
-    for t in tensors:
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
-                f"triton gated delta ops need unit stride on the last dim: {t.stride()}"
-            )
-
-
 def causal_conv1d(
     x: torch.Tensor,  # [T, D]
     weight: torch.Tensor,  # [D, K]
@@ -344,7 +331,7 @@ def causal_conv1d(
 ) -> torch.Tensor:  # [T, D], x.dtype
     """See kernels.causal_conv1d (arguments are checked there). Reads no device value."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _check_launch(x, weight, conv_state, out)
+    check_launch("gated delta ops", _conv_kernel, x, weight, conv_state, out)
     t, dim = x.shape
     kernel = weight.shape[1]
     if t == 0:
@@ -379,7 +366,7 @@ def gated_delta_rule(
     chunked one."""
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _check_launch(q, k, v, g, beta, recurrent_state, out)
+    check_launch("gated delta ops", _chunked_kernel, q, k, v, g, beta, recurrent_state, out)
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
     if t == 0:

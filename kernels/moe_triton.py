@@ -24,6 +24,7 @@ import triton.language as tl
 from kernels import sgmv_triton
 from kernels.moe_plan import ExpertPlan, expert_segments
 from kernels.segments import SMALL_TILE_TOKENS, SegmentInfo
+from kernels.triton_launch import check_launch
 
 
 @triton.jit
@@ -75,6 +76,7 @@ def moe_grouped_gemm(
     p, k = x.shape
     e, n, _ = w.shape
     out = torch.empty(p, n, dtype=x.dtype, device=x.device)
+    check_launch("MoE GEMMs", _grouped_gemm_kernel, x, w, out)
     if p == 0:
         return out
     block_m = 16 if plan.max_rows <= SMALL_TILE_TOKENS else 64

@@ -43,6 +43,7 @@ from kernels.quant_formats import (
     PackQuantizedInt4,
     QuantizedWeight,
 )
+from kernels.triton_launch import check_launch
 
 FP8, INT4, MXFP4, NF4 = 0, 1, 2, 3
 ZERO_CONST8, ZERO_PACKED, ZERO_PACKED_PLUS1 = 0, 1, 2
@@ -279,6 +280,7 @@ def _launch(
     act_fp8: bool,
     split_k: int | None,
 ) -> None:
+    check_launch("quantized GEMMs", _quant_gemm_kernel, x, out)
     m, k = x.shape
     n = w.shape[0]
     block_m = 16 if rows[1] <= 16 else 64

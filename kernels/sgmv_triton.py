@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.segments import SMALL_TILE_TOKENS, SegmentInfo
+from kernels.triton_launch import check_launch
 
 _MAX_SLICES = 4  # slice offsets travel as the scalars C0..C4
 # Specialisations a batch's sizes would otherwise multiply (kernels.warm_up compiles the
@@ -286,16 +286,8 @@ def _expand_bgmv_kernel(
 
 
 def _check_launch(seg: SegmentInfo, *tensors: torch.Tensor) -> None:
-    """What the kernels assume beyond kernels' shared checks: a device they can run on,
-    unit stride along rows, contiguous metadata."""
-    if tensors[0].device.type == "cpu" and not isinstance(_shrink_kernel, InterpretedFunction):
-        raise RuntimeError(
-            "the triton backend got CPU tensors: set TRITON_INTERPRET=1 before triton is "
-            "imported, or use LORAFLEET_KERNELS=torch"
-        )
-    for t in tensors:
-        if t.stride(-1) != 1:
-            raise ValueError(f"triton LoRA ops need unit stride on the last dim, got {t.stride()}")
+    """check_launch's checks, and contiguous metadata."""
+    check_launch("LoRA ops", _shrink_kernel, *tensors)
     meta = (seg.seg_indptr, seg.seg_slots, seg.slot_ranks, seg.slot_scalings, seg.slot_offsets)
     if not all(t.is_contiguous() for t in meta):
         raise ValueError("triton LoRA ops need contiguous SegmentInfo tensors")

@@ -6,7 +6,9 @@ weights dequantized: the oracle transformers loads where its quantizer needs a G
 library not installed here.
 
 FORMATS names each layout; `quantize_dir(src, out, fmt, dense=...)` writes it, the modules
-listed in `dense` left unquantized and named in the config's ignore list.
+listed in `dense` left unquantized and named in the config's ignore list;
+`quantize_gemma4` does so with Gemma 4's MoE experts un-fused per expert first
+(llm-compressor's layout).
 """
 
 from __future__ import annotations
@@ -211,4 +213,45 @@ def quantize_dir(src: Path, out: Path, fmt: str, dense: tuple[str, ...] = ()) ->
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = config(list(dense))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return oracle
+
+
+PLE = "model.per_layer_model_projection"  # Gemma 4's, whole on every rank
+
+
+def quantize_gemma4(src: Path, model_dir: Path, fmt: str, ple: bool) -> Path:
+    """quantize_dir for Gemma 4, its MoE experts un-fused per expert first (then packed
+    like the rest) and, with `ple`, per_layer_model_projection packed too. Returns the
+    dense oracle, its experts stacked back as transformers reads them."""
+    unfused = model_dir.with_name(model_dir.name + "-src")
+    shutil.rmtree(unfused, ignore_errors=True)
+    shutil.copytree(src, unfused)
+    tensors = load_file(src / "model.safetensors")
+    for key in [k for k in tensors if k.endswith(".experts.gate_up_proj")]:
+        where = key.removesuffix(".gate_up_proj")
+        gate_up, down = tensors.pop(key), tensors.pop(f"{where}.down_proj")
+        gate, up = gate_up.chunk(2, dim=1)  # [E, I, hidden] each
+        for e in range(gate_up.shape[0]):
+            tensors[f"{where}.{e}.gate_proj.weight"] = gate[e].contiguous()
+            tensors[f"{where}.{e}.up_proj.weight"] = up[e].contiguous()
+            tensors[f"{where}.{e}.down_proj.weight"] = down[e].contiguous()
+    save_file(tensors, unfused / "model.safetensors", metadata={"format": "pt"})
+    oracle = quantize_dir(unfused, model_dir, fmt, () if ple else (PLE,))  # else: ignored
+    packed, dense = (load_file(d / "model.safetensors") for d in (model_dir, oracle))
+    if ple:
+        write, config = FORMATS[fmt]
+        w = packed.pop(f"{PLE}.weight")
+        dense[f"{PLE}.weight"] = dequantize(write(PLE, w, packed, []))
+        save_file(packed, model_dir / "model.safetensors", metadata={"format": "pt"})
+    for key in [k for k in dense if k.endswith(".experts.0.gate_proj.weight")]:
+        where = key.removesuffix(".0.gate_proj.weight")
+        e = sum(k.startswith(f"{where}.") and k.endswith(".gate_proj.weight") for k in dense)
+        proj = {m: [dense.pop(f"{where}.{j}.{m}.weight") for j in range(e)]
+                for m in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+        dense[f"{where}.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(proj["gate_proj"], proj["up_proj"])]
+        )
+        dense[f"{where}.down_proj"] = torch.stack(proj["down_proj"])
+    save_file(dense, oracle / "model.safetensors", metadata={"format": "pt"})
+    shutil.rmtree(unfused)
     return oracle

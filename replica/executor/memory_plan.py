@@ -158,8 +158,9 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
     its vocabulary rows of the embedding and the head (padded to a multiple of tp_size),
     the replicated norms (Gemma's in fp32), routers and q/k/v biases (gpt-oss's o_proj,
     router and expert biases too, and its sinks in fp32), Gemma 4's replicated per-layer
-    inputs and layer scalars, and one cos and one sin table [max_position_embeddings,
-    rotary_dim] per distinct rope and rotary_dim."""
+    inputs and layer scalars, each Gated DeltaNet layer's decay rate in fp32, and one cos
+    and one sin table [max_position_embeddings, rotary_dim] per distinct rope and
+    rotary_dim."""
     local = local_spec(spec, tp_size)
     heads = 1 if spec.tie_word_embeddings else 2
     vocab_rows = -(-spec.vocab_size // tp_size)
@@ -190,8 +191,27 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         if spec.per_layer_input_size:  # Gemma 4's per-layer inputs: a norm per layer, one
             norms += spec.num_layers * spec.hidden_size + spec.per_layer_input_size  # of all
         extra += (norms + spec.hidden_size) * (4 - dtype.itemsize)
+    if local.linear_attention is not None:  # each Gated DeltaNet layer's decay rate, fp32
+        linear = local.linear_attention
+        extra += len(linear.layers) * linear.num_value_heads * (4 - dtype.itemsize)
     packed = packed_difference(TPShard(spec, 0, tp_size), dtype)  # model/quant_shares.py
     return params * dtype.itemsize + extra + packed
+
+
+def weights_note(spec: ModelSpec) -> str | None:
+    """What weight_bytes could not count exactly for `spec`, None when it is exact: a
+    quantized Gemma 4 MoE planned from config.json alone, whose experts may be packed per
+    expert or stacked dense (only the checkpoint's tensor names tell; model/spec.py)."""
+    if spec.expert_layout != "gemma4" or spec.experts_unfused is not None or spec.quant is None:
+        return None
+    layer = next(i for i in range(spec.num_layers) if spec.is_sparse(i))
+    paths = [f"{prefix}layers.{layer}.experts.0.gate_proj" for prefix in spec.weight_prefixes]
+    if spec.quant.format_of(*paths) is None:
+        return None  # packed or not, the scheme leaves them dense
+    return (
+        "Gemma 4's experts counted dense, an upper bound: no checkpoint tensors beside "
+        "config.json tell experts packed per expert from stacked ones"
+    )
 
 
 def kv_block_bytes(spec: ModelSpec, tp_size: int, block_size: int, dtype: torch.dtype) -> int:

@@ -102,12 +102,15 @@ class GatedDeltaNet:
         if not isinstance(out_proj, RowParallelLoRALinear):
             out_proj = LoRALinear(out_proj, None, bufs.get("out_proj"))
         self.out_proj = out_proj
-        self.conv_weight, self.a_log, self.dt_bias = conv_weight, a_log, dt_bias
+        self.conv_weight, self.dt_bias = conv_weight, dt_bias
+        # the decay rate -exp(A_log) in fp32, as transformers computes it from the stored
+        # A_log: once here rather than three kernels per layer every step
+        self.neg_decay_rate = -a_log.float().exp()
         self.norm = GatedRMSNorm(norm_weight, eps)
 
     def weights(self) -> list[torch.Tensor]:
-        return (tensors_of(self.in_proj.weight) + tensors_of(self.out_proj.weight)
-                + [self.conv_weight, self.a_log, self.dt_bias, self.norm.weight])  # fmt: skip
+        small = [self.conv_weight, self.neg_decay_rate, self.dt_bias, self.norm.weight]
+        return tensors_of(self.in_proj.weight) + tensors_of(self.out_proj.weight) + small
 
     def __call__(
         self,
@@ -125,7 +128,7 @@ class GatedDeltaNet:
         qkv = kernels.causal_conv1d(qkv, self.conv_weight, None, conv_state, states, "silu")
         q, k, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=1)
         beta = b.sigmoid()
-        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias)
         o = kernels.gated_delta_rule(
             q.view(t, s.num_key_heads, dk), k.view(t, s.num_key_heads, dk),
             v.view(t, hv, dv), g, beta, recurrent_state, states,

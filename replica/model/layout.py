@@ -262,12 +262,13 @@ class CheckpointLayout:
         """Gemma 4's stacks as transformers holds them: layers.L.experts.gate_up_proj
         [E, 2I, hidden] (gate rows, then up rows) and down_proj [E, hidden, I]; or, from a
         quantized checkpoint that un-fused them (llm-compressor's per-expert layout,
-        layers.L.experts.{e}.<gate|up|down>_proj), packed like other families' experts."""
+        layers.L.experts.{e}.<gate|up|down>_proj), packed like other families' experts.
+        Which of the two: the spec's experts_unfused, as the plan reads it."""
         s = self.spec
         e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
         where = f"{self.prefix}layers.{layer}.experts"
         lo, hi = (0, i) if self.shard is None else self.shard.expert_range
-        if not self.ckpt.has(f"{where}.gate_up_proj") and s.quant is not None:
+        if s.experts_unfused and s.quant is not None:
             return self._packed_experts(where, (lo, hi))  # refuses one left dense, by name
         gate_up = self.ckpt.get(f"{where}.gate_up_proj", (e, 2 * i, h))
         down = self.ckpt.get(f"{where}.down_proj", (e, h, i))

@@ -5,8 +5,8 @@ Pure arithmetic on the model's shape and its QuantScheme, no tensors. One list o
 (packed_shares) walks each layer as the model loads it: attention's q/k/v/o or a Gated
 DeltaNet's in_proj_qkv (its q, k and v rows apart under tensor parallelism: three
 shares), in_proj_z/b/a and out_proj; the dense MLP (also beside Gemma 4's experts), a
-sparse layer's experts (expert 0's path standing for all; Gemma 4's stay dense),
-Qwen3.5-MoE's shared expert;
+sparse layer's experts (expert 0's path standing for all; Gemma 4's only when its
+checkpoint un-fused them, spec.experts_unfused), Qwen3.5-MoE's shared expert;
 Gemma 4's per-layer-input gate and projection and its model-level
 per_layer_model_projection (replicated). A module the scheme leaves
 dense (`ignore`, `modules_to_not_convert`) has no share. The plan (executor/memory_plan.py)
@@ -185,13 +185,15 @@ def _layer_modules(shard: RankShard, layer: int) -> list[tuple[str, tuple[int, i
 
 def _experts(shard: RankShard, layer: int) -> list[tuple[str, tuple[int, int], Parts]]:
     """A sparse layer's experts (expert 0's path for all) and Qwen3.5-MoE's shared expert.
-    Gemma 4's are held as its checkpoints stack them, unquantized (model/layout.py)."""
+    Gemma 4's stacked experts (or, with no checkpoint read, experts it may have stacked)
+    are held dense: no share (model/layout.py reads the same spec.experts_unfused)."""
     s = shard.spec
     h, i = s.hidden_size, s.moe_intermediate_size
     prefix = f"layers.{layer}."
     out = []
-    if s.expert_layout != "gemma4":
-        where = f"{prefix}{s.moe_block}.experts.0."
+    if s.expert_layout != "gemma4" or s.experts_unfused:
+        block = "" if s.expert_layout == "gemma4" else f"{s.moe_block}."
+        where = f"{prefix}{block}experts.0."
         lo, hi = shard.expert_range
         gate, up, down = s.expert_names
         out += [(where + gate, (i, h), [((lo, hi), (0, h))]),

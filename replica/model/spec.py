@@ -7,12 +7,15 @@ count, q/k norms, attention scale, soft-caps and sinks, an attention output gate
 layers slide and their rope, which layers are linear attention (Gated DeltaNet) and their
 shapes, fused checkpoint projections and biases, the MLP's activation, the embedding
 scale, and for mixtures of experts the experts, the router's rule, biases, a shared expert,
-checkpoint layout and which layers are sparse.
+checkpoint layout and which layers are sparse. One fact config.json cannot give, whether
+a Gemma 4 checkpoint holds its experts stacked or un-fused per expert, load_model_spec
+reads from the checkpoint's tensor names when the directory has them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -28,10 +31,12 @@ from replica.model.hf_config import (
 )
 from replica.model.hybrid import LINEAR_MODULES, LinearAttentionSpec
 from replica.model.quant_config import QuantScheme, quant_scheme
+from replica.model.weights import tensor_files
 
 __all__ = ["ModelConfigError", "ModelSpec", "RopeSpec", "load_model_spec", "spec_from_dict"]
 
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNFUSED_EXPERT = re.compile(r"\.layers\.\d+\.experts\.\d+\.")  # Gemma 4's, un-fused
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
@@ -93,6 +98,13 @@ class ModelSpec:
     # mlp.experts.gate_up_proj [E, hidden, 2I] (gate and up columns interleaved) and
     # down_proj [E, I, hidden] with their biases, or their MXFP4 *_blocks / *_scales
     expert_layout: str = "per_expert"
+    # Gemma 4's experts as its checkpoint holds them, read from the tensor names by
+    # load_model_spec (config.json cannot tell): True un-fused per expert
+    # (layers.L.experts.{e}.<gate|up|down>_proj, a quantizer's layout, packed), False
+    # stacked (experts.gate_up_proj / down_proj, as transformers saves them, dense);
+    # None: no checkpoint at hand, read and planned stacked (for a quantized model the
+    # larger: the plan errs high)
+    experts_unfused: bool | None = None
     # --- a quantized checkpoint (model/quant_config.py): how each projection is stored ---
     quant: QuantScheme | None = None
     # --- which layers own a KV pool: per layer, the layer whose K/V it attends over
@@ -323,11 +335,20 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     except ValueError as e:
         raise ModelConfigError(f"{path}: not a JSON config ({e})") from None
     spec = spec_from_dict(cfg, source=str(path))
+    if spec.expert_layout == "gemma4":
+        spec = replace(spec, experts_unfused=_experts_unfused(model_dir))
     # generation_config.json may name more end-of-turn ids (Llama-3 Instruct's <|eot_id|>
     # lives only there): they end generation too
     extra = _as_tuple(read_generation_config(model_dir).get("eos_token_id"))
     eos = spec.eos_token_ids + tuple(t for t in extra if t not in spec.eos_token_ids)
     return replace(spec, eos_token_ids=eos)
+
+
+def _experts_unfused(model_dir: str | Path) -> bool | None:
+    """Whether the checkpoint in `model_dir` holds Gemma 4's experts un-fused per expert,
+    from its tensor names (no tensor read); None without a checkpoint there."""
+    names = tensor_files(model_dir)
+    return None if names is None else any(map(UNFUSED_EXPERT.search, names))
 
 
 def read_generation_config(model_dir: str | Path) -> dict[str, Any]:

@@ -40,7 +40,13 @@ class Checkpoint:
 
     def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
-        self._files = _tensor_files(self.dir)  # name -> shard file
+        files = tensor_files(self.dir)  # name -> shard file
+        if files is None:
+            raise WeightLoadError(
+                f"{self.dir}: no model.safetensors or model.safetensors.index.json "
+                "(only safetensors checkpoints are supported)"
+            )
+        self._files = files
         self._handles: dict[Path, Any] = {}
         self._read: set[str] = set()
 
@@ -212,16 +218,20 @@ def checkpoint_bytes(model_dir: str | Path) -> int | None:
     return int(total) if isinstance(total, int | float) else None
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
+def tensor_files(model_dir: str | Path) -> dict[str, Path] | None:
+    """Each tensor's name -> the file holding it, from model.safetensors.index.json's
+    weight_map or model.safetensors' header (no tensor read); None when the directory holds
+    neither (a config.json alone)."""
+    model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / fname for name, fname in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: model_dir / fname for name, fname in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise WeightLoadError(f"{index}: no weight_map of tensor names to files") from None
     single = model_dir / "model.safetensors"
     if not single.is_file():
-        raise WeightLoadError(
-            f"{model_dir}: no model.safetensors or model.safetensors.index.json "
-            "(only safetensors checkpoints are supported)"
-        )
+        return None
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}

@@ -178,6 +178,31 @@ def test_plan_counts_a_block_fp8_qwen3_5_moe_packed(capsys, tmp_path):
     assert "layers.0.linear_attn.in_proj_qkv (fp8): its output rows 0:16 on rank 0" in line
 
 
+def test_plan_counts_gemma4_moe_experts_packed_when_the_checkpoint_holds_them_so(capsys, tmp_path):
+    """A W4A16 Gemma 4 MoE with its experts un-fused per expert and packed: the plan's
+    weights are what the loaded model holds (bf16), read from the checkpoint's tensor
+    names; from its config.json alone the experts count dense, said on the weights line
+    and in the JSON."""
+    from replica.model.decoder import CausalLM
+    from tests.engines import held_bytes
+    from tests.quant_checkpoints import quantize_gemma4
+
+    model = tmp_path / "w4a16"
+    quantize_gemma4(family_model_dir("gemma4moe"), model, "ct-w4a16-g16", ple=False)
+    got = plan_json(capsys, "--model", str(model), "--gpu-memory", "1GiB")
+    assert got["weights_bytes_per_gpu"] == held_bytes(CausalLM(model, "cpu", torch.bfloat16))
+    assert got["weights_note"] is None
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(model / "config.json", config_only)
+    alone = plan_json(capsys, "--model", str(config_only), "--gpu-memory", "1GiB")
+    assert alone["weights_bytes_per_gpu"] > got["weights_bytes_per_gpu"]
+    assert "experts counted dense, an upper bound" in alone["weights_note"]
+    _, out, _ = run_cli(capsys, "plan", "--model", str(config_only), "--gpu-memory", "1GiB")
+    weights = next(line for line in out.splitlines() if line.startswith("weights"))
+    assert alone["weights_note"] in weights
+
+
 def test_an_unserved_quantized_checkpoint_is_refused_on_every_command(
     capsys,
     tmp_path,

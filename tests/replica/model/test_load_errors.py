@@ -54,6 +54,21 @@ def test_missing_weight_is_named(model_copy):
         CausalLM(model_copy)
 
 
+def test_an_index_without_a_weight_map_is_named(model_copy):
+    """A model.safetensors.index.json that maps no names to files is refused by its path,
+    by the loader and, for Gemma 4 MoE, whose spec reads the tensor names, by the spec."""
+    from cluster.demo.families import family_model_dir
+
+    gemma = model_copy.with_name("gemma4moe")
+    shutil.copytree(family_model_dir("gemma4moe"), gemma)
+    for model_dir in (model_copy, gemma):
+        (model_dir / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(WeightLoadError, match=r"index.json: no weight_map"):
+        CausalLM(model_copy)
+    with pytest.raises(WeightLoadError, match=r"index.json: no weight_map"):
+        load_model_spec(gemma)
+
+
 def test_mismatched_shape_is_named(model_copy):
     edit_config(model_copy, intermediate_size=96)
     with pytest.raises(WeightLoadError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape"):

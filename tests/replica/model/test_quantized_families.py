@@ -18,15 +18,15 @@ Linear modules skips the 3D stacks) or un-fused per expert and packed.
 
 from __future__ import annotations
 
+import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from cluster.demo.families import family_model_dir
-from kernels import AwqInt4, Fp8Weight, GptqInt4, PackQuantizedInt4, dequantize
+from kernels import AwqInt4, Fp8Weight, GptqInt4, PackQuantizedInt4
 from replica.executor import memory_plan as mp
 from replica.model.decoder import CausalLM
 from replica.model.quant_weights import PackedLinear
@@ -44,7 +44,7 @@ from tests.oracle import (
     hf_model,
     peft_adapter,
 )
-from tests.quant_checkpoints import FORMATS, quantize_dir
+from tests.quant_checkpoints import PLE, quantize_dir, quantize_gemma4
 from tests.replica.model.families import LOGIT_ATOL, MARGIN, engine_for, prompts, router_margin
 
 NEW_TOKENS = 6
@@ -262,47 +262,6 @@ def test_quantized_hybrid_and_gemma4_on_two_ranks_equal_one(
     check_tp2_equals_tp1(model_dir, adapters, f"{family} {fmt}")
 
 
-PLE = "model.per_layer_model_projection"
-
-
-def quantize_gemma4(src: Path, model_dir: Path, fmt: str, ple: bool) -> Path:
-    """quantize_dir for Gemma 4, its MoE experts un-fused per expert first (then packed
-    like the rest) and, with `ple`, per_layer_model_projection packed too. Returns the
-    dense oracle, its experts stacked back as transformers reads them."""
-    unfused = model_dir.with_name(model_dir.name + "-src")
-    shutil.rmtree(unfused, ignore_errors=True)
-    shutil.copytree(src, unfused)
-    tensors = load_file(src / "model.safetensors")
-    for key in [k for k in tensors if k.endswith(".experts.gate_up_proj")]:
-        where = key.removesuffix(".gate_up_proj")
-        gate_up, down = tensors.pop(key), tensors.pop(f"{where}.down_proj")
-        gate, up = gate_up.chunk(2, dim=1)  # [E, I, hidden] each
-        for e in range(gate_up.shape[0]):
-            tensors[f"{where}.{e}.gate_proj.weight"] = gate[e].contiguous()
-            tensors[f"{where}.{e}.up_proj.weight"] = up[e].contiguous()
-            tensors[f"{where}.{e}.down_proj.weight"] = down[e].contiguous()
-    save_file(tensors, unfused / "model.safetensors", metadata={"format": "pt"})
-    oracle = quantize_dir(unfused, model_dir, fmt, () if ple else (PLE,))  # else: ignored
-    packed, dense = (load_file(d / "model.safetensors") for d in (model_dir, oracle))
-    if ple:
-        write, config = FORMATS[fmt]
-        w = packed.pop(f"{PLE}.weight")
-        dense[f"{PLE}.weight"] = dequantize(write(PLE, w, packed, []))
-        save_file(packed, model_dir / "model.safetensors", metadata={"format": "pt"})
-    for key in [k for k in dense if k.endswith(".experts.0.gate_proj.weight")]:
-        where = key.removesuffix(".0.gate_proj.weight")
-        e = sum(k.startswith(f"{where}.") and k.endswith(".gate_proj.weight") for k in dense)
-        proj = {m: [dense.pop(f"{where}.{j}.{m}.weight") for j in range(e)]
-                for m in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
-        dense[f"{where}.gate_up_proj"] = torch.stack(
-            [torch.cat([g, u]) for g, u in zip(proj["gate_proj"], proj["up_proj"])]
-        )
-        dense[f"{where}.down_proj"] = torch.stack(proj["down_proj"])
-    save_file(dense, oracle / "model.safetensors", metadata={"format": "pt"})
-    shutil.rmtree(unfused)
-    return oracle
-
-
 GEMMA4_CASES = [("gemma4", "fp8-block", True), ("gemma4", "ct-w4a16-g16", False),
                 ("gemma4moe", "fp8-block", False)]  # fmt: skip
 
@@ -330,12 +289,41 @@ def test_quantized_gemma4_with_adapters_matches_transformers_on_its_dequantizati
             assert [type(w) for w in layer.experts.packed] == [PACKED[fmt]] * 3
     assert isinstance(model.per_layer_inputs.projection, PackedLinear) == ple
     spec = eng.spec
-    planned = mp.weight_bytes(spec, 1, torch.float32)
-    if family == "gemma4":
-        assert planned == held_bytes(model)
-    else:  # config.json cannot tell un-fused packed experts from stacks left dense: the
-        assert planned > held_bytes(model)  # plan counts them dense, never short
+    assert mp.weight_bytes(spec, 1, torch.float32) == held_bytes(model)
     check_mixed_batch(eng, oracle, adapters, prompts(spec.vocab_size), NEW_TOKENS)
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16-g16", "fp8-block", "ct-fp8-channel"])
+def test_the_plan_counts_gemma4_moe_experts_as_the_checkpoint_holds_them(tmp_path, fmt):
+    """Gemma 4 MoE experts un-fused per expert and packed (llm-compressor's layout, read
+    from the index's tensor names) and stacked dense (a Linear-targeting quantizer's,
+    read from the header's): the plan's weight bytes are what the model holds, at TP=1
+    and as rank 0 of 2 where the format splits; from config.json alone, stacked."""
+    src = family_model_dir("gemma4moe")
+    unfused, stacked = tmp_path / "unfused", tmp_path / "stacked"
+    quantize_gemma4(src, unfused, fmt, ple=False)
+    quantize_dir(src, stacked, fmt, (PLE,))
+    shard = unfused / "model-00001-of-00001.safetensors"
+    (unfused / "model.safetensors").rename(shard)
+    index = {"metadata": {}, "weight_map": {k: shard.name for k in load_file(shard)}}
+    (unfused / "model.safetensors.index.json").write_text(json.dumps(index))
+    held = {}
+    for model_dir, unfused_experts in ((unfused, True), (stacked, False)):
+        spec = load_model_spec(model_dir)
+        assert spec.experts_unfused is unfused_experts, model_dir.name
+        held[model_dir] = held_bytes(CausalLM(model_dir, "cpu", torch.float32, spec=spec))
+        assert mp.weight_bytes(spec, 1, torch.float32) == held[model_dir], model_dir.name
+        if fmt != "fp8-block":  # 128-row blocks: the tiny model's q rows cannot split
+            rank = TPRank(TPShard(spec, 0, 2), None)
+            model = CausalLM(model_dir, "cpu", torch.float32, None, spec, rank)
+            assert mp.weight_bytes(spec, 2, torch.float32) == held_bytes(model), model_dir.name
+    assert held[unfused] < held[stacked]
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(unfused / "config.json", config_only)
+    spec = load_model_spec(config_only)
+    assert spec.experts_unfused is None
+    assert mp.weight_bytes(spec, 1, torch.float32) == held[stacked]
 
 
 @pytest.mark.parametrize(

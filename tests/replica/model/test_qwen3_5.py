@@ -132,7 +132,7 @@ def test_each_quirk_bites(qwen35):
     changes = [
         ("output gate", full.qkv_proj, "weight", ungated),
         ("conv", linear, "conv_weight", identity_conv),
-        ("decay", linear, "a_log", torch.full_like(linear.a_log, -30.0)),
+        ("decay", linear, "neg_decay_rate", torch.zeros_like(linear.neg_decay_rate)),
         ("gated norm", linear.norm, "weight", torch.ones_like(linear.norm.weight)),
     ]
     for quirk, obj, attr, value in changes:
