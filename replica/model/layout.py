@@ -367,10 +367,22 @@ class CheckpointLayout:
     def _known_unread(self, name: str) -> bool:
         if self.spec.tie_word_embeddings and name in LM_HEADS:
             return True
+        if self._borrowed_kv_tensor(name):
+            return True
         return any(
             rule.arch in (None, self.spec.arch) and re.match(rule.pattern, name)
             for rule in KNOWN_UNREAD
         )
+
+    def _borrowed_kv_tensor(self, name: str) -> bool:
+        """Whether `name` is a k/v projection or norm of a layer that attends over another
+        layer's KV (Gemma 4's KV-sharing layers): a checkpoint may hold them, unused, and
+        transformers drops them on load too (its _keys_to_ignore_on_load_unexpected)."""
+        if not self.spec.kv_sources:
+            return False
+        where = re.escape(self.prefix)
+        m = re.match(rf"{where}layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", name)
+        return m is not None and self.spec.kv_source(int(m[1])) != int(m[1])
 
     def _name(self, layer: int, module: str, kind: str) -> str:
         return f"{self.module_path(layer, module)}.{kind}"

@@ -12,10 +12,11 @@ a final soft-cap of 15. Prompts of 5 and 40 tokens prefill in 16-token chunks.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from cluster.demo.families import family_model_dir
 from replica.config import EngineConfig
@@ -24,6 +25,7 @@ from replica.model.adapter_weights import load_peft_adapter
 from replica.model.kv_cache import KVCache
 from replica.model.lora import LoRALinear
 from replica.model.spec import ModelConfigError, load_model_spec, spec_from_dict
+from replica.model.weights import WeightLoadError
 from tests.oracle import (
     GEMMA4_EXPERTS,
     check_mixed_batch,
@@ -464,3 +466,32 @@ def test_lora_on_kv_projections_a_layer_lacks_is_skipped_as_peft_drops_it(tmp_pa
     save_file(extra, only / "adapter_model.safetensors")
     with pytest.raises(AdapterFormatError, match="12 on k/v projections their layers lack"):
         load_peft_adapter(only, spec, 64, "only")
+
+
+def test_a_checkpoint_holding_kv_sharing_layers_own_kv_tensors_loads_as_transformers(tmp_path):
+    """A checkpoint may hold k/v projections and norms on the KV-sharing layers (4 and 5),
+    which attend over layers 2's and 3's KV: transformers drops them on load, and so do we
+    (the logits are both engines' on the checkpoint without them); any other tensor there
+    is still refused by name."""
+    model_dir = family_model_dir("gemma4")
+    copy = tmp_path / "gemma4"
+    shutil.copytree(model_dir, copy)
+    tensors = load_file(copy / "model.safetensors")
+    spec = load_model_spec(model_dir)
+    gen = torch.Generator().manual_seed(3)
+    for layer in (4, 5):
+        own = spec.layer(layer)
+        where = f"model.layers.{layer}.self_attn."
+        for proj in ("k_proj", "v_proj"):
+            rows = own.num_kv_heads * own.head_dim
+            tensors[where + proj + ".weight"] = torch.randn(rows, spec.hidden_size, generator=gen)
+        tensors[where + "k_norm.weight"] = torch.randn(own.head_dim, generator=gen)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    p = prompts(spec.vocab_size)[1]
+    want = engine_for(model_dir, {}).score(p)
+    assert torch.equal(engine_for(copy, {}).score(p), want)
+    assert torch.allclose(hf_logits(hf_model(copy, eager=True), p), want, atol=LOGIT_ATOL)
+    tensors["model.layers.4.self_attn.extra_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="'model.layers.4.self_attn.extra_proj.weight'"):
+        engine_for(copy, {})
