@@ -1,0 +1,277 @@
+"""Every served family read and planned at its real published shapes, transformers the oracle.
+
+The tiny models of cluster/demo/families.py test the decoder's numerics; a deployment reads
+a Hub config.json at flagship shapes instead (nested rope_parameters, layer_types, per-layer
+head dims, Gemma 4's per-layer inputs over a 262k vocabulary, Qwen3.5's text_config, gpt-oss's
+MXFP4 quantization_config, MoE fields). For each config in tests/published_configs/ (where
+each comes from: its README.md), transformers builds the language model on the meta device
+(no memory, so a 400B model is fine) and its parameters are the oracle for our spec's count,
+every layer's projection shapes and the memory plan's weight bytes. Vision towers, audio
+towers and multi-token-prediction layers are not served and not built.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from functools import cache
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from replica.config import EngineConfig
+from replica.executor.memory_plan import (
+    MemoryPlanError,
+    kv_block_bytes,
+    plan_memory,
+    weight_bytes,
+)
+from replica.model.hf_config import ModelConfigError
+from replica.model.spec import ModelSpec, load_model_spec
+from replica.model.tp_shard import TPShard
+from tests.model_dirs import PUBLISHED
+
+NAMES = sorted(p.name for p in PUBLISHED.iterdir() if (p / "config.json").is_file())
+GiB, GB = 2**30, 10**9
+GPUS = {"H100 80GiB": 80 * GiB, "H200 141GB": 141 * GB}
+# What ModelSpec.num_parameters leaves aside (weight_bytes adds them): biases, gpt-oss's
+# expert biases and attention sinks.
+NOT_COUNTED = re.compile(r"(\.bias|_proj_bias|\.sinks)$")
+# The linear-attention layer's gated norm stays in the model's dtype; every other norm of a
+# Gemma-style model is held in fp32 (weight_bytes' docstring)
+NORM = re.compile(r"norm(_\d)?\.weight$")
+MXFP4_EXPERTS = re.compile(r"experts\.(gate_up|down)_proj$")
+
+
+@cache
+def hf_tensors(name: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor transformers' language model of `name` holds in its
+    checkpoint: parameters (tied ones once) and persistent buffers (Gemma 4's layer
+    scalars), built on the meta device from the config's text part."""
+    config = AutoConfig.from_pretrained(PUBLISHED / name)
+    text = getattr(config, "text_config", None) or config
+    if hasattr(text, "quantization_config"):  # the dequantized model: MXFP4 needs a GPU
+        del text.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text)
+    tensors = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for module_name, module in model.named_modules():
+        for b, buf in module._buffers.items():
+            if buf is not None and b not in module._non_persistent_buffers_set:
+                tensors[f"{module_name}.{b}"] = tuple(buf.shape)
+    return tensors
+
+
+@cache
+def spec_of(name: str) -> ModelSpec:
+    return load_model_spec(PUBLISHED / name)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def rope_table_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """One cos and one sin table per distinct (rope, rotary_dim), weight_bytes' extra."""
+    ropes: list = []
+    for i in range(spec.num_layers):
+        key = (spec.rope(i), spec.layer(i).rotary_dim)
+        if key not in ropes:
+            ropes.append(key)
+    return sum(2 * spec.max_position_embeddings * dim for _, dim in ropes) * dtype.itemsize
+
+
+def held_in_fp32(spec: ModelSpec, name: str) -> bool:
+    """Whether our model holds checkpoint tensor `name` in fp32 rather than the dtype."""
+    if name.endswith((".sinks", ".A_log")):
+        return True
+    gemma_norms = spec.gemma_norm or spec.norm_fp32_weight
+    return gemma_norms and bool(NORM.search(name)) and ".linear_attn." not in name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameter_count_matches_transformers(name):
+    hf = sum(numel(s) for n, s in hf_tensors(name).items() if not NOT_COUNTED.search(n))
+    assert spec_of(name).num_parameters() == hf
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_layers_projections_have_transformers_shapes(name):
+    spec, hf = spec_of(name), hf_tensors(name)
+    prefix = "model."
+    for layer in range(spec.num_layers):
+        own = spec.layer(layer)
+        shapes = own.module_shapes() | {
+            fused: (own.module_shapes()[parts[0]][0],
+                    sum(own.module_shapes()[p][1] for p in parts))
+            for fused, parts in own.fused_modules().items()
+        }  # fmt: skip
+        if spec.is_linear(layer):
+            modules = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+        elif spec.fused_qkv:
+            modules = ["qkv_proj", "o_proj"]
+        else:
+            modules = [*spec.qkv_modules(layer), "o_proj"]
+        if not spec.is_sparse(layer) or spec.moe_beside_mlp:
+            modules += ["gate_up_proj", "down_proj"] if spec.fused_gate_up else \
+                ["gate_proj", "up_proj", "down_proj"]  # fmt: skip
+        for module in modules:
+            path = f"{spec.module_path(layer, module, prefix)}.weight"
+            k, n = shapes[module]
+            assert hf[path] == (n, k), f"{path}: ours {(n, k)}, transformers {hf[path]}"
+        attention = [m for m in ("q_proj", "k_proj", "v_proj", "qkv_proj")
+                     if f"{prefix}layers.{layer}.self_attn.{m}.weight" in hf]  # fmt: skip
+        if not spec.is_linear(layer):  # no projection transformers has that we do not read
+            assert set(attention) <= set(modules), (layer, attention, modules)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weight_bytes_at_tp1_are_transformers_tensors_and_named_extras(name):
+    """Weights in bf16, dequantized: every tensor transformers holds, in bf16 but the fp32
+    ones weight_bytes names, plus the rope tables; nothing else."""
+    spec, dtype = replace(spec_of(name), quant=None), torch.bfloat16
+    tensors = hf_tensors(name)
+    expected = sum(numel(s) * (4 if held_in_fp32(spec, n) else 2) for n, s in tensors.items())
+    assert weight_bytes(spec, 1, dtype) == expected + rope_table_bytes(spec, dtype)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("gpt-oss")])
+def test_gpt_oss_weight_bytes_hold_the_experts_in_mxfp4(name):
+    """The Hub's gpt-oss keeps its experts' weights in MXFP4 (a byte per two values and a
+    scale byte per 32: 17 bytes per 32 values), the rest in bf16."""
+    spec, dtype = spec_of(name), torch.bfloat16
+    assert spec.quant is not None and spec.quant.method == "mxfp4"
+    expected = sum(
+        numel(s) * 17 // 32 if MXFP4_EXPERTS.search(n) else
+        numel(s) * (4 if held_in_fp32(spec, n) else 2)
+        for n, s in hf_tensors(name).items()
+    )  # fmt: skip
+    assert weight_bytes(spec, 1, dtype) == expected + rope_table_bytes(spec, dtype)
+
+
+def vllm_splits(spec: ModelSpec, tp: int) -> bool:
+    """Whether vLLM serves the model at `tp`: its attention heads (and a hybrid model's
+    linear-attention heads) divide evenly; KV heads fewer than tp are replicated."""
+    heads = [spec.num_heads]
+    if spec.linear_attention is not None:
+        heads += [spec.linear_attention.num_key_heads, spec.linear_attention.num_value_heads]
+    return all(h % tp == 0 for h in heads)
+
+
+def mxfp4_group_cut(spec: ModelSpec, tp: int) -> bool:
+    """Whether an even split of the experts' intermediate columns cuts an MXFP4 group of 32."""
+    quant = spec.quant
+    return (
+        quant is not None
+        and quant.method == "mxfp4"
+        and (spec.moe_intermediate_size // tp) % 32 != 0
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_tp_size_and_gpu_plans_or_refuses_in_one_line(name):
+    """At tp 1/2/4/8 on an H100 and an H200: a plan, or one line saying what to change; a
+    tp vLLM serves the model at is refused only for memory or a genuinely cut MXFP4 group."""
+    spec = spec_of(name)
+    for tp in (1, 2, 4, 8):
+        config = EngineConfig(model=str(PUBLISHED / name), device="cuda", tp_size=tp)
+        for gpu, size in GPUS.items():
+            try:
+                plan = plan_memory(spec, config, torch.bfloat16, size)
+            except (MemoryPlanError, ModelConfigError) as e:
+                line = str(e)
+                assert "\n" not in line and line, (name, tp, gpu)
+                if isinstance(e, ModelConfigError) and vllm_splits(spec, tp):
+                    assert mxfp4_group_cut(spec, tp), f"{name} tp {tp}: {line}"
+                    assert "cannot split the quantized model" in line
+                continue
+            assert plan.weights_bytes_per_gpu > 0 and plan.kv_cache_tokens > 0
+            assert plan.max_model_len >= 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_tp_shard_splits_every_layer_into_the_whole(name):
+    """At every tp the model splits at, the ranks' heads and MLP columns add up to the
+    model's, layer by layer (Gemma 4's full layers with their own head_dim and KV heads)."""
+    spec = replace(spec_of(name), quant=None)
+    for tp in (2, 4, 8):
+        try:
+            shard = TPShard(spec, 0, tp)
+        except ModelConfigError:
+            assert not vllm_splits(spec, tp), f"{name} tp {tp}"
+            continue
+        for layer in range(spec.num_layers):
+            local, own = shard.layer(layer).local_spec, spec.layer(layer)
+            assert local.num_heads * tp == own.num_heads
+            assert local.head_dim == own.head_dim
+            assert local.intermediate_size * tp == own.intermediate_size
+            assert max(local.num_kv_heads * tp, local.num_kv_heads) >= own.num_kv_heads
+
+
+# How a rank holds each of transformers' tensors (Megatron's split, as vLLM serves it):
+# column-parallel ones by their rows, row-parallel ones by their input columns, the stacked
+# experts by their intermediate columns, the vocabulary by rows padded to a multiple of tp;
+# KV heads fewer than tp replicated; the rest (norms, routers, Gemma 4's per-layer inputs
+# and layer scalars, o_proj's bias, added after the all-reduce) whole on every rank.
+BY_ROWS = re.compile(
+    r"(q_proj\.(weight|bias)|(gate|up|gate_up)_proj\.weight|in_proj_\w+\.weight|"
+    r"conv1d\.weight|A_log|dt_bias|sinks|experts\.(gate_up|down)_proj|gate_up_proj_bias)$"
+)
+BY_COLUMNS = re.compile(r"(o_proj|down_proj|out_proj)\.weight$")
+KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
+VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
+LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def rank0_numel(spec: ModelSpec, name: str, shape: tuple[int, ...], tp: int) -> int:
+    """Elements of transformers' tensor `name` that rank 0 of `tp` holds."""
+    n = numel(shape)
+    if VOCAB.search(name):
+        return -(-shape[0] // tp) * shape[1]
+    match = LAYER.search(name)
+    own = spec.layer(int(match.group(1))) if match else spec
+    if KV.search(name):
+        return n * max(own.num_kv_heads // tp, 1) // own.num_kv_heads
+    if name.endswith("self_attn.qkv_proj.weight"):  # Phi-3's fused q, k, v
+        q, kv = own.q_size, own.kv_size
+        return (q // tp + 2 * kv * max(own.num_kv_heads // tp, 1) // own.num_kv_heads) * shape[1]
+    if BY_ROWS.search(name) or BY_COLUMNS.search(name):
+        return n // tp
+    return n
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weight_bytes_per_rank_are_rank0s_share_of_transformers_tensors(name):
+    spec, dtype = replace(spec_of(name), quant=None), torch.bfloat16
+    tensors = hf_tensors(name)
+    for tp in (2, 4, 8):
+        if not vllm_splits(spec, tp):
+            continue
+        expected = sum(rank0_numel(spec, n, s, tp) * (4 if held_in_fp32(spec, n) else 2)
+                       for n, s in tensors.items())  # fmt: skip
+        got = weight_bytes(spec, tp, dtype) - rope_table_bytes(spec, dtype)
+        assert got == expected, f"tp {tp}: ours {got:,} B, rank 0's share {expected:,} B"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kv_block_bytes_hold_each_kv_layers_keys_and_values(name):
+    """A block holds, per layer that keeps KV (transformers' layers with a k_proj of their
+    own, not linear attention), block_size tokens of keys and values of that layer's
+    k_proj width, a rank's share of its KV heads (replicated below one head per rank)."""
+    spec, hf, block = replace(spec_of(name), quant=None), hf_tensors(name), 16
+    for tp in (1, 2, 4, 8):
+        if not vllm_splits(spec, tp):
+            continue
+        per_token = 0
+        for layer in range(spec.num_layers):
+            k_proj = f"model.layers.{layer}.self_attn.k_proj.weight"
+            qkv = hf.get(f"model.layers.{layer}.self_attn.qkv_proj.weight")
+            own = spec.layer(layer)
+            if k_proj in hf or qkv is not None:
+                width = hf[k_proj][0] if k_proj in hf else own.kv_size  # Phi-3: fused
+                per_token += 2 * width * max(own.num_kv_heads // tp, 1) // own.num_kv_heads
+        assert kv_block_bytes(spec, tp, block, torch.bfloat16) == per_token * block * 2, tp
