@@ -418,10 +418,12 @@ def plan_memory(
     )
     if left < 0:
         parts = " + ".join(f"{name} {gib(n)}" for name, n in fixed.items())
+        hint = "more tensor-parallel ranks split the weights"
+        if weights <= budget:  # what else is sized by the engine's settings
+            hint = "raise tp_size, or lower engine.max_num_batched_tokens or engine.max_num_seqs"
         raise MemoryPlanError(
             f"{spec.arch} at tp_size={tp} does not fit: {parts} exceed {where} by "
-            f"{gib(-left)} before any KV cache"
-            + (" (more tensor-parallel ranks split the weights)" if weights > budget else "")
+            f"{gib(-left)} before any KV cache ({hint})"
         )
     rest = left if c.kv_cache_bytes is None else left - c.kv_cache_bytes
     if rest < 0:

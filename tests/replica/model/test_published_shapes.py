@@ -275,3 +275,21 @@ def test_kv_block_bytes_hold_each_kv_layers_keys_and_values(name):
                 width = hf[k_proj][0] if k_proj in hf else own.kv_size  # Phi-3: fused
                 per_token += 2 * width * max(own.num_kv_heads // tp, 1) // own.num_kv_heads
         assert kv_block_bytes(spec, tp, block, torch.bfloat16) == per_token * block * 2, tp
+
+
+def test_a_model_whose_weights_fit_but_not_with_its_working_memory_is_told_what_to_lower():
+    """Qwen3.6-35B-A3B on one H100: 64.6 GiB of weights fit the 71.5 GiB budget, but not
+    with the activations and the linear-attention state pool of 64 sequences; the refusal
+    names the settings that size them, and lowering them as it says (and the adapters' rank:
+    one of rank 64 over 256 experts in 40 layers is 9.5 GiB) gives a plan."""
+    model = PUBLISHED / "Qwen3.6-35B-A3B"
+    spec, size = spec_of(model.name), GPUS["H100 80GiB"]
+    config = EngineConfig(model=str(model), device="cuda")
+    with pytest.raises(MemoryPlanError) as refused:
+        plan_memory(spec, config, torch.bfloat16, size)
+    assert "state pool" in str(refused.value) and "before any KV cache" in str(refused.value)
+    assert "lower engine.max_num_batched_tokens or engine.max_num_seqs" in str(refused.value)
+    lower = EngineConfig(
+        model=str(model), device="cuda", max_num_seqs=16, max_model_len=32768, max_lora_rank=8
+    )
+    assert plan_memory(spec, lower, torch.bfloat16, size).kv_cache_tokens >= 32768
