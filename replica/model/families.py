@@ -61,20 +61,39 @@ QWEN3_5_TEXT_DEFAULTS: Config = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 32768,
 }
-# Config values a family's config.json may leave out, as transformers fills them in.
+# Config values a family's config.json may leave out, as transformers fills them in (its
+# <Family>Config's defaults; the context length, norm epsilon, rope base and window differ
+# by family, and a file without them is read as transformers reads it)
+QWEN_CONTEXT: Config = {"max_position_embeddings": 32768}
 CONFIG_DEFAULTS: dict[str, Config] = {
-    "gemma2": {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131_072, "sliding_window": 4096},
+    "mixtral": {
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1_000_000.0,
+    },
+    "qwen2": QWEN_CONTEXT,
+    "qwen3": QWEN_CONTEXT,
+    "gemma2": {
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+    },
     "gemma3": GEMMA3_TEXT_DEFAULTS,
     "gemma3_text": GEMMA3_TEXT_DEFAULTS,
-    "phi3": {"original_max_position_embeddings": 4096},
+    "phi3": {"original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "gemma4": GEMMA4_TEXT_DEFAULTS,
     "gemma4_text": GEMMA4_TEXT_DEFAULTS,
-    "qwen3_moe": {"decoder_sparse_step": 1, "norm_topk_prob": False},
+    "qwen3_moe": {**QWEN_CONTEXT, "decoder_sparse_step": 1, "norm_topk_prob": False},
     "qwen3_5": QWEN3_5_TEXT_DEFAULTS,
     "qwen3_5_text": QWEN3_5_TEXT_DEFAULTS,
     "qwen3_5_moe": {**QWEN3_5_TEXT_DEFAULTS, "intermediate_size": 0},  # no dense MLP
     "qwen3_5_moe_text": {**QWEN3_5_TEXT_DEFAULTS, "intermediate_size": 0},
     "gpt_oss": {  # GptOssConfig's defaults, which the Hub's config.json leaves out
+        "max_position_embeddings": 131_072,
         "attention_bias": True,
         "head_dim": 64,
         "rms_norm_eps": 1e-5,

@@ -12,8 +12,9 @@ towers and multi-token-prediction layers are not served and not built.
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import cache
 
 import pytest
@@ -293,3 +294,50 @@ def test_a_model_whose_weights_fit_but_not_with_its_working_memory_is_told_what_
         model=str(model), device="cuda", max_num_seqs=16, max_model_len=32768, max_lora_rank=8
     )
     assert plan_memory(spec, lower, torch.bfloat16, size).kv_cache_tokens >= 32768
+
+
+# What a config must state; everything else a family's config class defaults
+SHAPE_KEYS = {
+    "model_type", "architectures", "text_config", "quantization_config", "layer_types",
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "num_local_experts", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "enable_moe_block", "top_k_experts", "global_head_dim", "num_global_key_value_heads",
+    "attention_k_eq_v", "num_kv_shared_layers", "hidden_size_per_layer_input",
+    "use_double_wide_mlp", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim",
+}  # fmt: skip
+
+
+def shapes_only(cfg: dict) -> dict:
+    return {k: shapes_only(v) if k == "text_config" else v
+            for k, v in cfg.items() if k in SHAPE_KEYS}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_config_of_shapes_alone_is_read_as_transformers_fills_it_in(name, tmp_path):
+    """A config.json that states only the shapes (hand-written, or trimmed) is read with
+    transformers' defaults for the rest: saved back by transformers 5, every default
+    written out (rope_parameters and all), it gives the same spec. Token ids aside: the
+    generation config states them."""
+    cfg = shapes_only(json.loads((PUBLISHED / name / "config.json").read_text()))
+    short, full = tmp_path / "short", tmp_path / "full"
+    short.mkdir()
+    (short / "config.json").write_text(json.dumps(cfg))
+    AutoConfig.from_pretrained(short).save_pretrained(full)
+    ours, theirs = (asdict(load_model_spec(d)) for d in (short, full))
+    differ = {k: (ours[k], theirs[k]) for k in ours
+              if ours[k] != theirs[k] and k not in ("bos_token_id", "eos_token_ids")}  # fmt: skip
+    assert not differ
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_published_config_saved_by_transformers_5_reads_the_same(name, tmp_path):
+    """transformers 5 saves rope_parameters (per layer type for Gemma) where the Hub's
+    4.x-era files wrote rope_theta and rope_scaling: a checkpoint saved again reads the same.
+    Token ids aside (transformers 5 moves a multimodal file's to the generation config)."""
+    AutoConfig.from_pretrained(PUBLISHED / name).save_pretrained(tmp_path)
+    ours, saved = asdict(spec_of(name)), asdict(load_model_spec(tmp_path))
+    differ = {k: (ours[k], saved[k]) for k in ours
+              if ours[k] != saved[k] and k not in ("bos_token_id", "eos_token_ids")}  # fmt: skip
+    assert not differ
