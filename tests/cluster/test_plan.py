@@ -112,6 +112,39 @@ def test_plan_covers_every_family_of_the_repo(capsys):
         assert got["kv_cache_tokens"] >= got["max_model_len"] > 0, family
 
 
+@pytest.mark.parametrize(
+    "name, gpu, tp",
+    [("Mistral-7B-v0.3", "80GiB", 1), ("Phi-3-mini-4k-instruct", "80GiB", 1),
+     ("Qwen2.5-7B-Instruct", "80GiB", 1), ("gemma-2-27b", "80GiB", 1),
+     ("gemma-3-27b-it", "80GiB", 2), ("Mixtral-8x7B-Instruct-v0.1", "141GB", 1),
+     ("Qwen3.5-27B", "141GB", 1), ("Qwen3.6-35B-A3B", "80GiB", 2),
+     ("gemma-4-31B", "80GiB", 4), ("gemma-4-26B-A4B", "141GB", 1),
+     ("gemma-4-E2B", "80GiB", 1), ("gpt-oss-120b", "141GB", 1)],
+)  # fmt: skip
+def test_plan_of_each_published_flagship_at_its_gpu_count(capsys, name, gpu, tp):
+    """Each family's flagship on the fewest H100s or H200s it plans on (docs/models.md's
+    table): the command's JSON is the replica's plan."""
+    model = PUBLISHED / name
+    got = plan_json(capsys, "--model", str(model), "--gpu-memory", gpu, "--tp", str(tp))
+    size = 80 * GiB if gpu == "80GiB" else 141 * 10**9
+    config = EngineConfig(model=str(model), device="cuda", tp_size=tp)
+    expected = plan_memory(load_model_spec(model), config, torch.bfloat16, size).to_json()
+    assert {k: got[k] for k in KEYS} == {k: expected[k] for k in KEYS}
+
+
+@pytest.mark.parametrize(
+    "name, gpu, tp, says",
+    [("Qwen2.5-7B-Instruct", "80GiB", 8, "num_attention_heads=28 is not a multiple of 8"),
+     ("gpt-oss-120b", "141GB", 4, "cannot split the quantized model"),
+     ("Qwen3.5-397B-A17B", "80GiB", 8, "more tensor-parallel ranks split the weights"),
+     ("Qwen3.5-397B-A17B", "141GB", 8, "lower engine.max_lora_rank or raise tp_size")],
+)  # fmt: skip
+def test_plan_refuses_a_flagship_that_cannot_run_so_in_one_line(capsys, name, gpu, tp, says):
+    line = refused(capsys, "plan", "--model", str(PUBLISHED / name), "--gpu-memory", gpu,
+                   "--tp", str(tp))  # fmt: skip
+    assert says in line
+
+
 def quantized_copy(tmp_path, name: str, quant: dict):
     model = tmp_path / name
     shutil.copytree(PUBLISHED / name, model)
