@@ -25,16 +25,23 @@ from replica.config import EngineConfig
 from replica.executor.memory_plan import (
     MemoryPlanError,
     kv_block_bytes,
+    local_spec,
     plan_memory,
     weight_bytes,
 )
+from replica.model.decoder import CausalLM
 from replica.model.hf_config import ModelConfigError
+from replica.model.kv_cache import KVCache
+from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.spec import ModelSpec, load_model_spec
+from replica.model.tp_layers import TPRank
 from replica.model.tp_shard import TPShard
+from tests.engines import held_bytes
 from tests.model_dirs import PUBLISHED
 
 NAMES = sorted(p.name for p in PUBLISHED.iterdir() if (p / "config.json").is_file())
 GiB, GB = 2**30, 10**9
+META = torch.device("meta")
 GPUS = {"H100 80GiB": 80 * GiB, "H200 141GB": 141 * GB}
 # What ModelSpec.num_parameters leaves aside (weight_bytes adds them): biases, gpt-oss's
 # expert biases and attention sinks.
@@ -341,3 +348,37 @@ def test_a_published_config_saved_by_transformers_5_reads_the_same(name, tmp_pat
     differ = {k: (ours[k], saved[k]) for k in ours
               if ours[k] != saved[k] and k not in ("bos_token_id", "eos_token_ids")}  # fmt: skip
     assert not differ
+
+
+# load_format "dummy" builds gpt-oss's experts dense (the loader takes a checkpoint that
+# "has" every name for transformers' dense stacks) where the plan and a real checkpoint
+# hold them in MXFP4: 39 GiB against 12.8 for gpt-oss-20b
+DUMMY_DENSE = pytest.mark.xfail(strict=True, reason="dummy gpt-oss experts built dense")
+
+
+@pytest.mark.slow  # a minute on two cores: every layer of every flagship, at each tp
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=DUMMY_DENSE) if n.startswith("gpt-oss") else n for n in NAMES]
+)
+def test_our_model_at_real_shapes_holds_what_the_plan_counts(name):
+    """Our CausalLM built on the meta device (dummy weights from config.json, no memory),
+    whole and as rank 0 at every tp it splits at, quantized experts packed as shipped:
+    the bytes it holds, its KV pools and its adapter arenas are the plan's."""
+    spec, model_dir = spec_of(name), PUBLISHED / name
+    for tp in (1, 2, 4, 8):
+        try:
+            shard = TPShard(spec, 0, tp)
+        except ModelConfigError:
+            continue
+        rank = None if tp == 1 else TPRank(shard, None)
+        model = CausalLM(model_dir, META, torch.bfloat16, None, spec, rank, "dummy")
+        assert held_bytes(model) == weight_bytes(spec, tp, torch.bfloat16), f"tp {tp}"
+        kv = KVCache(local_spec(spec, tp), 3, 16, META, torch.bfloat16)
+        held = sum(t.numel() * t.element_size() for t in kv.pools)
+        assert held == 3 * kv_block_bytes(spec, tp, 16, torch.bfloat16), f"tp {tp}"
+        shapes = None if tp == 1 else shard.lora_shapes
+        arenas = LoRASlotBuffers(spec, 3, 16, META, torch.bfloat16, shapes)
+        config = EngineConfig(model=str(model_dir), max_lora_rank=16, tp_size=tp,
+                              kv_cache_bytes=1 << 20, adapters={"num_slots": 3})  # fmt: skip
+        plan = plan_memory(spec, config, torch.bfloat16, 1 << 50)
+        assert plan.adapter_memory_bytes == arenas.nbytes(), f"tp {tp}"
