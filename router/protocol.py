@@ -389,6 +389,8 @@ class NamedToolChoice(BaseModel):
 
 
 class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str
     arguments: str = Field(description="The arguments as JSON text.")
 
@@ -609,7 +611,7 @@ LoraName = Annotated[str, AfterValidator(_check_lora_name)]
 class LoadLoRAAdapterRequest(BaseModel):
     """POST /v1/load_lora_adapter (vLLM's endpoint)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: LoraName = Field(description="The name clients then pass as `model`.")
     lora_path: str = Field(min_length=1, description="A PEFT adapter directory.")
@@ -623,7 +625,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 class UnloadLoRAAdapterRequest(BaseModel):
     """POST /v1/unload_lora_adapter (vLLM's endpoint)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: LoraName
 

@@ -117,6 +117,22 @@ def test_completion_refuses(fields, message):
         ({"echo": True}, "echo: Extra inputs are not permitted"),
         ({"best_of": 2}, "best_of: Extra inputs are not permitted"),
         ({"store": True}, "store: store is not supported"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "function": {"name": "f", "arguments": "{}", "strict": True},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.tool_calls.0.function.strict: Extra inputs are not permitted",
+        ),
     ],
 )
 def test_chat_refuses(fields, message):
@@ -278,10 +294,24 @@ def test_lora_name_rule(name):
 
 
 def test_load_adapter_request():
-    req = LoadLoRAAdapterRequest(lora_name="sql-v1.2_x", lora_path="/a/b", extra=1)
+    req = LoadLoRAAdapterRequest(lora_name="sql-v1.2_x", lora_path="/a/b")
     assert (req.lora_name, req.lora_path) == ("sql-v1.2_x", "/a/b")
     assert "lora_path" in refusal(LoadLoRAAdapterRequest, lora_name="ok", lora_path="")
     assert UnloadLoRAAdapterRequest(lora_name="x" * 128).lora_name == "x" * 128
+
+
+@pytest.mark.parametrize(
+    "make, fields",
+    [
+        (LoadLoRAAdapterRequest, {"lora_name": "a", "lora_path": "/p", "load_in_place": True}),
+        (LoadLoRAAdapterRequest, {"lora_name": "a", "lora_path": "/p", "lora_int_id": 3}),
+        (UnloadLoRAAdapterRequest, {"lora_name": "a", "lora_int_id": 3}),
+    ],
+)
+def test_adapter_requests_refuse_unknown_fields(make, fields):
+    """A misspelt load_inplace is a 400, not a load that silently does something else."""
+    extra = (set(fields) - {"lora_name", "lora_path"}).pop()
+    assert f"{extra}: Extra inputs are not permitted" in refusal(make, **fields)
 
 
 def test_completion_response_parses_in_openai_sdk():
