@@ -54,6 +54,13 @@ _FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 SSE_DONE = "data: [DONE]\n\n"
 
 FinishReason = Literal["stop", "length"]
+# OpenAI's values; what each means is the chat template's (the model's) to say
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# OpenAI's metadata: up to 16 pairs, keys up to 64 characters, values up to 512
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
@@ -436,11 +443,9 @@ class ChatCompletionRequest(_SamplingRequest):
         "audio": (None,),
         "modalities": (None, ["text"]),
         "prediction": (None,),
-        "reasoning_effort": (None,),
         "verbosity": (None,),
         "web_search_options": (None,),
         "store": (None, False),
-        "metadata": (None,),
         "service_tier": (None, "auto", "default"),
         "moderation": (None,),
         "prompt_cache_key": (None,),
@@ -472,16 +477,22 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = Field(
         None, description="false: at most one call per answer (default true)."
     )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None,
+        description="The chat template's reasoning_effort variable (gpt-oss's template "
+        "reads it); a 400 for a template that reads none.",
+    )
+    metadata: Metadata | None = Field(
+        None, description="Informational: accepted and not used (nothing is stored)."
+    )
     functions: Any = None
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
     store: Any = None
-    metadata: Any = None
     service_tier: Any = None
     moderation: Any = None
     prompt_cache_key: Any = None

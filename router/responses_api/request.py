@@ -166,6 +166,20 @@ class TextOptions(BaseModel):
     verbosity: None = None
 
 
+class ReasoningOptions(BaseModel):
+    """`reasoning`: its effort is the chat template's reasoning_effort (as on chat); the
+    summaries and modes of OpenAI's own reasoning models are not served (their off
+    values only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: p.ReasoningEffort | None = None
+    summary: None = None
+    generate_summary: None = None
+    context: Literal["auto"] | None = None
+    mode: Literal["standard"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses."""
 
@@ -177,11 +191,9 @@ class ResponsesRequest(BaseModel):
         "conversation": (None,),
         "include": (None, []),
         "prompt": (None,),
-        "reasoning": (None,),
         "top_logprobs": (None, 0),
         "truncation": (None, "disabled"),
         "service_tier": (None, "auto", "default"),
-        "metadata": (None, {}),
         "max_tool_calls": (None,),
         "stream_options": (None,),
         "prompt_cache_key": (None,),
@@ -216,17 +228,21 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: extra variables for the chat template."
     )
+    reasoning: ReasoningOptions | None = Field(
+        None, description="effort: the chat template's reasoning_effort, as on chat."
+    )
+    metadata: p.Metadata | None = Field(
+        None, description="Informational: repeated in the Response object, not used."
+    )
     previous_response_id: None = None
     store: Any = None
     background: Any = None
     conversation: Any = None
     include: Any = None
     prompt: Any = None
-    reasoning: Any = None
     top_logprobs: Any = None
     truncation: Any = None
     service_tier: Any = None
-    metadata: Any = None
     max_tool_calls: Any = None
     stream_options: Any = None
     prompt_cache_key: Any = None
@@ -275,6 +291,7 @@ class ResponsesRequest(BaseModel):
             "stream": self.stream,
             "user": self.user,
             "chat_template_kwargs": self.chat_template_kwargs,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
         }
         if self.tools is not None:
             fields["tools"] = [tool.chat_tool() for tool in self.tools]
@@ -342,4 +359,6 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "text": {"format": fmt},
             "user": self.user,
+            "metadata": self.metadata or {},
+            "reasoning": None if self.reasoning is None else self.reasoning.model_dump(),
         }
