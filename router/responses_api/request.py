@@ -79,7 +79,7 @@ class FunctionCallOutputItem(BaseModel):
     id: str | None = None
     status: str | None = None
     caller: None = None
-    name: str | None = None  # the function's, when the client names it
+    name: str | None = None  # the function's, when the client names it: to the template
     namespace: None = None
 
 
@@ -332,7 +332,10 @@ class ResponsesRequest(BaseModel):
                     continue
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                result = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                if item.name is not None:  # as a chat tool message's name: the template's
+                    result["name"] = item.name
+                out.append(result)
                 continue
             if out[-1]["role"] == "assistant" and thinking is not None:
                 out[-1]["reasoning_content"], thinking = thinking, None
