@@ -56,6 +56,7 @@ SSE_DONE = "data: [DONE]\n\n"
 FinishReason = Literal["stop", "length"]
 # OpenAI's values; what each means is the chat template's (the model's) to say
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+SafetyIdentifier = Annotated[str, Field(max_length=64)]  # OpenAI's bound
 # OpenAI's metadata: up to 16 pairs, keys up to 64 characters, values up to 512
 Metadata = Annotated[
     dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
@@ -451,7 +452,6 @@ class ChatCompletionRequest(_SamplingRequest):
         "prompt_cache_key": (None,),
         "prompt_cache_options": (None,),
         "prompt_cache_retention": (None,),
-        "safety_identifier": (None,),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -485,6 +485,9 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: Metadata | None = Field(
         None, description="Informational: accepted and not used (nothing is stored)."
     )
+    safety_identifier: SafetyIdentifier | None = Field(
+        None, description="Informational: your end-user's id, logged as user is."
+    )
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -498,7 +501,6 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_key: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
-    safety_identifier: Any = None
 
     @field_validator("tools")
     @classmethod

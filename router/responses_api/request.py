@@ -199,7 +199,6 @@ class ResponsesRequest(BaseModel):
         "prompt_cache_key": (None,),
         "prompt_cache_options": (None,),
         "prompt_cache_retention": (None,),
-        "safety_identifier": (None,),
         "moderation": (None,),
         "image": (None,),
         "access_programs": (None,),
@@ -234,6 +233,9 @@ class ResponsesRequest(BaseModel):
     metadata: p.Metadata | None = Field(
         None, description="Informational: repeated in the Response object, not used."
     )
+    safety_identifier: p.SafetyIdentifier | None = Field(
+        None, description="Informational: logged as user is, repeated in the Response."
+    )
     previous_response_id: None = None
     store: Any = None
     background: Any = None
@@ -248,7 +250,6 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
-    safety_identifier: Any = None
     moderation: Any = None
     image: Any = None
     access_programs: Any = None
@@ -290,6 +291,7 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
             "user": self.user,
+            "safety_identifier": self.safety_identifier,
             "chat_template_kwargs": self.chat_template_kwargs,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
         }
@@ -362,6 +364,7 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "text": {"format": fmt},
             "user": self.user,
+            "safety_identifier": self.safety_identifier,
             "metadata": self.metadata or {},
             "reasoning": None if self.reasoning is None else self.reasoning.model_dump(),
         }

@@ -1,9 +1,12 @@
 """Template variables a request sets (chat_template_kwargs, reasoning_effort, the
 Responses API's reasoning.effort) reach a template that reads them, and are a 400 naming
 them where the template reads none: passed, they would change nothing. Informational
-metadata is accepted, and repeated in a Response object."""
+fields (metadata, safety_identifier) are accepted, logged or repeated in a Response
+object, within OpenAI's bounds."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 from transformers import AutoTokenizer
@@ -116,3 +119,15 @@ def test_metadata_follows_openai_bounds(hermes_dir, metadata, needle):
     r, _ = post(hermes_dir, "/v1/chat/completions", {**CHAT, "metadata": metadata})
     error = assert_openai_error(r, 400)
     assert error["param"].startswith("metadata") and needle in error["message"], error
+
+
+def test_safety_identifier_is_logged_and_a_response_repeats_it(hermes_dir, caplog):
+    with caplog.at_level(logging.DEBUG, logger="router.ingress"):
+        r, _ = post(hermes_dir, "/v1/chat/completions", {**CHAT, "safety_identifier": "u-7"})
+    assert r.status_code == 200, r.text
+    assert "safety_identifier 'u-7'" in caplog.text
+    body = {"model": BASE, "input": "hi", "safety_identifier": "u-7"}
+    r, _ = post(hermes_dir, "/v1/responses", body)
+    assert r.json()["safety_identifier"] == "u-7"
+    r, _ = post(hermes_dir, "/v1/chat/completions", {**CHAT, "safety_identifier": "u" * 65})
+    assert assert_openai_error(r, 400)["param"] == "safety_identifier"
