@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 import typing
+from types import NoneType
 
 import openai
 import pytest
@@ -13,6 +15,7 @@ from openai.types import Completion, Model
 from openai.types import completion_create_params as openai_completion_params
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat import completion_create_params as openai_chat_params
+from openai.types.responses import response_create_params as openai_response_params
 from pydantic import ValidationError
 
 from replica.wire import SamplingParams, StructuredOutput
@@ -40,6 +43,7 @@ from router.protocol import (
     format_validation_errors,
     sse_event,
 )
+from router.responses_api.request import ResponsesRequest
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -265,6 +269,21 @@ def test_every_openai_field_is_honoured_or_refused(model, params_type):
     assert honoured, "nothing honoured?"
     for name in honoured:  # documented: every honoured field says what it does
         assert model.model_fields[name].description, name
+
+
+def test_every_responses_field_is_honoured_or_refused():
+    """As above, for /v1/responses: each field of the openai SDK's schema is declared;
+    those not served refuse any value but their off ones, the rest say what they do."""
+    fields = _openai_fields(openai_response_params.ResponseCreateParamsBase)
+    ours = set(ResponsesRequest.model_fields)
+    assert fields <= ours, f"fields of the OpenAI schema not declared: {fields - ours}"
+    make = functools.partial(ResponsesRequest, model="base", input="hi")
+    refused = {n for n in fields if n in ResponsesRequest._ACCEPTED}
+    refused |= {n for n in fields if ResponsesRequest.model_fields[n].annotation is NoneType}
+    for name in refused:
+        assert refusal(make, **{name: {"on": True}}).startswith(f"{name}: "), name
+    for name in fields - refused - {"model", "input"}:
+        assert ResponsesRequest.model_fields[name].description, name
 
 
 def test_stop_strings_and_stream_options():
