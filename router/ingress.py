@@ -457,7 +457,8 @@ class Ingress(AdapterRoutes):
             charge = _token_charge(prompts, sampling, n, self.max_model_len)
             lease = await self.tenancy.admit(caller, charge)
             request_id = p.chat_completion_id() if chat else p.completion_id()
-            who = (body.user, getattr(body, "safety_identifier", None))  # chat only: the second
+            # completions have no safety_identifier
+            who = (body.user, getattr(body, "safety_identifier", None))
             log.debug("%s: model %s, user %r, safety_identifier %r", request_id, model, *who)
             # a batch of prompts: one replica request each (ids the replicas' logs tell
             # apart)

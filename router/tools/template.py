@@ -77,9 +77,9 @@ class ChatTemplate:
         return tool_mode == "auto" and fmt is not None and fmt.special_tokens
 
     def variables(self, tokenizer: Any, tools: list[dict[str, Any]] | None) -> frozenset[str]:
-        """The names the template that `render` uses reads from its context: a variable
-        passed that is not among them changes nothing (chat_template_kwargs, and
-        reasoning_effort, are checked against it)."""
+        """The variables the template `render` picks for `tools` reads from its context.
+        One passed that is not among them would change nothing, so chat_template_kwargs
+        and reasoning_effort are checked against these."""
         text = self.text
         if isinstance(text, dict):
             text = text.get("tool_use") if tools and "tool_use" in text else text.get("default")
