@@ -384,17 +384,12 @@ class Ingress(AdapterRoutes):
         )
         named = body.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
         free_text = body.response_format is None or body.response_format.type == "text"
-        constraint = None
-        if mode == "auto" and free_text:
-            try:
-                constraint = template.strict_calls(body.tool_signatures())
-            except ValueError as e:  # strict would be ignored: refused instead
-                raise BadRequestError(f"tools: {body.model!r}: {e}", "tools") from None
+        strict = mode == "auto" and free_text
         answers = ChatAnswers(
             functools.partial(answer_parser, template, mode, named, text),
             body.parallel_calls(),
             template.special_tokens(mode),
-            constraint,
+            template.strict_calls(body.tool_signatures()) if strict else None,
         )
         return [Prompt(ids)], answers
 

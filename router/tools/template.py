@@ -106,29 +106,16 @@ class ChatTemplate:
             **template_kwargs,
         )
 
-    @property
-    def constrains_calls(self) -> bool:
-        """Whether the grammar can hold an `auto` call in this template's format to its
-        schema once begun (not where the markers are special tokens: Mistral, harmony)."""
-        fmt = registry.TOOL_PARSERS.get(self.tool_parser or "")
-        return fmt is not None and fmt.wrap is not None and fmt.trigger is not None
-
     def strict_calls(
         self, tools: Sequence[tuple[str, Mapping[str, Any] | None, bool]]
     ) -> StructuredOutput | None:
         """The constraint on `auto` answers when some tool is strict ((name, parameters,
         strict) triples): a call, once begun in this template's format, follows its
-        tool's schema. None without strict tools; ValueError naming the format when
-        some tool is strict and the grammar cannot follow it (constrains_calls)."""
-        if not any(strict for _, _, strict in tools):
+        tool's schema. None without strict tools or for a format the grammar cannot
+        follow (markers that are special tokens)."""
+        fmt = registry.TOOL_PARSERS.get(self.tool_parser or "")
+        if fmt is None or fmt.wrap is None or fmt.trigger is None:
             return None
-        if not self.constrains_calls:
-            raise ValueError(
-                f"strict tools with tool_choice auto: the {self.tool_parser} call format "
-                "cannot be held to a schema; use tool_choice required or a named function "
-                "(decoded under the schema), or strict: false"
-            )
-        fmt = registry.TOOL_PARSERS[self.tool_parser or ""]
         tag = strict_tag(fmt.wrap, fmt.trigger, tools)
         return None if tag is None else StructuredOutput(kind="structural_tag", json_schema=tag)
 

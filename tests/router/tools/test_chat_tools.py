@@ -285,19 +285,3 @@ def test_special_token_markers_are_read_and_the_eos_is_not_text(mistral_dir, tex
     whole = summary(r.json())
     assert whole["content"] == content
     assert [(c["name"], c["arguments"]) for c in whole["tool_calls"]] == calls
-
-
-def test_strict_tools_are_refused_where_the_format_cannot_be_constrained(mistral_dir):
-    """Mistral's markers are special tokens the grammar excludes: `strict` cannot be
-    kept with tool_choice auto, so it is a 400 rather than a call left unchecked."""
-    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    replicas = FakeReplicas()
-    with ingress_client(mistral_dir, None, replicas) as (client, _):
-        refused = client.post("/v1/chat/completions", json={**CHAT, "tools": [strict]})
-        forced = {**CHAT, "tools": [strict], "tool_choice": "required"}
-        served = client.post("/v1/chat/completions", json=forced)
-    error = assert_openai_error(refused, 400)
-    assert error["param"] == "tools"
-    assert "mistral call format cannot be held to a schema" in error["message"]
-    assert served.status_code == 200  # forced choices are decoded under the schema
-    assert len(replicas.requests) == 1
