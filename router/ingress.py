@@ -258,24 +258,58 @@ class Ingress(AdapterRoutes):
         template_kwargs: Mapping[str, Any] | None,
         add_special_tokens: bool = False,  # the template writes BOS itself
     ) -> tuple[str, list[int]]:
-        """The rendered conversation (its tools included) and its token ids."""
+        """The rendered conversation (its tools included) and its token ids. Template
+        variables (chat_template_kwargs, reasoning_effort) the template does not read are
+        a 400: they would change nothing."""
         kwargs = dict(template_kwargs or {})
         if reserved := sorted(_TEMPLATE_PARAMETERS.intersection(kwargs)):
             raise BadRequestError(
                 f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
                 "chat_template_kwargs",
             )
+        tools = chat.template_tools()
         try:
+            if kwargs or chat.reasoning_effort is not None:
+                kwargs = self._template_variables(template, tools, kwargs, chat.reasoning_effort)
             text = template.render(
-                self.tokenizer,
-                chat.chat_messages(),
-                chat.template_tools(),
-                add_generation_prompt,
-                kwargs,
+                self.tokenizer, chat.chat_messages(), tools, add_generation_prompt, kwargs
             )
+        except BadRequestError:
+            raise
         except Exception as e:  # a template may reject a conversation (roles, order)
             raise BadRequestError(f"chat template: {e}", "messages") from None
         return text, self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def _template_variables(
+        self,
+        template: ChatTemplate,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        reasoning_effort: str | None,
+    ) -> dict[str, Any]:
+        """`kwargs` with reasoning_effort added, each checked to be read by the template."""
+        reads = template.variables(self.tokenizer, tools)
+        which = "tokenizer's" if template.source == "tokenizer" else template.source
+        if unread := sorted(set(kwargs) - reads):
+            raise BadRequestError(
+                f"chat_template_kwargs: the chat template ({which}) reads no {', '.join(unread)}",
+                "chat_template_kwargs",
+            )
+        if reasoning_effort is None:
+            return kwargs
+        if "reasoning_effort" not in reads:
+            raise BadRequestError(
+                f"reasoning_effort: the chat template ({which}) reads no reasoning_effort "
+                "(gpt-oss's does); a model's own switch, if it has one, goes in "
+                "chat_template_kwargs",
+                "reasoning_effort",
+            )
+        if kwargs.setdefault("reasoning_effort", reasoning_effort) != reasoning_effort:
+            raise BadRequestError(
+                "reasoning_effort: differs from chat_template_kwargs.reasoning_effort",
+                "reasoning_effort",
+            )
+        return kwargs
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -418,7 +452,9 @@ class Ingress(AdapterRoutes):
             charge = _token_charge(prompts, sampling, n, self.max_model_len)
             lease = await self.tenancy.admit(caller, charge)
             request_id = p.chat_completion_id() if chat else p.completion_id()
-            log.debug("%s: model %s, user %r", request_id, model, body.user)
+            # completions have no safety_identifier
+            who = (body.user, getattr(body, "safety_identifier", None))
+            log.debug("%s: model %s, user %r, safety_identifier %r", request_id, model, *who)
             # a batch of prompts: one replica request each (ids the replicas' logs tell
             # apart)
             ids = (

@@ -54,6 +54,14 @@ _FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 SSE_DONE = "data: [DONE]\n\n"
 
 FinishReason = Literal["stop", "length"]
+# OpenAI's values; what each means is the chat template's (the model's) to say
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+SafetyIdentifier = Annotated[str, Field(max_length=64)]  # OpenAI's bound
+# OpenAI's metadata: up to 16 pairs, keys up to 64 characters, values up to 512
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
@@ -389,6 +397,8 @@ class NamedToolChoice(BaseModel):
 
 
 class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str
     arguments: str = Field(description="The arguments as JSON text.")
 
@@ -434,17 +444,14 @@ class ChatCompletionRequest(_SamplingRequest):
         "audio": (None,),
         "modalities": (None, ["text"]),
         "prediction": (None,),
-        "reasoning_effort": (None,),
         "verbosity": (None,),
         "web_search_options": (None,),
         "store": (None, False),
-        "metadata": (None,),
         "service_tier": (None, "auto", "default"),
         "moderation": (None,),
         "prompt_cache_key": (None,),
         "prompt_cache_options": (None,),
         "prompt_cache_retention": (None,),
-        "safety_identifier": (None,),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -470,22 +477,30 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = Field(
         None, description="false: at most one call per answer (default true)."
     )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None,
+        description="The chat template's reasoning_effort variable (gpt-oss's template "
+        "reads it); a 400 for a template that reads none.",
+    )
+    metadata: Metadata | None = Field(
+        None, description="Informational: accepted and not used (nothing is stored)."
+    )
+    safety_identifier: SafetyIdentifier | None = Field(
+        None, description="Informational: your end-user's id, logged as user is."
+    )
     functions: Any = None
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
     store: Any = None
-    metadata: Any = None
     service_tier: Any = None
     moderation: Any = None
     prompt_cache_key: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
-    safety_identifier: Any = None
 
     @field_validator("tools")
     @classmethod
@@ -609,7 +624,7 @@ LoraName = Annotated[str, AfterValidator(_check_lora_name)]
 class LoadLoRAAdapterRequest(BaseModel):
     """POST /v1/load_lora_adapter (vLLM's endpoint)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: LoraName = Field(description="The name clients then pass as `model`.")
     lora_path: str = Field(min_length=1, description="A PEFT adapter directory.")
@@ -623,7 +638,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 class UnloadLoRAAdapterRequest(BaseModel):
     """POST /v1/unload_lora_adapter (vLLM's endpoint)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: LoraName
 

@@ -79,7 +79,7 @@ class FunctionCallOutputItem(BaseModel):
     id: str | None = None
     status: str | None = None
     caller: None = None
-    name: str | None = None  # the function's, when the client names it
+    name: str | None = None  # the function's, when the client names it: to the template
     namespace: None = None
 
 
@@ -166,6 +166,20 @@ class TextOptions(BaseModel):
     verbosity: None = None
 
 
+class ReasoningOptions(BaseModel):
+    """`reasoning`: its effort is the chat template's reasoning_effort (as on chat); the
+    summaries and modes of OpenAI's own reasoning models are not served (their off
+    values only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: p.ReasoningEffort | None = None
+    summary: None = None
+    generate_summary: None = None
+    context: Literal["auto"] | None = None
+    mode: Literal["standard"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses."""
 
@@ -177,17 +191,14 @@ class ResponsesRequest(BaseModel):
         "conversation": (None,),
         "include": (None, []),
         "prompt": (None,),
-        "reasoning": (None,),
         "top_logprobs": (None, 0),
         "truncation": (None, "disabled"),
         "service_tier": (None, "auto", "default"),
-        "metadata": (None, {}),
         "max_tool_calls": (None,),
         "stream_options": (None,),
         "prompt_cache_key": (None,),
         "prompt_cache_options": (None,),
         "prompt_cache_retention": (None,),
-        "safety_identifier": (None,),
         "moderation": (None,),
         "image": (None,),
         "access_programs": (None,),
@@ -216,23 +227,29 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: extra variables for the chat template."
     )
+    reasoning: ReasoningOptions | None = Field(
+        None, description="effort: the chat template's reasoning_effort, as on chat."
+    )
+    metadata: p.Metadata | None = Field(
+        None, description="Informational: repeated in the Response object, not used."
+    )
+    safety_identifier: p.SafetyIdentifier | None = Field(
+        None, description="Informational: logged as user is, repeated in the Response."
+    )
     previous_response_id: None = None
     store: Any = None
     background: Any = None
     conversation: Any = None
     include: Any = None
     prompt: Any = None
-    reasoning: Any = None
     top_logprobs: Any = None
     truncation: Any = None
     service_tier: Any = None
-    metadata: Any = None
     max_tool_calls: Any = None
     stream_options: Any = None
     prompt_cache_key: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
-    safety_identifier: Any = None
     moderation: Any = None
     image: Any = None
     access_programs: Any = None
@@ -274,7 +291,9 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
             "user": self.user,
+            "safety_identifier": self.safety_identifier,
             "chat_template_kwargs": self.chat_template_kwargs,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
         }
         if self.tools is not None:
             fields["tools"] = [tool.chat_tool() for tool in self.tools]
@@ -315,7 +334,10 @@ class ResponsesRequest(BaseModel):
                     continue
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                result = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                if item.name is not None:  # as a chat tool message's name: the template's
+                    result["name"] = item.name
+                out.append(result)
                 continue
             if out[-1]["role"] == "assistant" and thinking is not None:
                 out[-1]["reasoning_content"], thinking = thinking, None
@@ -342,4 +364,7 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "text": {"format": fmt},
             "user": self.user,
+            "safety_identifier": self.safety_identifier,
+            "metadata": self.metadata or {},
+            "reasoning": None if self.reasoning is None else self.reasoning.model_dump(),
         }

@@ -10,12 +10,16 @@ requests, with parsers chosen from it. Parsers a config names win over the templ
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from jinja2 import meta
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from replica.wire import StructuredOutput
 from router.tools import registry
@@ -71,6 +75,15 @@ class ChatTemplate:
             return tool_mode in ("none", "auto")
         fmt = registry.TOOL_PARSERS.get(self.tool_parser or "")
         return tool_mode == "auto" and fmt is not None and fmt.special_tokens
+
+    def variables(self, tokenizer: Any, tools: list[dict[str, Any]] | None) -> frozenset[str]:
+        """The variables the template `render` picks for `tools` reads from its context.
+        One passed that is not among them would change nothing, so chat_template_kwargs
+        and reasoning_effort are checked against these."""
+        text = self.text
+        if isinstance(text, dict):
+            text = text.get("tool_use") if tools and "tool_use" in text else text.get("default")
+        return _variables(tokenizer.get_chat_template(text, tools))
 
     def render(
         self,
@@ -133,6 +146,13 @@ def answer_parser(
         opened = prompt.rstrip().endswith(THINK_START)
         parser = Chain(ThinkParser(opened), parser)
     return parser
+
+
+@functools.lru_cache(maxsize=256)
+def _variables(source: str) -> frozenset[str]:
+    # parsed by the environment transformers renders it with (its extensions and tags)
+    environment = _compile_jinja_template(source).environment
+    return frozenset(meta.find_undeclared_variables(environment.parse(source)))
 
 
 def adapter_template_text(adapter_dir: str) -> tuple[str, str] | None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 import typing
+from types import NoneType
 
 import openai
 import pytest
@@ -13,6 +15,7 @@ from openai.types import Completion, Model
 from openai.types import completion_create_params as openai_completion_params
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat import completion_create_params as openai_chat_params
+from openai.types.responses import response_create_params as openai_response_params
 from pydantic import ValidationError
 
 from replica.wire import SamplingParams, StructuredOutput
@@ -40,6 +43,7 @@ from router.protocol import (
     format_validation_errors,
     sse_event,
 )
+from router.responses_api.request import ResponsesRequest
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -117,6 +121,22 @@ def test_completion_refuses(fields, message):
         ({"echo": True}, "echo: Extra inputs are not permitted"),
         ({"best_of": 2}, "best_of: Extra inputs are not permitted"),
         ({"store": True}, "store: store is not supported"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "function": {"name": "f", "arguments": "{}", "strict": True},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.tool_calls.0.function.strict: Extra inputs are not permitted",
+        ),
     ],
 )
 def test_chat_refuses(fields, message):
@@ -251,6 +271,21 @@ def test_every_openai_field_is_honoured_or_refused(model, params_type):
         assert model.model_fields[name].description, name
 
 
+def test_every_responses_field_is_honoured_or_refused():
+    """As above, for /v1/responses: each field of the openai SDK's schema is declared;
+    those not served refuse any value but their off ones, the rest say what they do."""
+    fields = _openai_fields(openai_response_params.ResponseCreateParamsBase)
+    ours = set(ResponsesRequest.model_fields)
+    assert fields <= ours, f"fields of the OpenAI schema not declared: {fields - ours}"
+    make = functools.partial(ResponsesRequest, model="base", input="hi")
+    refused = {n for n in fields if n in ResponsesRequest._ACCEPTED}
+    refused |= {n for n in fields if ResponsesRequest.model_fields[n].annotation is NoneType}
+    for name in refused:
+        assert refusal(make, **{name: {"on": True}}).startswith(f"{name}: "), name
+    for name in fields - refused - {"model", "input"}:
+        assert ResponsesRequest.model_fields[name].description, name
+
+
 def test_stop_strings_and_stream_options():
     assert completion().stop_strings() == []
     assert completion(stop="\n").stop_strings() == ["\n"]
@@ -278,10 +313,24 @@ def test_lora_name_rule(name):
 
 
 def test_load_adapter_request():
-    req = LoadLoRAAdapterRequest(lora_name="sql-v1.2_x", lora_path="/a/b", extra=1)
+    req = LoadLoRAAdapterRequest(lora_name="sql-v1.2_x", lora_path="/a/b")
     assert (req.lora_name, req.lora_path) == ("sql-v1.2_x", "/a/b")
     assert "lora_path" in refusal(LoadLoRAAdapterRequest, lora_name="ok", lora_path="")
     assert UnloadLoRAAdapterRequest(lora_name="x" * 128).lora_name == "x" * 128
+
+
+@pytest.mark.parametrize(
+    "make, fields",
+    [
+        (LoadLoRAAdapterRequest, {"lora_name": "a", "lora_path": "/p", "load_in_place": True}),
+        (LoadLoRAAdapterRequest, {"lora_name": "a", "lora_path": "/p", "lora_int_id": 3}),
+        (UnloadLoRAAdapterRequest, {"lora_name": "a", "lora_int_id": 3}),
+    ],
+)
+def test_adapter_requests_refuse_unknown_fields(make, fields):
+    """A misspelt load_inplace is a 400, not a load that silently does something else."""
+    extra = (set(fields) - {"lora_name", "lora_path"}).pop()
+    assert f"{extra}: Extra inputs are not permitted" in refusal(make, **fields)
 
 
 def test_completion_response_parses_in_openai_sdk():

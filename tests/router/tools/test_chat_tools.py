@@ -285,3 +285,19 @@ def test_special_token_markers_are_read_and_the_eos_is_not_text(mistral_dir, tex
     whole = summary(r.json())
     assert whole["content"] == content
     assert [(c["name"], c["arguments"]) for c in whole["tool_calls"]] == calls
+
+
+def test_strict_tools_with_auto_are_served_unconstrained_where_markers_are_special(mistral_dir):
+    """Mistral's (and harmony's) markers are special tokens the grammar excludes, so
+    `strict` cannot hold an `auto` call there: the request is served, unconstrained (the
+    Agents SDK marks every tool strict), and a forced choice is decoded under the
+    schema."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    replicas = FakeReplicas()
+    with ingress_client(mistral_dir, None, replicas) as (client, _):
+        auto = client.post("/v1/chat/completions", json={**CHAT, "tools": [strict]})
+        forced = {**CHAT, "tools": [strict], "tool_choice": "required"}
+        served = client.post("/v1/chat/completions", json=forced)
+    assert auto.status_code == 200 and served.status_code == 200, (auto.text, served.text)
+    unconstrained, held = (r.sampling.structured_output for r in replicas.requests)
+    assert unconstrained is None and held is not None

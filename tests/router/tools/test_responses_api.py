@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from replica.wire import Reply
+from router.responses_api.request import ResponsesRequest
 from tests.fakes import FakeReplicas
 from tests.net import assert_openai_error
 from tests.router.client import BASE, KEY, ingress_client, served_app
@@ -142,7 +143,9 @@ def test_a_length_cut_is_incomplete(hermes_dir):
          "'nope' is not among tools"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", "function"),
         ({"input": [{"type": "image_generation_call"}]}, "input.0", "image_generation_call"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+        ({"reasoning": {"effort": "high"}}, "reasoning_effort", "reads no reasoning_effort"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "Input should be None"),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k", "at most 512 characters"),
         ({"input": []}, "input", "must not be empty"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
                      "namespace": "mcp"}]}, "input.0.namespace", "Input should be None"),
@@ -167,3 +170,10 @@ def test_keys_and_models_apply_as_on_chat(hermes_dir):
         ghost = {**body, "model": "ghost"}
         auth = {"Authorization": f"Bearer {KEY}"}
         assert_openai_error(client.post("/v1/responses", json=ghost, headers=auth), 404, "model")
+
+
+def test_a_named_function_output_passes_its_name_to_the_template():
+    """A tool message's name reaches the chat template, as on chat (not dropped)."""
+    output = {"type": "function_call_output", "call_id": "c1", "output": "21 C", "name": "temp"}
+    messages = ResponsesRequest(model=BASE, input=[output]).chat_request().chat_messages()
+    assert messages == [{"role": "tool", "content": "21 C", "name": "temp", "tool_call_id": "c1"}]
