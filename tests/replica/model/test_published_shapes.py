@@ -204,7 +204,8 @@ def test_every_tp_size_and_gpu_plans_or_refuses_in_one_line(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_tp_shard_splits_every_layer_into_the_whole(name):
     """At every tp the model splits at, the ranks' heads and MLP columns add up to the
-    model's, layer by layer (Gemma 4's full layers with their own head_dim and KV heads)."""
+    model's, layer by layer (Gemma 4's full layers with their own head_dim and KV heads),
+    and KV heads fewer than the ranks are replicated, one a rank."""
     spec = replace(spec_of(name), quant=None)
     for tp in (2, 4, 8):
         try:
@@ -217,7 +218,7 @@ def test_a_tp_shard_splits_every_layer_into_the_whole(name):
             assert local.num_heads * tp == own.num_heads
             assert local.head_dim == own.head_dim
             assert local.intermediate_size * tp == own.intermediate_size
-            assert max(local.num_kv_heads * tp, local.num_kv_heads) >= own.num_kv_heads
+            assert local.num_kv_heads == max(own.num_kv_heads // tp, 1)  # replicated below 1
 
 
 # How a rank holds each of transformers' tensors (Megatron's split, as vLLM serves it):
