@@ -51,6 +51,10 @@ def check_base_unchanged_beside_adapters(model_dir, adapters: dict, **kw) -> Non
     plain = engine_for(model_dir, {}, **kw)
     want_alone, want = plain.generate(base), plain.generate(base + companions)
     crowd = engine_for(model_dir, many, **kw)
+    # the 16 made resident first: a load still in flight (they overlap, timed by the
+    # machine's load) would hold its requests back a step, and the batches would differ
+    crowd.generate(beside)
+    assert all(crowd.adapters.tier(name) == "device" for name in many)
     alone, got = crowd.generate(base), crowd.generate(base + beside)
     n = len(ps)
     assert [s.output_ids for s in alone] == [s.output_ids for s in want_alone]
