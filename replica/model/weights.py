@@ -28,6 +28,7 @@ STORED_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.int64
 
 
 DUMMY_SCALE = 2e-3  # every scale of a dummy quantized checkpoint
+DUMMY_E8M0 = 127 - 8  # every MXFP4 scale of one: 2^-8, e2m1 codes (rms 2.9) to std ~0.011
 
 
 class WeightLoadError(ValueError):
@@ -168,8 +169,9 @@ class DummyCheckpoint:
         self, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
     ) -> torch.Tensor:
         """Random packed tensors of the format's first dtype (empty on the meta device):
-        codes of any value (fp8 ones normal of std 10), scales DUMMY_SCALE: weights of
-        std ~0.01-0.02, enough for a bench's forward to stay finite."""
+        codes of any value (fp8 ones normal of std 10), scales DUMMY_SCALE (MXFP4's
+        exponents DUMMY_E8M0): weights of std ~0.01-0.02, enough for a bench's forward to
+        stay finite."""
         dtype = dtypes[0]
         if self.device.type == "meta":
             return torch.empty(shape, device=self.device, dtype=dtype)
@@ -177,6 +179,8 @@ class DummyCheckpoint:
         if dtype == torch.float8_e4m3fn:
             t = torch.randn(shape, generator=gen, device=self.device) * 10
             return t.clamp(-448, 448).to(dtype)
+        if name.endswith("_scales") and dtype == torch.uint8:  # MXFP4's e8m0 exponents
+            return torch.full(shape, DUMMY_E8M0, device=self.device, dtype=dtype)
         if not dtype.is_floating_point:
             bits = torch.randint(0, 1 << 16, shape, generator=gen, device=self.device)
             return (bits | (bits << 16)).to(dtype)

@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from cluster.demo.families import FAMILY_CONFIGS, family_model_dir
+from kernels import Mxfp4Weight
 from replica.config import EngineConfig
 from replica.engine.engine import LLMEngine
+from replica.executor.memory_plan import weight_bytes
 from replica.model.decoder import CausalLM
-from replica.model.weights import DummyCheckpoint, open_checkpoint
+from replica.model.weights import DUMMY_E8M0, DummyCheckpoint, open_checkpoint
 from replica.wire import SamplingParams
+from tests.engines import held_bytes
 from tests.model_dirs import config_only
 
 CPU = torch.device("cpu")
@@ -78,3 +81,22 @@ def test_a_rank_part_is_the_slice_of_the_whole_tensor():
     assert abs(whole.std().item() - 6**-0.5) < 0.2
     with pytest.raises(ValueError, match="load_format 'npz'"):
         open_checkpoint("m", "npz")
+
+
+def test_a_dummy_mxfp4_gpt_oss_holds_its_experts_packed_as_the_plan_counts(tmp_path):
+    """A gpt-oss config with quant_method mxfp4 (as the Hub ships it) builds its experts
+    packed under load_format dummy, as from the real files: the bytes the plan counts, not
+    the dense stacks (3.6x of them at gpt-oss-20b), and scales that keep a bf16 forward
+    finite."""
+    model_dir = config_only(family_model_dir("gptoss"), tmp_path / "gpt-oss",
+                            quantization_config={"quant_method": "mxfp4"})  # fmt: skip
+    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16",
+                                 load_format="dummy", adapters={"num_slots": 2}))  # fmt: skip
+    model = eng.executor.model
+    gate, up, down = model.layers[0].mlp.packed  # the sparse layer's experts, as held
+    assert all(isinstance(w, Mxfp4Weight) for w in (gate, up, down))
+    assert set(gate.scales.unique().tolist()) == {DUMMY_E8M0}
+    assert held_bytes(model) == weight_bytes(eng.spec, 1, torch.bfloat16)
+    seq = eng.generate([([5, 6, 7, 8], GREEDY, None)])[0]
+    assert len(seq.output_ids) == 6
+    assert torch.isfinite(eng.score([5, 6, 7, 8])).all()

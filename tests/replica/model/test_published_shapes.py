@@ -351,16 +351,8 @@ def test_a_published_config_saved_by_transformers_5_reads_the_same(name, tmp_pat
     assert not differ
 
 
-# load_format "dummy" builds gpt-oss's experts dense (the loader takes a checkpoint that
-# "has" every name for transformers' dense stacks) where the plan and a real checkpoint
-# hold them in MXFP4: 39 GiB against 12.8 for gpt-oss-20b
-DUMMY_DENSE = pytest.mark.xfail(strict=True, reason="dummy gpt-oss experts built dense")
-
-
 @pytest.mark.slow  # a minute on two cores: every layer of every flagship, at each tp
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=DUMMY_DENSE) if n.startswith("gpt-oss") else n for n in NAMES]
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_our_model_at_real_shapes_holds_what_the_plan_counts(name):
     """Our CausalLM built on the meta device (dummy weights from config.json, no memory),
     whole and as rank 0 at every tp it splits at, quantized experts packed as shipped:
