@@ -51,7 +51,7 @@ from benchmarks.adapters import AdapterPlan, write_adapters
 from cluster.bench.stats import ms, percentile
 from cluster.demo.assets import DemoAssets, DemoSpec, adapter_plans, cached_demo_assets
 from cluster.demo.families import family_model_dir
-from replica.adapters.memory import slot_bytes
+from replica.adapters.memory import config_slot_bytes
 from replica.config import EngineConfig
 from replica.device import resolve_device, resolve_dtype
 from replica.engine.engine import LLMEngine
@@ -333,11 +333,11 @@ class _ChurnMemory:
     def __init__(self, assets, base_cfg: dict, args: argparse.Namespace) -> None:
         self.base_cfg, self.args = base_cfg, args
         self.ranks = {name: _adapter_rank(path) for name, path in assets.adapters.items()}
-        self.top = block_rows(EngineConfig(model=str(assets.model_dir)).max_lora_rank)
-        device = resolve_device(base_cfg["device"])
-        dtype = resolve_dtype(EngineConfig(model=str(assets.model_dir)).dtype, device)
+        config = EngineConfig(**base_cfg)
+        self.top = block_rows(config.max_lora_rank)
+        dtype = resolve_dtype(config.dtype, resolve_device(config.device))
         # bytes of one rank row on one rank: slot_bytes is linear in its rows
-        self.row_bytes = slot_bytes(load_model_spec(assets.model_dir), 1, dtype, args.tp)
+        self.row_bytes = config_slot_bytes(config, load_model_spec(assets.model_dir), 1, dtype)
 
     def working_set(self, wl: Workload) -> int:
         return sum(block_rows(self.ranks[a]) for a in dict.fromkeys(wl.adapters) if a)
@@ -702,11 +702,13 @@ def _families(args: argparse.Namespace, report: dict) -> dict:
             continue
         model_dir = family_model_dir(family, size="demo")
         spec = load_model_spec(model_dir)
+        experts = {"lora_experts": True} if spec.num_experts else {}  # expert adapters
         with tempfile.TemporaryDirectory(prefix=f"lorafleet-bench-{family}-") as tmp:
             assets = family_adapters(model_dir, spec, Path(tmp), n)
-            figures = _decode_step(assets, n, args, kv_bytes=_kv_bytes(args, spec))
+            figures = _decode_step(assets, n, args, _kv_bytes(args, spec), **experts)
             if family in MOE_FAMILIES:
-                figures |= _moe_throughput(assets, n, args, _kv_bytes(args, spec), figures)
+                kv_bytes = _kv_bytes(args, spec)
+                figures |= _moe_throughput(assets, n, args, kv_bytes, figures, **experts)
         out[family] = {"model": f"family_model_dir({family!r}, size='demo')", **figures}
     for family, figures in out.items():
         figures["targets"] = harness.check(
@@ -735,12 +737,20 @@ def family_adapters(model_dir: Path, spec: ModelSpec, out: Path, n: int) -> Demo
 
 
 def _moe_throughput(
-    assets: DemoAssets, n_adapters: int, args: argparse.Namespace, kv_bytes: int, decode: dict
+    assets: DemoAssets,
+    n_adapters: int,
+    args: argparse.Namespace,
+    kv_bytes: int,
+    decode: dict,
+    **overrides,
 ) -> dict:
     """Prefill tok/s of `n_adapters` prompts of --prompt-len, base and each on its own
-    expert adapter (rounds alternated, medians); decode tok/s from the decode-step medians."""
+    expert adapter (rounds alternated, medians); decode tok/s from the decode-step medians.
+    `overrides`: more EngineConfig values (lora_experts)."""
     budget = n_adapters * args.prompt_len  # every prompt prefilled in one step
-    eng, names = _batch_engine(assets, n_adapters, args, kv_bytes, max_num_batched_tokens=budget)
+    eng, names = _batch_engine(
+        assets, n_adapters, args, kv_bytes, max_num_batched_tokens=budget, **overrides
+    )
     try:
         prompts = _prompts(names, args, seed=3)
         _prefill_s(eng, prompts, names)  # warm: every adapter in its slot

@@ -91,6 +91,7 @@ def store_deployment(config: AppConfig) -> Application:
             model=engine.model,
             max_lora_rank=engine.max_lora_rank,
             lora_embeddings=engine.lora_embeddings,
+            lora_experts=engine.lora_experts,
             adapter_roots=store.adapter_roots,
             preload=store.adapters,
             reserved_names=(config.served_model_name,),

@@ -183,7 +183,10 @@ def _check_files(app: AppConfig, where: str) -> None:
                 f"{at}: {weights} is larger than max_adapter_bytes ({app.store.max_adapter_bytes})"
             )
         try:
-            load_peft_adapter(path, spec, app.engine.max_lora_rank, name)
+            engine = app.engine  # what it serves: an adapter it would refuse is refused here
+            load_peft_adapter(
+                path, spec, engine.max_lora_rank, name, engine.lora_embeddings, engine.lora_experts
+            )
         except AdapterFormatError as e:
             raise ServeConfigError(f"{at}: {_one_line(e)}") from None
 

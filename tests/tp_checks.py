@@ -32,14 +32,14 @@ def staggered(eng: LLMEngine, requests) -> list[list[int]]:
     raise AssertionError("engine did not drain")
 
 
-def check_tp2_equals_tp1(model_dir, adapters: dict, what: str) -> None:
+def check_tp2_equals_tp1(model_dir, adapters: dict, what: str, **engine) -> None:
     """TP=2 against TP=1 on `model_dir` with `adapters` loaded: every adapter's and the
     base's logits on two prompts within LOGIT_ATOL, and a staggered mixed batch's tokens
-    equal (`what` names the case in a failure)."""
+    equal (`what` names the case in a failure; `engine`: more EngineConfig fields)."""
 
     def build(tp_size: int) -> LLMEngine:
         cfg = EngineConfig(model=str(model_dir), device="cpu", tp_size=tp_size,
-                           kv_cache_bytes=16 << 20, block_size=4)  # fmt: skip
+                           kv_cache_bytes=16 << 20, block_size=4, **engine)  # fmt: skip
         eng = LLMEngine(cfg)
         for name, path in adapters.items():
             eng.load_adapter(name, path)

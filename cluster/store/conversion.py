@@ -72,13 +72,15 @@ class Converter:
         reserved_names: tuple[str, ...] = (),
         max_adapter_bytes: int | None = None,
         lora_embeddings: bool = False,
+        lora_experts: bool = False,
     ) -> None:
-        """`lora_embeddings`: the engine's; an adapter it could not serve is refused."""
+        """`lora_embeddings`, `lora_experts`: the engine's; an adapter it could not serve
+        is refused."""
         self.spec = load_model_spec(model)
         self.max_lora_rank = max_lora_rank
         self.reserved = set(reserved_names)
         self.max_adapter_bytes = max_adapter_bytes
-        self.lora_embeddings = lora_embeddings
+        self.lora_embeddings, self.lora_experts = lora_embeddings, lora_experts
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_LOADS)
 
     def convert(self, name: str, path: str | Path, source: str | None = None) -> Converted:
@@ -94,7 +96,7 @@ class Converter:
             )
         try:
             weights = load_peft_adapter(
-                path, self.spec, self.max_lora_rank, name, self.lora_embeddings
+                path, self.spec, self.max_lora_rank, name, self.lora_embeddings, self.lora_experts
             )
         except AdapterFormatError as e:
             raise BadRequestError(str(e)) from None

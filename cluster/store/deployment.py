@@ -54,15 +54,20 @@ class AdapterStore:
         resolvers: Sequence[AdapterResolver] = (),
         resolve_allow: Sequence[str] = ("*",),
         lora_embeddings: bool = False,
+        lora_experts: bool = False,
     ) -> None:
         """`checkpoint`: keep the registry in a checkpoint actor named after the Serve
         application (off: a restart loses runtime loads). `resolvers`, tried in order
         for names nobody registered whose name matches a `resolve_allow` glob;
-        `lora_embeddings`, the engine's: adapters it cannot serve are refused."""
+        `lora_embeddings`, `lora_experts`, the engine's: adapters it cannot serve are
+        refused."""
         incarnation = uuid.uuid4().hex
         self.reports = ReplicaReports(incarnation)
+        converter = Converter(
+            model, max_lora_rank, reserved_names, max_adapter_bytes, lora_embeddings, lora_experts
+        )
         self.registry = Registry(
-            Converter(model, max_lora_rank, reserved_names, max_adapter_bytes, lora_embeddings),
+            converter,
             AdapterRoots(adapter_roots),
             preload,
             Checkpoint(checkpoint_name()) if checkpoint else None,

@@ -29,13 +29,19 @@ MAX_DEFAULT_SLOTS = 256
 
 
 def slot_bytes(
-    spec: ModelSpec, max_rank: int, dtype: torch.dtype, tp_size: int = 1, vocab: bool = False
+    spec: ModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+    vocab: bool = False,
+    experts: bool = False,
 ) -> int:
     """Device bytes of `max_rank` arena rows on one rank: [num_slices, R, in] of A and
     [out, R] of B per projection group and layer (and, with `vocab`, of embed_tokens and
     lm_head once), what LoRASlotBuffers allocates per max_rank rows (with max_rank 1: the
-    bytes of one rank row). A sparse layer's expert groups hold those rows once per
-    expert: an expert adapter's real size, E x (gate, up, down) x r rows per layer."""
+    bytes of one rank row). With `experts` (engine.lora_experts), a sparse layer's expert
+    groups hold those rows once per expert: an expert adapter's real size, E x (gate, up,
+    down) x r rows per layer."""
     if tp_size == 1:
         shapes = spec.lora_shapes()
     else:
@@ -45,13 +51,23 @@ def slot_bytes(
         own = spec.layer(layer)  # the layer's own shapes, where layers differ (Gemma 4)
         if own is not spec:
             shapes = own.lora_shapes() if tp_size == 1 else TPShard(own, 0, tp_size).lora_shapes()
-        for group, names in layer_groups(spec, layer).items():
+        for group, names in layer_groups(spec, layer, experts=experts).items():
             in_features = shapes[names[0]][0]
             out_total = sum(shapes[n][1] for n in names)
             copies = spec.num_experts if group in EXPERT_GROUPS else 1
             rows += copies * (len(names) * in_features + out_total) * max_rank
     once = sum(sum(shapes[g]) * max_rank for g in VOCAB_GROUPS) if vocab else 0
     return (rows + once) * dtype.itemsize
+
+
+def config_slot_bytes(
+    config: EngineConfig, spec: ModelSpec, max_rank: int, dtype: torch.dtype
+) -> int:
+    """slot_bytes of the arenas `config` builds (its tp_size, lora_embeddings and
+    lora_experts): what every sizing of them reads."""
+    return slot_bytes(
+        spec, max_rank, dtype, config.tp_size, config.lora_embeddings, config.lora_experts
+    )
 
 
 def size_adapter_slots(
@@ -62,9 +78,7 @@ def size_adapter_slots(
     a CPU; on CUDA the memory plan's share, executor/memory_plan.py), at most
     MAX_DEFAULT_SLOTS then. Raises ValueError when the budget cannot hold one adapter of
     max_lora_rank."""
-    per_block = slot_bytes(
-        spec, block_rows(config.max_lora_rank), dtype, config.tp_size, config.lora_embeddings
-    )
+    per_block = config_slot_bytes(config, spec, block_rows(config.max_lora_rank), dtype)
     num_slots = config.adapters.num_slots
     if num_slots is None:
         budget = config.adapters.adapter_memory_bytes

@@ -58,10 +58,11 @@ class PeftDirectoryLocator:
     max_lora_rank: int
     generation: int  # changes when the name is registered again: other ranks re-read it
     lora_embeddings: bool = False
+    lora_experts: bool = False
 
     def fetch(self, name: str, select: SelectLoRA | None = None) -> LoRAAdapterWeights:
         adapter = load_peft_adapter(
-            self.path, self.spec, self.max_lora_rank, name, self.lora_embeddings
+            self.path, self.spec, self.max_lora_rank, name, self.lora_embeddings, self.lora_experts
         )
         return adapter if select is None else adapter.select(select)
 
@@ -84,10 +85,12 @@ class PeftDirectorySource:
         max_lora_rank: int,
         paths: Mapping[str, str | Path],
         lora_embeddings: bool = False,
+        lora_experts: bool = False,
     ) -> None:
-        """`paths`: name -> directory, each registered as by add()."""
+        """`paths`: name -> directory, each registered as by add(). `lora_embeddings`,
+        `lora_experts`: the engine's; an adapter it could not serve is refused."""
         self.spec, self.max_lora_rank = spec, max_lora_rank
-        self.lora_embeddings = lora_embeddings
+        self.lora_embeddings, self.lora_experts = lora_embeddings, lora_experts
         self._generations = itertools.count(1)
         self._directories: dict[str, _Directory] = {}
         for name, path in paths.items():
@@ -121,8 +124,10 @@ class PeftDirectorySource:
         directory = self._directories[name]
         return PeftDirectoryLocator(
             directory.path, self.spec, self.max_lora_rank, directory.generation,
-            self.lora_embeddings,
+            self.lora_embeddings, self.lora_experts,
         )  # fmt: skip
 
     def _read(self, name: str, path: str | Path) -> LoRAAdapterWeights:
-        return load_peft_adapter(path, self.spec, self.max_lora_rank, name, self.lora_embeddings)
+        return load_peft_adapter(
+            path, self.spec, self.max_lora_rank, name, self.lora_embeddings, self.lora_experts
+        )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from replica.adapters.memory import CPU_BUDGET_BYTES, size_adapter_slots, slot_bytes
+from replica.adapters.memory import CPU_BUDGET_BYTES, config_slot_bytes, size_adapter_slots
 from replica.adapters.residency import BASE_KEY, AdapterResidency
 from replica.adapters.sources import AdapterSource, PeftDirectorySource
 from replica.config import EngineConfig
@@ -64,7 +64,9 @@ class LLMEngine:
         self.executor = create_executor(c, self.spec, self.device, self.dtype)
         num_blocks, self.max_model_len = self.executor.num_blocks, self.executor.max_model_len
         log.info(self._start_line())
-        source = source or PeftDirectorySource(self.spec, c.max_lora_rank, {}, c.lora_embeddings)
+        source = source or PeftDirectorySource(
+            self.spec, c.max_lora_rank, {}, c.lora_embeddings, c.lora_experts
+        )
         self.adapters = AdapterResidency(
             c, source, self.executor.lora, self.executor.adapter_staging, self.device
         )
@@ -138,7 +140,7 @@ class LLMEngine:
                 f"{arena_rows(c.adapters.num_slots, c.max_lora_rank)} rank rows per "
                 "projection group"
             )
-        row = slot_bytes(self.spec, 1, self.dtype, c.tp_size, c.lora_embeddings)
+        row = config_slot_bytes(c, self.spec, 1, self.dtype)
         rows = arena_rows(c.adapters.num_slots, c.max_lora_rank)
         return (
             f"{memory}; {row:,} bytes a rank row in every group: {c.adapters.num_slots - 1} "

@@ -42,11 +42,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from replica.adapters.memory import size_adapter_slots, slot_bytes
+from replica.adapters.memory import config_slot_bytes, size_adapter_slots
 from replica.config import EngineConfig
 from replica.executor.static_decode import static_decode_bytes
 from replica.model.kv_cache import KVCache
-from replica.model.lora import EXPERT_GROUPS, layer_groups
+from replica.model.lora import layer_groups
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.quant_shares import packed_difference
 from replica.model.spec import ModelSpec
@@ -254,10 +254,9 @@ def step_bytes(
     s, b, f32 = widest_layer(local_spec(spec, config.tp_size)), dtype.itemsize, 4
     h, q, kv, hd = s.hidden_size, s.q_size, s.kv_size, s.head_dim
     t, r, vocab = tokens, logit_rows, spec.vocab_size
-    lora_cols = sum(
+    lora_cols = sum(  # expert groups have no workspace columns: their rows are pairs
         len(names) * config.max_lora_rank
-        for group, names in layer_groups(s, 0).items()
-        if group not in EXPERT_GROUPS
+        for names in layer_groups(s, 0, experts=False).values()
     ) * s.num_layers  # fmt: skip
     persistent = t * h * b + t * lora_cols * f32
     norm = t * h * (b + 8)
@@ -347,7 +346,7 @@ def _adapter_arenas(
     """(config with the slots sized, rank rows per group, bytes) of the adapter arenas,
     from `rest`, what the budget leaves them and the KV cache: by default ADAPTER_SHARE of
     it, and room for one adapter of max_lora_rank at least."""
-    one = slot_bytes(spec, block_rows(c.max_lora_rank), dtype, c.tp_size, c.lora_embeddings)
+    one = config_slot_bytes(c, spec, block_rows(c.max_lora_rank), dtype)
     if c.adapters.num_slots is None and c.adapters.adapter_memory_bytes is None and rest < one:
         raise MemoryPlanError(
             f"one adapter of max_lora_rank {c.max_lora_rank} takes {gib(one)}; {where} "
@@ -359,7 +358,7 @@ def _adapter_arenas(
     except ValueError as e:
         raise MemoryPlanError(f"{e} ({where})") from None
     rows = arena_rows(sized.adapters.num_slots, c.max_lora_rank)
-    adapters = slot_bytes(spec, rows, dtype, c.tp_size, c.lora_embeddings)
+    adapters = config_slot_bytes(c, spec, rows, dtype)
     if adapters > rest:
         raise MemoryPlanError(
             f"adapter arenas of {sized.adapters.num_slots - 1} adapters of rank {c.max_lora_rank} "

@@ -41,7 +41,14 @@ class ModelRunner(Executor):
         local = spec if tp is None else tp.shard.local_spec  # this rank's heads and KV heads
         shapes = None if tp is None else tp.shard.lora_shapes  # per layer
         self.lora = LoRASlotBuffers(
-            spec, c.adapters.num_slots, c.max_lora_rank, device, dtype, shapes, c.lora_embeddings
+            spec,
+            c.adapters.num_slots,
+            c.max_lora_rank,
+            device,
+            dtype,
+            shapes,
+            vocab=c.lora_embeddings,
+            experts=c.lora_experts,
         )
         self.model = CausalLM(c.model, device, dtype, self.lora, spec, tp, c.load_format)
         kv = size_kv_cache(c, spec, local, self.model, self.lora, device, dtype)

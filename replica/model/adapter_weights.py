@@ -36,7 +36,9 @@ Expert LoRA on a mixture of experts is read from either layout its keys show, pe
 rules per expert module.
 
 What adapter_config.json may hold is model/peft_config.py's; refused here: LoRA on
-embed_tokens / lm_head, and tensors of modules the family does not have.
+embed_tokens / lm_head (unless engine.lora_embeddings), on the experts (unless
+engine.lora_experts: their arenas are most of an MoE model's adapter memory), and tensors
+of modules the family does not have.
 layers_to_transform / layers_pattern are served as written: the file must hold weights
 only for the layers they select.
 
@@ -201,6 +203,7 @@ def load_peft_adapter(
     max_lora_rank: int,
     name: str | None = None,
     lora_embeddings: bool = False,
+    lora_experts: bool = False,
 ) -> LoRAAdapterWeights:
     """Read and validate a PEFT LoRA directory against `spec`; raise AdapterFormatError."""
     path = Path(path)
@@ -212,7 +215,7 @@ def load_peft_adapter(
         )
     tensors = _read_tensors(weights_file)
     return convert_peft_tensors(
-        name or path.name, config, tensors, spec, max_lora_rank, lora_embeddings
+        name or path.name, config, tensors, spec, max_lora_rank, lora_embeddings, lora_experts
     )
 
 
@@ -252,9 +255,11 @@ def convert_peft_tensors(
     spec: ModelSpec,
     max_lora_rank: int,
     lora_embeddings: bool = False,
+    lora_experts: bool = False,
 ) -> LoRAAdapterWeights:
     """Validate PEFT config + tensors and regroup them per (layer, module); embed_tokens
-    and lm_head weights (allowed with `lora_embeddings`) under layer VOCAB_LAYER."""
+    and lm_head weights (allowed with `lora_embeddings`) under layer VOCAB_LAYER, expert
+    LoRA (allowed with `lora_experts`) per EXPERT_MODULES."""
     check_config(name, config)
     r = config["r"]
     alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
@@ -329,6 +334,11 @@ def convert_peft_tensors(
         path = key.removeprefix(_PEFT_PREFIX).removesuffix(f".lora_{which}.weight")
         _check_layer_filter(name, config, in_layers, path, key)
         pairs.setdefault((layer, module, -1), _Module(path)).tensors[which] = tensor
+    if expert_tensors and spec.num_experts and not lora_experts:
+        raise AdapterFormatError(
+            f"{name}: tensor {next(iter(expert_tensors))!r} is LoRA on the experts, which "
+            "this server does not serve (engine.lora_experts: true serves it)"
+        )
     for part in expert_parts(name, expert_tensors, spec) if expert_tensors else ():
         _check_layer_filter(name, config, in_layers, part.path, part.path)
         entry = _Module(part.path, {"A": part.a, "B": part.b})

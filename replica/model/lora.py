@@ -47,12 +47,14 @@ EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-def layer_groups(spec: ModelSpec, layer: int) -> dict[str, tuple[str, ...]]:
+def layer_groups(spec: ModelSpec, layer: int, *, experts: bool) -> dict[str, tuple[str, ...]]:
     """The projection groups of `layer` with their slices: attention, then the dense
-    MLP's, or on a sparse layer its experts'. A checkpoint's fused projection (Phi-3's
-    qkv_proj, gate_up_proj) is one slice, as its adapters target it: A stored and read
-    once. Held split, each part would hold the whole A (`lorafleet bench kernels --fused`
-    measured that at 1.67x the qkv LoRA time, 1.24x gate_up's, on Phi-3-mini shapes).
+    MLP's, or on a sparse layer its experts' (with `experts`, engine.lora_experts: their
+    arenas are most of an MoE model's adapter memory, so they exist only when asked for).
+    A checkpoint's fused projection (Phi-3's qkv_proj, gate_up_proj) is one slice, as its
+    adapters target it: A stored and read once. Held split, each part would hold the
+    whole A (`lorafleet bench kernels --fused` measured that at 1.67x the qkv LoRA time,
+    1.24x gate_up's, on Phi-3-mini shapes).
     The qkv group holds only the projections the layer has (ModelSpec.qkv_modules:
     q_proj alone on Gemma 4's KV-sharing layers), as its base weight does."""
     fused = spec.fused_modules()
@@ -69,7 +71,8 @@ def layer_groups(spec: ModelSpec, layer: int) -> dict[str, tuple[str, ...]]:
         groups |= PER_LAYER_INPUT_GROUPS
     dense = {g: slices(g) for g in ("gate_up_proj", "down_proj")}
     if spec.is_sparse(layer):  # Gemma 4's experts run beside a dense MLP
-        return groups | (dense if spec.moe_beside_mlp else {}) | EXPERT_GROUPS
+        expert = EXPERT_GROUPS if experts else {}
+        return groups | (dense if spec.moe_beside_mlp else {}) | expert
     return groups | dense
 
 

@@ -9,11 +9,13 @@ it nothing. This class only owns memory and copies weights in; which adapter liv
 which slot and which rows is the slot pool's decision (replica/adapters). Slot 0 is the
 base model: rank 0, no rows, so a segment on slot 0 adds nothing.
 
-A sparse (mixture-of-experts) layer has expert groups instead of the dense MLP's: their
-arenas hold one block of rows per expert ([num_slices, E * num_rows, in]), the adapter's
-expert e at rows e * num_rows + [offset, offset + rank): the same offset in every block,
-so one slot offset still names every row it owns, and an expert adapter takes its real
-E x (gate, up, down) x rank rows per layer (replica/adapters/memory.py counts them).
+A sparse (mixture-of-experts) layer has expert groups (with engine.lora_experts) instead
+of the dense MLP's: their arenas hold one block of rows per expert ([num_slices, E *
+num_rows, in]), the adapter's expert e at rows e * num_rows + [offset, offset + rank):
+the same offset in every block, so one slot offset still names every row it owns, and an
+expert adapter takes its real E x (gate, up, down) x rank rows per layer
+(replica/adapters/memory.py counts them). Without the setting a sparse layer has no
+expert arenas and its experts run without LoRA (such adapters are refused at load).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from replica.model.lora import (
 )
 from replica.model.spec import ModelSpec
 
+_EXPERT_MODULES = frozenset(m for names in EXPERT_GROUPS.values() for m in names)
 MIN_BLOCK_ROWS = 8  # ranks 1..8 take 8 rows: smaller blocks would only grow the slot tables
 
 
@@ -67,7 +70,7 @@ def adapter_group_ranks(spec: ModelSpec, adapter: LoRAAdapterWeights) -> dict[st
     is computed once, where the adapter is converted, and travels with it."""
     modules: dict[str, set[str]] = {g: set(names) for g, names in VOCAB_GROUPS.items()}
     for layer in range(spec.num_layers):  # a group's slices may differ by layer (Gemma 4)
-        for group, names in layer_groups(spec, layer).items():
+        for group, names in layer_groups(spec, layer, experts=True).items():
             modules.setdefault(group, set()).update(names)
     ranks = adapter.module_ranks()  # one pass over the weights, not one per group
     by_group = {g: max((ranks.get(m, 0) for m in names), default=0) for g, names in modules.items()}
@@ -106,15 +109,17 @@ class LoRASlotBuffers:
         dtype: torch.dtype,
         shapes: Shapes | Callable[[int | None], Shapes] | None = None,
         vocab: bool = False,
+        experts: bool = False,
     ) -> None:
         """Arenas of arena_rows(num_slots, max_rank) rows. `shapes`: (in, out) of A [r, in]
         and B [out, r] per module, when not the whole model's (a tensor-parallel rank's
         share: TPShard.lora_shapes, a function of the layer, or its dict for every layer).
         `vocab`: arenas for embed_tokens and lm_head too (engine.lora_embeddings), read
-        before the first layer and after the last."""
+        before the first layer and after the last. `experts`: arenas for a sparse layer's
+        experts (engine.lora_experts), E blocks of rows each."""
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2 (slot 0 is the base model)")
-        self.spec, self.max_rank = spec, max_rank
+        self.spec, self.max_rank, self.expert_lora = spec, max_rank, experts
         self.num_rows = arena_rows(num_slots, max_rank)
         self.num_slots = num_slot_handles(self.num_rows)
         # per layer (Gemma 4's layers differ): a TP rank's shares, TPShard.lora_shapes
@@ -131,7 +136,7 @@ class LoRASlotBuffers:
         for layer in range(spec.num_layers):
             groups = {}
             shapes = layer_shapes(layer)
-            for group, names in layer_groups(spec, layer).items():
+            for group, names in layer_groups(spec, layer, experts=self.expert_lora).items():
                 in_f = shapes[names[0]][0]
                 offsets = [0]
                 for n in names:
@@ -153,7 +158,7 @@ class LoRASlotBuffers:
             a = kernels.lora_a_buffer(1, self.num_rows, in_f, device, dtype)
             b = kernels.lora_b_buffer(out_f, self.num_rows, device, dtype)
             self.vocab[group] = LoRABuffers(a, b, [0, out_f], (group,), max_rank)
-        experts = tuple(EXPERT_GROUPS) if spec.num_experts else ()
+        experts = tuple(EXPERT_GROUPS) if spec.num_experts and self.expert_lora else ()
         ple = tuple(PER_LAYER_INPUT_GROUPS) if spec.per_layer_input_size else ()
         linear = tuple(LINEAR_GROUPS) if spec.linear_attention is not None else ()
         # the slot table's rank columns
@@ -216,6 +221,8 @@ class LoRASlotBuffers:
             raise ValueError(
                 f"{adapter.name}: LoRA on {'/'.join(vocab)} needs engine.lora_embeddings"
             )
+        if not self.expert_lora and any(m in _EXPERT_MODULES for _, m in adapter.weights):
+            raise ValueError(f"{adapter.name}: LoRA on the experts needs engine.lora_experts")
         if adapter.rank > self.max_rank:
             raise ValueError(f"{adapter.name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
         group_ranks = self.group_ranks(adapter)

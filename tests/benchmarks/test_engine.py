@@ -95,6 +95,18 @@ def test_quick_family_run_writes_the_decode_step_figures(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_quick_moe_family_run_serves_its_expert_adapters(tmp_path, capsys):
+    """A mixture of experts' bench adapters are on its experts: its engines serve them
+    (engine.lora_experts), and the decode step reads their expert rows."""
+    out = tmp_path / "engine-moe.json"
+    assert main(["engine", "--quick", "--family", "qwen3moe", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["families"]["qwen3moe"]
+    assert figures["decode_bytes_ratio_16_adapters_vs_base"] > 1
+    assert figures["prefill_tok_s_lora"] > 0 and figures["decode_tok_s_lora"] > 0
+    assert "every adapter on the experts" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_churn_without_eviction_fails_the_bench(tmp_path, capsys):
     # a zipf steep enough that every request names the one rank-8 adapter: nothing to evict
     out = tmp_path / "engine-zipf.json"

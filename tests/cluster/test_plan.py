@@ -133,16 +133,36 @@ def test_plan_of_each_published_flagship_at_its_gpu_count(capsys, name, gpu, tp)
 
 
 @pytest.mark.parametrize(
-    "name, gpu, tp, says",
-    [("Qwen2.5-7B-Instruct", "80GiB", 8, "num_attention_heads=28 is not a multiple of 8"),
-     ("gpt-oss-120b", "141GB", 4, "cannot split the quantized model"),
-     ("Qwen3.5-397B-A17B", "80GiB", 8, "more tensor-parallel ranks split the weights"),
-     ("Qwen3.5-397B-A17B", "141GB", 8, "lower engine.max_lora_rank or raise tp_size")],
+    "name, gpu, tp, says, settings",
+    [("Qwen2.5-7B-Instruct", "80GiB", 8, "num_attention_heads=28 is not a multiple of 8", ()),
+     ("gpt-oss-120b", "141GB", 4, "cannot split the quantized model", ()),
+     ("Qwen3.5-397B-A17B", "80GiB", 8, "more tensor-parallel ranks split the weights", ()),
+     ("Qwen3.5-397B-A17B", "141GB", 8, "lower engine.max_lora_rank or raise tp_size",
+      ("--set", "engine.lora_experts=true"))],
 )  # fmt: skip
-def test_plan_refuses_a_flagship_that_cannot_run_so_in_one_line(capsys, name, gpu, tp, says):
+def test_plan_refuses_a_flagship_that_cannot_run_so_in_one_line(
+    capsys, name, gpu, tp, says, settings
+):
     line = refused(capsys, "plan", "--model", str(PUBLISHED / name), "--gpu-memory", gpu,
-                   "--tp", str(tp))  # fmt: skip
+                   "--tp", str(tp), *settings)  # fmt: skip
     assert says in line
+
+
+def test_expert_lora_arenas_are_planned_only_when_asked_for(capsys):
+    """Qwen3-30B-A3B on one 80 GiB GPU: a rank row in its 128 experts' arenas on 48
+    layers costs 63x one in attention's, so with engine.lora_experts the arenas hold one
+    adapter of rank 64 (the least the plan keeps room for); by default, without them,
+    many, and the plan says how many for each."""
+    model = str(PUBLISHED / "Qwen3-30B-A3B")
+    plain = plan_json(capsys, "--model", model, "--gpu-memory", "80GiB")
+    experts = plan_json(capsys, "--model", model, "--gpu-memory", "80GiB",
+                        "--set", "engine.lora_experts=true")  # fmt: skip
+    print(f"max_loras_per_batch: {plain['max_loras_per_batch']} by default, "
+          f"{experts['max_loras_per_batch']} with engine.lora_experts")  # fmt: skip
+    assert experts["max_loras_per_batch"] == 1
+    assert plain["max_loras_per_batch"] >= 16 * experts["max_loras_per_batch"]
+    assert plain["adapter_memory_bytes"] < experts["adapter_memory_bytes"]
+    assert plain["kv_cache_bytes"] > experts["kv_cache_bytes"]
 
 
 def quantized_copy(tmp_path, name: str, quant: dict):

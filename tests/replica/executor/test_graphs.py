@@ -362,9 +362,8 @@ def test_warm_up_launches_every_kernel_specialisation_serving_does(warm_model, m
     names = [None, *assets.adapters]
     monkeypatch.setattr(kernels, "_cuda_sm_count", lambda: 132)
     with kernels.forced_backend("triton"):
-        eng = make_engine(
-            assets, max_lora_rank=65, max_num_seqs=20, block_size=4, max_num_batched_tokens=48
-        )
+        eng = make_engine(assets, max_lora_rank=65, max_num_seqs=20, block_size=4,
+                          max_num_batched_tokens=48, lora_experts=True)  # fmt: skip
         runner = eng.executor
         runner.static_decode = runner.make_static_decode(20)
         with recorded_launches(monkeypatch, *triton_kernels(), execute=False) as warm:

@@ -146,8 +146,9 @@ def test_llama_3_1_70b_and_qwen3_32b_at_tp_4_by_hand():
 
 def test_qwen3_30b_a3b_on_one_80gib_gpu_by_hand():
     """128 experts of 768 columns, top-8, on all 48 layers: the experts dominate the
-    weights, and one expert adapter of rank 64 holds rows for every expert."""
-    spec, config = published("Qwen3-30B-A3B")
+    weights, and with engine.lora_experts one expert adapter of rank 64 holds rows for
+    every expert; by default its arenas have attention's groups alone."""
+    spec, config = published("Qwen3-30B-A3B", lora_experts=True)
     plan = plan_memory(spec, config, BF16, 80 * GiB)
     h, e, moe, kv, q = 2048, 128, 768, 4 * 128, 32 * 128
     per_layer = h * (q + 2 * kv) + q * h + e * (3 * h * moe + h) + 2 * h + 2 * 128
@@ -158,10 +159,15 @@ def test_qwen3_30b_a3b_on_one_80gib_gpu_by_hand():
     attention_rows = 3 * h + (q + 2 * kv) + q + h
     expert_rows = e * (2 * h + 2 * moe + moe + h)
     adapter = 48 * 64 * 2 * (attention_rows + expert_rows)
-    assert adapter == slot_bytes(spec, 64, BF16) == 6_750_732_288
+    assert adapter == slot_bytes(spec, 64, BF16, experts=True) == 6_750_732_288
     # a quarter of what is left would hold none: the default makes room for one
     assert plan.num_slots == 2 and plan.adapter_memory_bytes == adapter
     assert plan.max_model_len == 40960 and plan.max_concurrency_at_max_model_len >= 1
+    plain = plan_memory(spec, config.model_copy(update={"lora_experts": False}), BF16, 80 * GiB)
+    attention = 48 * 64 * 2 * attention_rows
+    assert attention == slot_bytes(spec, 64, BF16) == 106_954_752
+    assert plain.adapter_memory_bytes == (plain.num_slots - 1) * attention
+    assert plain.num_slots - 1 > 16 * (plan.num_slots - 1)
 
 
 def test_llama_70b_on_one_80gib_gpu_is_refused_by_how_much():

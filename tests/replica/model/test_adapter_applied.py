@@ -76,14 +76,16 @@ def test_every_familys_report_names_transformers_modules_on_each_layer_having_th
 ):
     """The "all" adapter of every family: each name its load reports is a module (or a
     stacked experts' parameter) of transformers' model within a layer, PEFT's own view of
-    the checkpoint, and its count the number of language-model layers having it."""
+    the checkpoint, and its count the number of language-model layers having it (expert
+    LoRA read as engine.lora_experts serves it)."""
     if family == "llama":
         tiny = tiny_assets("llama")
         model_dir, path = tiny.model_dir, tiny.adapters["adapter-00"]
     else:
         model_dir = family_model_dir(family)
         path = family_adapters(family, model_dir, tmp_path)["all"]
-    applied = load_peft_adapter(path, load_model_spec(model_dir), 64, "all").applied()
+    spec = load_model_spec(model_dir)
+    applied = load_peft_adapter(path, spec, 64, "all", lora_experts=True).applied()
     layers: dict[str, set[int]] = {}
     for name, _ in hf_model(model_dir).named_parameters():
         m = _IN_LAYER.match(name)
@@ -113,6 +115,6 @@ def test_moe_expert_lora_is_named_by_its_experts_block(tmp_path):
     (adapter / "adapter_config.json").write_text(
         '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["w1", "w2"]}'
     )
-    applied = load_peft_adapter(adapter, spec, 64, "experts").applied()
+    applied = load_peft_adapter(adapter, spec, 64, "experts", lora_experts=True).applied()
     n = spec.num_layers
     assert applied == {"block_sparse_moe.experts.w1": n, "block_sparse_moe.experts.w2": n}

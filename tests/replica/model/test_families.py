@@ -178,7 +178,8 @@ def test_prefix_cache_hits_on_sliding_layers_give_the_uncached_output(decode_fam
     """Prompts that extend an earlier one start after its cached blocks (which sliding
     and global layers alike read): each equals transformers' output for the whole prompt."""
     name, model_dir, adapters = decode_family
-    eng = engine_for(model_dir, adapters, enable_prefix_caching=True)
+    # gpt-oss's "all" adapter is on its experts too: lora_experts on every family alike
+    eng = engine_for(model_dir, adapters, enable_prefix_caching=True, lora_experts=True)
     refs = {
         None: hf_model(model_dir, eager=True),
         "all": hf_model(model_dir, adapters["all"], True),
@@ -199,8 +200,9 @@ def test_static_decode_path_equals_eager(decode_family):
     name, model_dir, adapters = decode_family
     ps = prompts(256)
     requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
-    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
-    eng = engine_for(model_dir, adapters)
+    experts = {"lora_experts": True}  # gpt-oss's "all" adapter is on its experts too
+    want = [s.output_ids for s in engine_for(model_dir, adapters, **experts).generate(requests)]
+    eng = engine_for(model_dir, adapters, **experts)
     used, reads = traced_static_decode(eng.executor, eng.config.max_num_seqs)
     assert [s.output_ids for s in eng.generate(requests)] == want, name
     assert used, "no step took the static decode path"
@@ -223,7 +225,8 @@ def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(name, tmp_p
     else:
         model_dir = family_model_dir(name)
         adapters = family_adapters(name, model_dir, tmp_path)
-    check_base_unchanged_beside_adapters(model_dir, adapters)
+    # the MoE families' "all" adapters are on their experts too
+    check_base_unchanged_beside_adapters(model_dir, adapters, lora_experts=True)
 
 
 # config.json as the Hub ships them (abridged to the fields the spec reads)

@@ -260,8 +260,12 @@ def test_static_decode_path_equals_eager(family, tmp_path):
     model_dir = family_model_dir(family)
     adapters = family_adapters(family, model_dir, tmp_path)
     requests = [(p, GREEDY, a) for p in prompts(256) for a in (None, *adapters)]
-    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
-    eng = engine_for(model_dir, adapters)
+    experts = family == "gemma4moe"  # its "all" adapter is on the experts too
+    want = [
+        s.output_ids
+        for s in engine_for(model_dir, adapters, lora_experts=experts).generate(requests)
+    ]
+    eng = engine_for(model_dir, adapters, lora_experts=experts)
     used, reads = traced_static_decode(eng.executor, eng.config.max_num_seqs)
     assert [s.output_ids for s in eng.generate(requests)] == want
     assert used, "no step took the static decode path"
@@ -302,12 +306,12 @@ def test_moe_block_matches_transformers_and_peft_in_one_mixed_batch(tmp_path):
     )
     spec = load_model_spec(model_dir)
     assert spec.moe_beside_mlp and spec.num_experts == 4 and spec.is_sparse(5)
-    applied = load_peft_adapter(adapters["experts"], spec, 64, "experts").applied()
-    assert applied == {"experts.gate_up_proj": 6, "experts.down_proj": 6}
+    weights = load_peft_adapter(adapters["experts"], spec, 64, "experts", lora_experts=True)
+    assert weights.applied() == {"experts.gate_up_proj": 6, "experts.down_proj": 6}
     for adapter in (None, *adapters.values()):  # no expert choice within rounding
         ref = hf_model(model_dir, adapter, eager=True)
         assert all(_router_margin(ref, p) > MARGIN for p in prompts(256)), adapter
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)
     got = check_mixed_batch(eng, model_dir, adapters, prompts(spec.vocab_size), NEW_TOKENS)
     assert got["experts"] != got[None] and got["all"] != got[None]
 

@@ -73,7 +73,7 @@ def test_gpt_oss_matches_transformers_and_peft_in_one_mixed_batch(gpt_oss):
     batches of the test of sixteen adapters below.)"""
     model_dir, _, every = gpt_oss
     adapters = {name: every[name] for name in ("attn", "experts")}
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)
     ps = prompts(eng.spec.vocab_size)
     assert eng.spec.window(0) == 8 < len(ps[1]) and eng.spec.window(1) is None
     for adapter in (None, *adapters.values()):
@@ -131,7 +131,7 @@ def test_mxfp4_checkpoint_equals_transformers_loading_the_same_files(gpt_oss):
     transformers (which dequantizes them) + PEFT; the quantization really changed the
     model."""
     model_dir, mx_dir, adapters = gpt_oss
-    eng = engine_for(mx_dir, {"experts": adapters["experts"]})
+    eng = engine_for(mx_dir, {"experts": adapters["experts"]}, lora_experts=True)
     model = eng.executor.model
     assert all(isinstance(w, Mxfp4Weight) for w in model.layers[0].mlp.packed)
     assert held_bytes(model) == weight_bytes(eng.spec, 1, eng.dtype)
@@ -155,7 +155,7 @@ def test_mxfp4_checkpoint_equals_transformers_loading_the_same_files(gpt_oss):
 
 def test_base_requests_are_unchanged_by_sixteen_adapters_beside_them(gpt_oss):
     model_dir, _, adapters = gpt_oss
-    check_base_unchanged_beside_adapters(model_dir, adapters)
+    check_base_unchanged_beside_adapters(model_dir, adapters, lora_experts=True)
 
 
 def test_router_lora_is_refused_by_name(gpt_oss, tmp_path):
@@ -265,7 +265,7 @@ def test_triton_kernels_give_the_torch_path_output(gpt_oss):
     import kernels
 
     model_dir, _, adapters = gpt_oss
-    eng = engine_for(model_dir, {"experts": adapters["experts"]})
+    eng = engine_for(model_dir, {"experts": adapters["experts"]}, lora_experts=True)
     sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     p = prompts(eng.spec.vocab_size)[1][:12]  # past the window of 8
     requests = [(p, sampling, "experts"), (p[:5], sampling, None)]

@@ -10,6 +10,8 @@ Adapters: attention-only and PEFT target_parameters (3D, experts' gate_up and do
 rank_pattern) written by peft itself, checked against PEFT in one mixed batch with chunked
 prefill; per-expert 2D adapters (what transformers-4 PEFT writes; transformers 5 cannot
 load them) checked against the base with each expert's delta merged into its weights.
+Expert LoRA is served with engine.lora_experts; by default a replica has no expert arenas,
+serves attention adapters alike and refuses expert ones at load.
 """
 
 from __future__ import annotations
@@ -70,9 +72,48 @@ def test_moe_base_and_adapters_match_transformers_and_peft_in_one_mixed_batch(mo
         ref = hf_model(model_dir, adapter, eager=True)
         for p in ps:
             assert router_margin(ref, p, spec.num_experts_per_tok) > MARGIN, (name, adapter)
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)
     got = check_mixed_batch(eng, model_dir, adapters, ps, NEW_TOKENS)
     assert got[None] != got["all"], f"{name}: the expert adapter should change the continuation"
+
+
+def test_an_attention_adapter_on_an_moe_base_matches_peft_without_expert_arenas(moe):
+    """By default (engine.lora_experts off) the arenas hold no expert rows, and an adapter
+    on attention alone serves as transformers + PEFT computes it, beside the base."""
+    from replica.adapters.memory import slot_bytes
+
+    name, model_dir, adapters = moe
+    spec = load_model_spec(model_dir)
+    attn = {"attn": adapters["attn"]}
+    eng = engine_for(model_dir, attn)
+    lora = eng.executor.lora
+    assert not any(g.startswith("experts") for g in lora.groups)
+    assert all(not g.startswith("experts") for layer in lora.layers for g in layer)
+    assert lora.nbytes() == slot_bytes(spec, lora.num_rows, torch.float32)
+    assert lora.nbytes() < slot_bytes(spec, lora.num_rows, torch.float32, experts=True)
+    got = check_mixed_batch(eng, model_dir, attn, prompts(spec.vocab_size)[:1], 4)
+    assert got[None] != got["attn"], f"{name}: the adapter should change the continuation"
+
+
+def test_an_expert_adapter_is_refused_at_load_naming_the_setting(moe, tmp_path):
+    """Either layout (PEFT target_parameters, per-expert keys) on an engine without
+    engine.lora_experts: refused in one line naming it, nothing registered; the slot
+    buffers refuse to write one too."""
+    from replica.model.lora_slots import LoRASlotBuffers
+
+    name, model_dir, adapters = moe
+    eng = engine_for(model_dir, {"attn": adapters["attn"]})
+    per_expert = per_expert_adapter(model_dir, tmp_path / "2d", seed=5)
+    for adapter, path in (("all", adapters["all"]), ("2d", per_expert)):
+        with pytest.raises(AdapterFormatError, match=r"engine\.lora_experts: true") as refused:
+            eng.load_adapter(adapter, path)
+        assert "\n" not in str(refused.value) and "experts" in str(refused.value)
+        assert adapter not in eng.known_adapters()
+    spec = load_model_spec(model_dir)
+    weights = load_peft_adapter(adapters["all"], spec, 64, lora_experts=True)
+    bufs = LoRASlotBuffers(spec, 2, 16, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="needs engine.lora_experts"):
+        bufs.write(0, weights)
 
 
 def per_expert_adapter(model_dir: Path, out: Path, seed: int) -> Path:
@@ -131,7 +172,7 @@ def test_per_expert_2d_adapter_equals_the_merged_base(family, tmp_path):
     model_dir = family_model_dir(family)
     adapter = per_expert_adapter(model_dir, tmp_path / "2d", seed=5)
     ref = hf_model(merged_base(model_dir, adapter, tmp_path / "merged"), eager=True)
-    eng = engine_for(model_dir, {"2d": adapter})
+    eng = engine_for(model_dir, {"2d": adapter}, lora_experts=True)
     ps = prompts(eng.spec.vocab_size)
     for p in ps:
         assert router_margin(ref, p, eng.spec.num_experts_per_tok) > MARGIN
@@ -152,7 +193,7 @@ def test_expert_adapter_weights_are_counted_at_their_real_size(moe):
 
     name, model_dir, adapters = moe
     spec = load_model_spec(model_dir)
-    w = load_peft_adapter(adapters["all"], spec, 64)
+    w = load_peft_adapter(adapters["all"], spec, 64, lora_experts=True)
     experts = sum(a.nbytes + b.nbytes for (_, m), (a, b) in w.weights.items()
                   if m.startswith("expert_"))  # fmt: skip
     # the file's 3D pairs at their own ranks (PEFT gives gate_up 2r on Qwen3-MoE, our
@@ -164,8 +205,8 @@ def test_expert_adapter_weights_are_counted_at_their_real_size(moe):
             gate_up = a.shape[1] == spec.hidden_size  # down's A reads the intermediate
             want += ((2 if gate_up else 1) * a.numel() + file[key.replace("_A", "_B")].numel()) * 4
     assert experts == want
-    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32)
-    assert bufs.nbytes() == slot_bytes(spec, bufs.num_rows, torch.float32)
+    bufs = LoRASlotBuffers(spec, 3, 16, torch.device("cpu"), torch.float32, experts=True)
+    assert bufs.nbytes() == slot_bytes(spec, bufs.num_rows, torch.float32, experts=True)
     # through the object store's numpy payload, a TP rank's shard of the experts: the same
     from replica.adapters.packing import pack_adapter, unpack_adapter
     from replica.model.tp_shard import TPShard
@@ -200,9 +241,9 @@ def test_unreadable_expert_layouts_are_refused_saying_what_was_found(tmp_path):
         tensors = {f"base_model.model.{key}": a,
                    f"base_model.model.{key.replace('lora_A', 'lora_B')}": b}  # fmt: skip
         with pytest.raises(AdapterFormatError, match=match):
-            convert_peft_tensors("x", config, tensors, spec, 64)
+            convert_peft_tensors("x", config, tensors, spec, 64, lora_experts=True)
     dense = load_model_spec(family_model_dir("qwen3"))
-    with pytest.raises(AdapterFormatError, match="has no experts"):
+    with pytest.raises(AdapterFormatError, match="has no experts"):  # not: turn experts on
         convert_peft_tensors("x", config, tensors, dense, 64)
 
 
@@ -213,15 +254,17 @@ def test_prefix_cache_and_static_decode_with_an_moe_base(adapters_of):
     model_dir, adapters = adapters_of("qwen3moe")
     ps = prompts(256)
     requests = [(p, GREEDY, a) for p in ps for a in (None, *adapters)]
-    want = [s.output_ids for s in engine_for(model_dir, adapters).generate(requests)]
+    want = [
+        s.output_ids for s in engine_for(model_dir, adapters, lora_experts=True).generate(requests)
+    ]
 
-    cached = engine_for(model_dir, adapters, enable_prefix_caching=True)
+    cached = engine_for(model_dir, adapters, enable_prefix_caching=True, lora_experts=True)
     cached.generate(requests)
     again = cached.generate(requests)
     assert [s.output_ids for s in again] == want
     assert all(s.num_cached_tokens > 0 for s, (p, _, _) in zip(again, requests) if len(p) > 8)
 
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)
     used, reads = traced_static_decode(eng.executor, 8)  # buckets up to the 6 sequences
     assert [s.output_ids for s in eng.generate(requests)] == want
     assert used and not reads, reads[:3]

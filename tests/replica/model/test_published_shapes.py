@@ -356,7 +356,8 @@ def test_a_published_config_saved_by_transformers_5_reads_the_same(name, tmp_pat
 def test_our_model_at_real_shapes_holds_what_the_plan_counts(name):
     """Our CausalLM built on the meta device (dummy weights from config.json, no memory),
     whole and as rank 0 at every tp it splits at, quantized experts packed as shipped:
-    the bytes it holds, its KV pools and its adapter arenas are the plan's."""
+    the bytes it holds, its KV pools and its adapter arenas are the plan's (with
+    engine.lora_experts and without)."""
     spec, model_dir = spec_of(name), PUBLISHED / name
     for tp in (1, 2, 4, 8):
         try:
@@ -370,8 +371,10 @@ def test_our_model_at_real_shapes_holds_what_the_plan_counts(name):
         held = sum(t.numel() * t.element_size() for t in kv.pools)
         assert held == 3 * kv_block_bytes(spec, tp, 16, torch.bfloat16), f"tp {tp}"
         shapes = None if tp == 1 else shard.lora_shapes
-        arenas = LoRASlotBuffers(spec, 3, 16, META, torch.bfloat16, shapes)
-        config = EngineConfig(model=str(model_dir), max_lora_rank=16, tp_size=tp,
-                              kv_cache_bytes=1 << 20, adapters={"num_slots": 3})  # fmt: skip
-        plan = plan_memory(spec, config, torch.bfloat16, 1 << 50)
-        assert plan.adapter_memory_bytes == arenas.nbytes(), f"tp {tp}"
+        for experts in (False, True):
+            arenas = LoRASlotBuffers(spec, 3, 16, META, torch.bfloat16, shapes, experts=experts)
+            config = EngineConfig(model=str(model_dir), max_lora_rank=16, tp_size=tp,
+                                  kv_cache_bytes=1 << 20, adapters={"num_slots": 3},
+                                  lora_experts=experts)  # fmt: skip
+            plan = plan_memory(spec, config, torch.bfloat16, 1 << 50)
+            assert plan.adapter_memory_bytes == arenas.nbytes(), f"tp {tp}, experts {experts}"

@@ -289,7 +289,7 @@ def test_packed_experts_with_expert_lora_match_transformers(tmp_path, fmt):
     model_dir = tmp_path / fmt
     oracle = quantize_dir(src, model_dir, fmt)
     adapters = family_adapters("qwen3moe", src, tmp_path)
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)
     moe = eng.executor.model.layers[0].mlp
     assert [type(w) for w in moe.packed] == [PACKED[fmt]] * 3
     assert all(w.num_experts == 8 for w in moe.packed)

@@ -97,7 +97,7 @@ def test_quantized_qwen3_5_with_adapters_matches_transformers_on_its_dequantizat
     model_dir = tmp_path / fmt
     oracle = quantize_dir(src, model_dir, fmt, SMALL_DENSE + dense)
     adapters = adapters_of(family, src, tmp_path)
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)  # Qwen3.5-MoE's "experts"
     model = eng.executor.model
     for i in LINEAR_LAYERS:
         mixer = model.layers[i].linear_attn
@@ -259,7 +259,7 @@ def test_quantized_hybrid_and_gemma4_on_two_ranks_equal_one(
         adapters = family_adapters(family, src, tmp_path)
     else:
         adapters = adapters_of(family, src, tmp_path)
-    check_tp2_equals_tp1(model_dir, adapters, f"{family} {fmt}")
+    check_tp2_equals_tp1(model_dir, adapters, f"{family} {fmt}", lora_experts=True)
 
 
 GEMMA4_CASES = [("gemma4", "fp8-block", True), ("gemma4", "ct-w4a16-g16", False),
@@ -279,7 +279,7 @@ def test_quantized_gemma4_with_adapters_matches_transformers_on_its_dequantizati
     model_dir = tmp_path / fmt
     oracle = quantize_gemma4(src, model_dir, fmt, ple)
     adapters = family_adapters(family, src, tmp_path)
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)  # the MoE's "all": experts too
     model = eng.executor.model
     for layer in model.layers:
         block = layer.per_layer_input

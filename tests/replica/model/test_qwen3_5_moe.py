@@ -41,7 +41,7 @@ def test_qwen3_5_moe_matches_transformers_and_peft_in_one_mixed_batch(qwen35moe)
     batch with chunked prefill equal transformers + PEFT; each adapter changes the
     continuation. (No expert choice is within MARGIN of flipping.)"""
     model_dir, adapters = qwen35moe
-    eng = engine_for(model_dir, adapters)
+    eng = engine_for(model_dir, adapters, lora_experts=True)
     spec = eng.spec
     assert spec.shared_expert_size == 48 and spec.num_experts == 4 and spec.norm_topk_prob
     ps = prompts(spec.vocab_size)
