@@ -67,7 +67,9 @@ def adapter_group_ranks(spec: ModelSpec, adapter: LoRAAdapterWeights) -> dict[st
     """The rank rows `adapter` needs in each projection group it targets (groups it does
     not target left out): its largest module's rank in the group, over every layer
     (LoRAAdapterWeights.group_rank). A function of the weights and the model only, so it
-    is computed once, where the adapter is converted, and travels with it."""
+    is computed once, where the adapter is converted, and travels with it: every group
+    the model could have is listed (the expert and vocabulary ones too), and whether a
+    server builds them is checked at conversion (engine.lora_experts, lora_embeddings)."""
     modules: dict[str, set[str]] = {g: set(names) for g, names in VOCAB_GROUPS.items()}
     for layer in range(spec.num_layers):  # a group's slices may differ by layer (Gemma 4)
         for group, names in layer_groups(spec, layer, experts=True).items():

@@ -119,7 +119,8 @@ def test_plan_covers_every_family_of_the_repo(capsys):
      ("gemma-3-27b-it", "80GiB", 2), ("Mixtral-8x7B-Instruct-v0.1", "141GB", 1),
      ("Qwen3.5-27B", "141GB", 1), ("Qwen3.6-35B-A3B", "80GiB", 2),
      ("gemma-4-31B", "80GiB", 4), ("gemma-4-26B-A4B", "141GB", 1),
-     ("gemma-4-E2B", "80GiB", 1), ("gpt-oss-120b", "141GB", 1)],
+     ("gemma-4-E2B", "80GiB", 1), ("gpt-oss-120b", "141GB", 1),
+     ("Qwen3.5-397B-A17B", "141GB", 8)],
 )  # fmt: skip
 def test_plan_of_each_published_flagship_at_its_gpu_count(capsys, name, gpu, tp):
     """Each family's flagship on the fewest H100s or H200s it plans on (docs/models.md's
