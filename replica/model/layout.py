@@ -257,7 +257,7 @@ class CheckpointLayout:
             gate = Mxfp4Weight(*(self._held_rows(t[:, 0::2]) for t in (blocks, scales)))
             up = Mxfp4Weight(*(self._held_rows(t[:, 1::2]) for t in (blocks, scales)))
             blocks, scales = self._mxfp4(f"{where}.down_proj", e, h, i)
-            cols = slice(lo // MXFP4_GROUP, hi // MXFP4_GROUP)  # whole groups: held so
+            cols = slice(lo // MXFP4_GROUP, hi // MXFP4_GROUP)  # held columns: whole groups
             down = Mxfp4Weight(blocks[:, :, cols].contiguous(), scales[:, :, cols].contiguous())
             return gate, up, down
         # transformers' [E, in, out] stacks

@@ -16,10 +16,11 @@ Pure arithmetic on the model's shape: no devices, no communication.
       gpt-oss's MXFP4 experts keep one scale per 32 of down's input columns: a rank whose
       columns start or end inside a group holds that whole group (expert_held_range), and
       for the columns it borrows zero gate/up rows, biases and gate/up LoRA B rows (down
-      LoRA A's columns present, zero). The clamped SwiGLU of a zero gate is exactly 0, so
-      the borrowed columns add nothing to the rank's partial down sum and the all-reduce
-      gives the unsplit answer, as vLLM's padded intermediate does. Ranks' expert widths
-      may then differ by a group; the memory plan takes the widest (widest_shard).
+      LoRA A's columns present, zero). The clamped SwiGLU of a zero gate is exactly 0
+      (gate·sigmoid(alpha·gate) = 0, times up + 1, up clamped finite), so the borrowed
+      columns add nothing to the rank's partial down sum and the all-reduce gives the
+      unsplit answer, as vLLM's padded intermediate does. Ranks' expert widths may then
+      differ by a group; the memory plan takes the widest (widest_shard).
   linear attention (Gated DeltaNet, hybrid models): by heads. in_proj_qkv, in_proj_z,
       in_proj_b, in_proj_a column-parallel (q and k rows of the rank's key heads, v, z,
       b, a rows of its value heads: value head h reads key head h // (HV / HK) on the
@@ -137,6 +138,7 @@ class TPShard:
 
     @property
     def expert_held_width(self) -> int:
+        """How many intermediate columns of each expert this rank holds."""
         lo, hi = self.expert_held_range
         return hi - lo
 
@@ -301,7 +303,8 @@ class TPShard:
 def widest_shard(spec: ModelSpec, size: int) -> TPShard:
     """The rank of `size` that holds the most (the memory plan's: every rank must fit):
     rank 0, unless ranks borrow MXFP4 groups (expert_held_range) and another holds more
-    expert columns. Ranks differ in nothing else."""
+    expert columns (a group of them outweighs the down biases only rank 0 holds; ranks
+    differ in nothing else)."""
     first = TPShard(spec, 0, size)
     if expert_group(spec) == 1:
         return first
