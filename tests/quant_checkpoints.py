@@ -8,7 +8,7 @@ library not installed here.
 FORMATS names each layout; `quantize_dir(src, out, fmt, dense=...)` writes it, the modules
 listed in `dense` left unquantized and named in the config's ignore list;
 `quantize_gemma4` does so with Gemma 4's MoE experts un-fused per expert first
-(llm-compressor's layout).
+(llm-compressor's layout); `mxfp4_copy` writes gpt-oss's experts as the Hub ships them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import dequantize
+from kernels.quant_formats import E2M1_VALUES
 from kernels.quant_pack import (
     nf4_absmax,
     pack_awq,
@@ -31,7 +32,10 @@ from kernels.quant_pack import (
     quantize_int4,
     quantize_nf4,
 )
+from tests.model_dirs import PUBLISHED
 
+# config.json of openai/gpt-oss-20b as the Hub ships it (MXFP4 experts)
+GPT_OSS_20B = json.loads((PUBLISHED / "gpt-oss-20b" / "config.json").read_text())
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
              "weight_block_size": [128, 128]}  # fmt: skip
 
@@ -255,3 +259,36 @@ def quantize_gemma4(src: Path, model_dir: Path, fmt: str, ple: bool) -> Path:
     save_file(dense, oracle / "model.safetensors", metadata={"format": "pt"})
     shutil.rmtree(unfused)
     return oracle
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] fp32 -> OCP MXFP4 as gpt-oss ships it: blocks [E, N, K/32, 16] uint8
+    (element 2j in the low nibble) and e8m0 scales [E, N, K/32] uint8, each 32-group's
+    exponent the smallest that fits its largest value in e2m1's 6, values rounded to the
+    nearest e2m1."""
+    e, n, k = w.shape
+    groups = w.reshape(e, n, k // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2**-100)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
+    code |= ((scaled < 0) & (code > 0)).long() << 3
+    pairs = code.to(torch.uint8).reshape(e, n, k // 32, 16, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4), (exp + 127).to(torch.uint8)
+
+
+def mxfp4_copy(model_dir: Path, out: Path) -> Path:
+    """The model with its experts in the Hub's MXFP4 layout: gate_up_proj [E, H, 2I] as
+    gate_up_proj_blocks / _scales over [E, 2I, H] (out, in), down_proj likewise; biases,
+    attention and router unquantized, as in openai/gpt-oss-20b."""
+    shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = to_mxfp4(tensors.pop(key).transpose(1, 2).contiguous())
+        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = GPT_OSS_20B["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out

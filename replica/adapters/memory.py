@@ -20,7 +20,7 @@ from replica.config import EngineConfig
 from replica.model.lora import EXPERT_GROUPS, VOCAB_GROUPS, layer_groups
 from replica.model.lora_slots import block_rows
 from replica.model.spec import ModelSpec
-from replica.model.tp_shard import TPShard
+from replica.model.tp_shard import widest_shard
 
 CPU_BUDGET_BYTES = 1 << 30
 # Bound of the default sizing: the slot pool's bookkeeping and a step's slot metadata
@@ -36,7 +36,7 @@ def slot_bytes(
     vocab: bool = False,
     experts: bool = False,
 ) -> int:
-    """Device bytes of `max_rank` arena rows on one rank: [num_slices, R, in] of A and
+    """Device bytes of `max_rank` arena rows on one (the widest) rank: [num_slices, R, in] of A and
     [out, R] of B per projection group and layer (and, with `vocab`, of embed_tokens and
     lm_head once), what LoRASlotBuffers allocates per max_rank rows (with max_rank 1: the
     bytes of one rank row). With `experts` (engine.lora_experts), a sparse layer's expert
@@ -45,12 +45,12 @@ def slot_bytes(
     if tp_size == 1:
         shapes = spec.lora_shapes()
     else:
-        shapes = TPShard(spec, 0, tp_size).lora_shapes()
+        shapes = widest_shard(spec, tp_size).lora_shapes()
     rows = 0
     for layer in range(spec.num_layers):
         own = spec.layer(layer)  # the layer's own shapes, where layers differ (Gemma 4)
         if own is not spec:
-            shapes = own.lora_shapes() if tp_size == 1 else TPShard(own, 0, tp_size).lora_shapes()
+            shapes = own.lora_shapes() if tp_size == 1 else widest_shard(own, tp_size).lora_shapes()
         for group, names in layer_groups(spec, layer, experts=experts).items():
             in_features = shapes[names[0]][0]
             out_total = sum(shapes[n][1] for n in names)

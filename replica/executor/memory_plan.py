@@ -50,7 +50,7 @@ from replica.model.lora import layer_groups
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.quant_shares import packed_difference
 from replica.model.spec import ModelSpec
-from replica.model.tp_shard import TPShard
+from replica.model.tp_shard import widest_shard
 
 MiB, GiB = 2**20, 2**30
 CPU_KV_CACHE_BYTES = 256 * MiB  # engine.kv_cache_bytes' default off CUDA
@@ -149,19 +149,22 @@ def gib(n: int) -> str:
 
 
 def local_spec(spec: ModelSpec, tp_size: int) -> ModelSpec:
-    """The shapes one rank computes with (its heads, KV heads and MLP columns)."""
-    return spec if tp_size == 1 else TPShard(spec, 0, tp_size).local_spec
+    """The shapes one rank computes with (its heads, KV heads and MLP columns): the
+    widest rank's, where ranks differ (tp_shard.widest_shard)."""
+    return spec if tp_size == 1 else widest_shard(spec, tp_size).local_spec
 
 
 def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
-    """What CausalLM holds on rank 0 of `tp_size`: its share of every projection and expert,
-    its vocabulary rows of the embedding and the head (padded to a multiple of tp_size),
-    the replicated norms (Gemma's in fp32), routers and q/k/v biases (gpt-oss's o_proj,
-    router and expert biases too, and its sinks in fp32), Gemma 4's replicated per-layer
-    inputs and layer scalars, each Gated DeltaNet layer's decay rate in fp32, and one cos
-    and one sin table [max_position_embeddings, rotary_dim] per distinct rope and
-    rotary_dim."""
-    local = local_spec(spec, tp_size)
+    """What CausalLM holds on the widest rank of `tp_size` (rank 0 where all hold the same,
+    tp_shard.widest_shard: a group of expert columns outweighs rank 0's down biases): its
+    share of every projection and expert, its vocabulary rows of the embedding and the
+    head (padded to a multiple of tp_size), the replicated norms (Gemma's in fp32),
+    routers and q/k/v biases (gpt-oss's o_proj, router and expert biases too, and its
+    sinks in fp32), Gemma 4's replicated per-layer inputs and layer scalars, each Gated
+    DeltaNet layer's decay rate in fp32, and one cos and one sin table
+    [max_position_embeddings, rotary_dim] per distinct rope and rotary_dim."""
+    shard = widest_shard(spec, tp_size)
+    local = shard.local_spec
     heads = 1 if spec.tie_word_embeddings else 2
     vocab_rows = -(-spec.vocab_size // tp_size)
     params = local.num_parameters() + heads * (vocab_rows - spec.vocab_size) * spec.hidden_size
@@ -171,7 +174,8 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
         params += spec.num_layers * spec.hidden_size
     if spec.moe_bias:  # router [E], gate/up [E, 2I] by rank, down [E, H] (on rank 0)
         sparse = sum(spec.is_sparse(i) for i in range(spec.num_layers))
-        per_expert = 1 + 2 * local.moe_intermediate_size + spec.hidden_size
+        per_expert = 1 + 2 * local.moe_intermediate_size
+        per_expert += spec.hidden_size if shard.rank == 0 else 0
         params += sparse * spec.num_experts * per_expert
     ropes: list = []  # distinct (rope, rotary_dim): RopeSpec holds a dict, compared
     for i in range(spec.num_layers):
@@ -194,7 +198,7 @@ def weight_bytes(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
     if local.linear_attention is not None:  # each Gated DeltaNet layer's decay rate, fp32
         linear = local.linear_attention
         extra += len(linear.layers) * linear.num_value_heads * (4 - dtype.itemsize)
-    packed = packed_difference(TPShard(spec, 0, tp_size), dtype)  # model/quant_shares.py
+    packed = packed_difference(shard, dtype)  # model/quant_shares.py
     return params * dtype.itemsize + extra + packed
 
 

@@ -183,7 +183,8 @@ class CheckpointLayout:
 
     def expert_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's expert biases of sparse layer `layer` (gpt-oss): gate and up
-        [E, 2·I_rank] (laid out as experts() lays out the rows), down [E, hidden]."""
+        [E, 2·I_rank] (laid out as experts() lays out the rows, zero for borrowed
+        columns), down [E, hidden]."""
         s = self.spec
         e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
         where = f"{self.prefix}layers.{layer}.mlp.experts"
@@ -195,7 +196,8 @@ class CheckpointLayout:
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedWeight, ...]:
         """This rank's experts of sparse layer `layer`, stacked: gate and up rows
         [E, 2·I_rank, hidden] (each expert's gate rows, then its up rows), down
-        [E, hidden, I_rank]; I_rank = this rank's columns of moe_intermediate_size.
+        [E, hidden, I_rank]; I_rank = this rank's columns of moe_intermediate_size (held
+        columns, TPShard.expert_held_range: gpt-oss's MXFP4 rounds them out to groups).
         Quantized experts come packed and stacked as (gate, up, down), each [E, ...]."""
         s = self.spec
         if s.expert_layout == "gpt_oss":
@@ -239,20 +241,23 @@ class CheckpointLayout:
     def _gpt_oss_experts(
         self, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[Mxfp4Weight, ...]:
+        """This rank's held columns (TPShard.expert_held_range: whole MXFP4 groups of
+        down_proj's inputs), gate/up rows of the columns it borrows zero (code 0 is e2m1's
+        +0.0; their scales zeroed too, so no scale byte can make them other than 0)."""
         s = self.spec
         e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
         where = f"{self.prefix}layers.{layer}.mlp.experts"
-        lo, hi = (0, i) if self.shard is None else self.shard.expert_range
+        lo, hi = (0, i) if self.shard is None else self.shard.expert_held_range
         # the Hub's MXFP4 stacks, kept packed: a dummy checkpoint "has" every name, so it
         # follows the config's quantization (as the plan does)
         dummy = isinstance(self.ckpt, DummyCheckpoint)
         packed = self.format_at(f"{where}.gate_up_proj") is not None if dummy else None
         if packed or (packed is None and not self.ckpt.has(f"{where}.gate_up_proj")):
             blocks, scales = self._mxfp4(f"{where}.gate_up_proj", e, 2 * i, h)
-            gate = Mxfp4Weight(*(t[:, 0::2][:, lo:hi].contiguous() for t in (blocks, scales)))
-            up = Mxfp4Weight(*(t[:, 1::2][:, lo:hi].contiguous() for t in (blocks, scales)))
+            gate = Mxfp4Weight(*(self._held_rows(t[:, 0::2]) for t in (blocks, scales)))
+            up = Mxfp4Weight(*(self._held_rows(t[:, 1::2]) for t in (blocks, scales)))
             blocks, scales = self._mxfp4(f"{where}.down_proj", e, h, i)
-            cols = slice(lo // MXFP4_GROUP, hi // MXFP4_GROUP)  # whole groups: tp_shard checks
+            cols = slice(lo // MXFP4_GROUP, hi // MXFP4_GROUP)  # held columns: whole groups
             down = Mxfp4Weight(blocks[:, :, cols].contiguous(), scales[:, :, cols].contiguous())
             return gate, up, down
         # transformers' [E, in, out] stacks
@@ -281,10 +286,15 @@ class CheckpointLayout:
 
     def _split_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gpt-oss's interleaved gate / up rows (gate j at 2j, up j at 2j+1) of
-        [E, 2I, ...] -> this rank's gate rows then its up rows, [E, 2·I_rank, ...]."""
-        lo, hi = (0, gate_up.shape[1] // 2) if self.shard is None else self.shard.expert_range
-        gate, up = gate_up[:, 0::2][:, lo:hi], gate_up[:, 1::2][:, lo:hi]
-        return torch.cat([gate, up], dim=1)
+        [E, 2I, ...] -> this rank's held gate rows then its held up rows, [E, 2·I_rank,
+        ...], those of borrowed columns zero (_held_rows)."""
+        return torch.cat([self._held_rows(gate_up[:, 0::2]), self._held_rows(gate_up[:, 1::2])], 1)
+
+    def _held_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[E, I, ...] -> this rank's held rows [E, I_rank, ...], contiguous, the rows of
+        columns it borrows zero (TPShard.hold_expert_columns); all of them unsplit."""
+        held = t if self.shard is None else self.shard.hold_expert_columns(t, 1)
+        return held.contiguous()
 
     def _mxfp4(
         self, name: str, experts: int, rows: int, cols: int

@@ -23,7 +23,9 @@ Tensor parallelism: each rank holds every expert's share of the intermediate col
 columns, its [P, r] intermediate all-reduced, B by the rank's hidden columns); the
 weighted sum is all-reduced once, as the dense MLP's down projection is. Gate/up biases
 are split with their rows; the down bias is added on rank 0 only, so the all-reduce
-counts it once.
+counts it once. gpt-oss's MXFP4 experts hold whole groups of 32 columns
+(TPShard.expert_held_range): the columns a rank borrows have zero gate/up rows, biases
+and LoRA B rows, so their clamped SwiGLU is exactly 0 and adds nothing to the rank's sum.
 """
 
 from __future__ import annotations

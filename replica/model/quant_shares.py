@@ -5,8 +5,9 @@ Pure arithmetic on the model's shape and its QuantScheme, no tensors. One list o
 (packed_shares) walks each layer as the model loads it: attention's q/k/v/o or a Gated
 DeltaNet's in_proj_qkv (its q, k and v rows apart under tensor parallelism: three
 shares), in_proj_z/b/a and out_proj; the dense MLP (also beside Gemma 4's experts), a
-sparse layer's experts (expert 0's path standing for all; Gemma 4's only when its
-checkpoint un-fused them, spec.experts_unfused), Qwen3.5-MoE's shared expert;
+sparse layer's experts (expert 0's path standing for all, gpt-oss's stacked tensors';
+Gemma 4's only when its checkpoint un-fused them, spec.experts_unfused; each rank's held
+columns, expert_group), Qwen3.5-MoE's shared expert;
 Gemma 4's per-layer-input gate and projection and its model-level
 per_layer_model_projection (replicated). A module the scheme leaves
 dense (`ignore`, `modules_to_not_convert`) has no share. The plan (executor/memory_plan.py)
@@ -21,7 +22,7 @@ from typing import Protocol
 import torch
 
 from replica.model.hybrid import LINEAR_IN_MODULES
-from replica.model.quant_config import ModuleFormat
+from replica.model.quant_config import MXFP4, MXFP4_GROUP, ModuleFormat
 from replica.model.spec import ModelSpec
 
 Range = tuple[int, int]
@@ -40,7 +41,7 @@ class RankShard(Protocol):
     def in_range(self, module: str) -> Range: ...
     def qkv_rows(self) -> list[Range]: ...
     @property
-    def expert_range(self) -> Range: ...
+    def expert_held_range(self) -> Range: ...
     @property
     def shared_expert_range(self) -> Range: ...
 
@@ -50,7 +51,7 @@ UNITS = {"fp8": "scale blocks", "nf4": "absmax blocks (along flattened rows)"}
 
 @dataclass(frozen=True)
 class PackedShare:
-    path: str  # the module's checkpoint path (expert 0's for a layer's experts)
+    path: str  # the module's checkpoint path (expert 0's, or the stack's, for the experts)
     fmt: ModuleFormat
     whole: tuple[int, int]  # (N, K) of the whole weight
     rows: Range  # this rank's output rows
@@ -104,7 +105,7 @@ def packed_shares(shard: RankShard) -> list[PackedShare]:
         first, *others = (prefix + rel for prefix in s.weight_prefixes)
         fmt = s.quant.format_of(first, *others)
         if fmt is not None:
-            count = s.num_experts if ".experts.0." in rel else 1
+            count = s.num_experts if ".experts." in rel else 1
             shares += [PackedShare(first, fmt, whole, r, c, count) for r, c in parts]
     return shares
 
@@ -112,12 +113,27 @@ def packed_shares(shard: RankShard) -> list[PackedShare]:
 def quantization_cuts(shard: RankShard) -> list[str]:
     """Each packed projection whose share on `shard`'s rank would cut a scale block, a
     group or a packed word (model/quant_config.py's alignments): the rank could not
-    dequantize it. Every rank's bounds are multiples of rank 0's share, so checking one
-    rank's is checking them all."""
+    dequantize it. Every rank's bounds are multiples of rank 0's share (gpt-oss's MXFP4
+    experts' held columns whole groups on every rank), so checking one rank's is checking
+    them all."""
     if shard.spec.quant is None or shard.size == 1:
         return []
     found = (share.cut(shard.spec.quant.method, shard.rank) for share in packed_shares(shard))
     return [cut for cut in found if cut is not None]
+
+
+def expert_group(spec: ModelSpec) -> int:
+    """Intermediate columns a rank's share of each expert is rounded out to: MXFP4_GROUP
+    where gpt-oss's experts are MXFP4 (its down_proj keeps a scale per 32 inputs, and a
+    zero gate makes a column's clamped SwiGLU exactly 0: model/tp_shard.py), else 1 (other
+    formats' splits that cut a group are refused)."""
+    quant = spec.quant
+    if quant is None or spec.expert_layout != "gpt_oss" or not spec.num_experts:
+        return 1
+    layer = next(i for i in range(spec.num_layers) if spec.is_sparse(i))
+    paths = [f"{prefix}layers.{layer}.mlp.experts.down_proj" for prefix in spec.weight_prefixes]
+    fmt = quant.format_of(*paths)
+    return MXFP4_GROUP if fmt is not None and fmt.kind == MXFP4 else 1
 
 
 def packed_difference(shard: RankShard, dtype: torch.dtype) -> int:
@@ -184,9 +200,10 @@ def _layer_modules(shard: RankShard, layer: int) -> list[tuple[str, tuple[int, i
 
 
 def _experts(shard: RankShard, layer: int) -> list[tuple[str, tuple[int, int], Parts]]:
-    """A sparse layer's experts (expert 0's path for all) and Qwen3.5-MoE's shared expert.
-    Gemma 4's stacked experts (or, with no checkpoint read, experts it may have stacked)
-    are held dense: no share (model/layout.py reads the same spec.experts_unfused)."""
+    """A sparse layer's experts (expert 0's path for all; gpt-oss's stacked gate_up_proj
+    and down_proj) and Qwen3.5-MoE's shared expert. Gemma 4's stacked experts (or, with
+    no checkpoint read, experts it may have stacked) are held dense: no share
+    (model/layout.py reads the same spec.experts_unfused)."""
     s = shard.spec
     h, i = s.hidden_size, s.moe_intermediate_size
     prefix = f"layers.{layer}."
@@ -194,8 +211,10 @@ def _experts(shard: RankShard, layer: int) -> list[tuple[str, tuple[int, int], P
     if s.expert_layout != "gemma4" or s.experts_unfused:
         block = "" if s.expert_layout == "gemma4" else f"{s.moe_block}."
         where = f"{prefix}{block}experts.0."
-        lo, hi = shard.expert_range
+        lo, hi = shard.expert_held_range
         gate, up, down = s.expert_names
+        if s.expert_layout == "gpt_oss":  # gate and up: the stack's interleaved rows
+            where, gate, up = f"{prefix}mlp.experts.", "gate_up_proj", "gate_up_proj"
         out += [(where + gate, (i, h), [((lo, hi), (0, h))]),
                 (where + up, (i, h), [((lo, hi), (0, h))]),
                 (where + down, (h, i), [((0, h), (lo, hi))])]  # fmt: skip

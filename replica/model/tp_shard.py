@@ -13,6 +13,14 @@ Pure arithmetic on the model's shape: no devices, no communication.
   replicated: norms, rotary tables, MoE routers.
   experts: every rank holds every expert's share of moe_intermediate_size, split like
       the dense MLP (gate/up by output rows, down by input columns; their LoRA likewise).
+      gpt-oss's MXFP4 experts keep one scale per 32 of down's input columns: a rank whose
+      columns start or end inside a group holds that whole group (expert_held_range), and
+      for the columns it borrows zero gate/up rows, biases and gate/up LoRA B rows (down
+      LoRA A's columns present, zero). The clamped SwiGLU of a zero gate is exactly 0
+      (gate·sigmoid(alpha·gate) = 0, times up + 1, up clamped finite), so the borrowed
+      columns add nothing to the rank's partial down sum and the all-reduce gives the
+      unsplit answer, as vLLM's padded intermediate does. Ranks' expert widths may then
+      differ by a group; the memory plan takes the widest (widest_shard).
   linear attention (Gated DeltaNet, hybrid models): by heads. in_proj_qkv, in_proj_z,
       in_proj_b, in_proj_a column-parallel (q and k rows of the rank's key heads, v, z,
       b, a rows of its value heads: value head h reads key head h // (HV / HK) on the
@@ -28,15 +36,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+import torch
+
 from replica.model.hybrid import LINEAR_IN_MODULES
-from replica.model.quant_shares import quantization_cuts
+from replica.model.quant_shares import expert_group, quantization_cuts
 from replica.model.spec import ModelConfigError, ModelSpec
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 LINEAR_COLUMN_PARALLEL = LINEAR_IN_MODULES
 
-Array = TypeVar("Array")  # a torch tensor or a numpy array: only basic slicing is used
+Array = TypeVar("Array")  # a torch tensor or a numpy array: basic slicing (and a copy)
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,7 @@ class TPShard:
             num_heads=s.num_heads // n,
             num_kv_heads=self.kv_heads,
             intermediate_size=s.intermediate_size // n,
-            moe_intermediate_size=s.moe_intermediate_size // n,
+            moe_intermediate_size=self.expert_held_width,
             shared_expert_size=s.shared_expert_size // n,
             layer_kv_heads=tuple(max(1, k // n) for k in s.layer_kv_heads),
             layer_intermediate_sizes=tuple(i // n for i in s.layer_intermediate_sizes),
@@ -117,6 +127,34 @@ class TPShard:
         """Each expert's intermediate columns on this rank (rows of its gate/up, columns
         of its down)."""
         return self._split(self.spec.moe_intermediate_size)
+
+    @property
+    def expert_held_range(self) -> tuple[int, int]:
+        """The intermediate columns this rank holds of each expert: expert_range rounded
+        out to whole groups where the experts' down_proj keeps a scale per group of its
+        inputs (gpt-oss's MXFP4: quant_shares.expert_group), else expert_range."""
+        (lo, hi), group = self.expert_range, expert_group(self.spec)
+        return lo // group * group, -(-hi // group) * group
+
+    @property
+    def expert_held_width(self) -> int:
+        """How many intermediate columns of each expert this rank holds."""
+        lo, hi = self.expert_held_range
+        return hi - lo
+
+    def hold_expert_columns(self, t: Array, dim: int) -> Array:
+        """`t`'s expert_held_range along `dim` (intermediate columns: gate/up rows and
+        their biases, gate/up LoRA B rows, down LoRA A columns), the columns this rank
+        borrows and does not own zeroed: a view when it borrows none, else a copy."""
+        (lo, hi), (h0, h1) = self.expert_range, self.expert_held_range
+        at = (slice(None),) * dim
+        held = t[at + (slice(h0, h1),)]
+        if (h0, h1) == (lo, hi):
+            return held
+        held = held.clone() if isinstance(held, torch.Tensor) else held.copy()
+        held[at + (slice(0, lo - h0),)] = 0
+        held[at + (slice(hi - h0, h1 - h0),)] = 0
+        return held
 
     @property
     def shared_expert_range(self) -> tuple[int, int]:
@@ -213,8 +251,8 @@ class TPShard:
         for name, parts in self.spec.fused_modules().items():  # held fused: its parts' rows
             shapes[name] = (whole[parts[0]][0], sum(shapes[p][1] for p in parts))
         shapes |= self.spec.per_layer_input_shapes()  # replicated: their LoRA whole
-        if self.spec.num_experts:  # one expert's share, like the dense MLP's
-            i = self.spec.moe_intermediate_size // self.size
+        if self.spec.num_experts:  # one expert's held columns, like the dense MLP's share
+            i = self.expert_held_width
             shapes |= {"expert_gate_proj": (h, i), "expert_up_proj": (h, i),
                        "expert_down_proj": (i, h // self.size)}  # fmt: skip
         return shapes
@@ -224,7 +262,8 @@ class TPShard:
     ) -> tuple[Array, Array]:
         """This rank's (A [r, in], B [out, r]) of one module's adapter weights in `layer`
         (needed where layers differ in shape): views (the head's B of the last rank may be
-        short of vocab_rows: the arena's rows past the vocabulary stay zero)."""
+        short of vocab_rows: the arena's rows past the vocabulary stay zero), copies of
+        the experts' where the rank borrows columns (hold_expert_columns)."""
         if layer is not None and 0 <= layer < self.spec.num_layers:
             shard = self.layer(layer)
             if shard is not self:
@@ -248,11 +287,10 @@ class TPShard:
                 first += whole[part][1]
             return a, b[rows]
         if module in ("expert_gate_proj", "expert_up_proj"):  # A [E, r, H], B [E, I, r]
-            start, stop = self.expert_range
-            return a, b[:, start:stop]
+            return a, self.hold_expert_columns(b, 1)
         if module == "expert_down_proj":  # A [E, r, I], B [E, H, r]
-            (i0, i1), (h0, h1) = self.expert_range, self.hidden_range
-            return a[:, :, i0:i1], b[:, h0:h1]
+            h0, h1 = self.hidden_range
+            return self.hold_expert_columns(a, 2), b[:, h0:h1]
         i0, i1 = self.in_range(module)
         h0, h1 = self.hidden_range
         return a[:, i0:i1], b[h0:h1]
@@ -260,3 +298,15 @@ class TPShard:
     def _split(self, total: int) -> tuple[int, int]:
         part = total // self.size
         return self.rank * part, (self.rank + 1) * part
+
+
+def widest_shard(spec: ModelSpec, size: int) -> TPShard:
+    """The rank of `size` that holds the most (the memory plan's: every rank must fit):
+    rank 0, unless ranks borrow MXFP4 groups (expert_held_range) and another holds more
+    expert columns (a group of them outweighs the down biases only rank 0 holds; ranks
+    differ in nothing else)."""
+    first = TPShard(spec, 0, size)
+    if expert_group(spec) == 1:
+        return first
+    shards = [first] + [replace(first, rank=r) for r in range(1, size)]
+    return max(shards, key=lambda shard: shard.expert_held_width)  # the first of the widest

@@ -32,7 +32,7 @@ def plan_json(capsys, *argv: str) -> dict:
 @pytest.mark.parametrize(
     "name, tp",
     [("Llama-3.1-8B", 1), ("Llama-3.1-70B", 4), ("Qwen3-32B", 4), ("Qwen3-30B-A3B", 1),
-     ("gpt-oss-20b", 1), ("gpt-oss-20b", 2)],
+     ("gpt-oss-20b", 1), ("gpt-oss-20b", 2), ("gpt-oss-120b", 4), ("gpt-oss-120b", 8)],
 )  # fmt: skip
 def test_plan_prints_the_memory_plan_as_json_last(capsys, name, tp):
     model = PUBLISHED / name
@@ -52,6 +52,20 @@ def test_gpt_oss_20b_plans_its_mxfp4_experts_packed(capsys):
     assert 12 * GiB < got["weights_bytes_per_gpu"] < 13 * GiB
     _, out, _ = run_cli(capsys, "plan", "--model", model, "--gpu-memory", "80GiB")
     assert "experts packed (mxfp4)" in out
+
+
+def test_gpt_oss_120b_plans_at_4_and_8_ranks_each_holding_whole_mxfp4_groups(capsys):
+    """tp 4 and 8, gpt-oss-120b's usual H100 deployments: its experts' 2880 columns split
+    at 720 and 360, inside MXFP4 groups of 32, so a rank holds 736 or 384 of them (the
+    groups its columns start and end in). It plans, each rank holding under half (a
+    quarter) of tp 2's weights plus the replicated rest, and its KV cache grows."""
+    model = str(PUBLISHED / "gpt-oss-120b")
+    plans = {tp: plan_json(capsys, "--model", model, "--gpu-memory", "80GiB", "--tp", str(tp))
+             for tp in (2, 4, 8)}  # fmt: skip
+    weights = {tp: plan["weights_bytes_per_gpu"] for tp, plan in plans.items()}
+    assert weights[2] / 2 < weights[4] < weights[2] / 2 * 1.05
+    assert weights[4] / 2 < weights[8] < weights[4] / 2 * 1.1
+    assert plans[2]["kv_cache_tokens"] < plans[4]["kv_cache_tokens"] < plans[8]["kv_cache_tokens"]
 
 
 def test_plan_refuses_llama_70b_on_one_80gib_gpu_in_one_line(capsys):
@@ -136,7 +150,6 @@ def test_plan_of_each_published_flagship_at_its_gpu_count(capsys, name, gpu, tp)
 @pytest.mark.parametrize(
     "name, gpu, tp, says, settings",
     [("Qwen2.5-7B-Instruct", "80GiB", 8, "num_attention_heads=28 is not a multiple of 8", ()),
-     ("gpt-oss-120b", "141GB", 4, "cannot split the quantized model", ()),
      ("Qwen3.5-397B-A17B", "80GiB", 8, "more tensor-parallel ranks split the weights", ()),
      ("Qwen3.5-397B-A17B", "141GB", 8, "lower engine.max_lora_rank or raise tp_size",
       ("--set", "engine.lora_experts=true"))],

@@ -367,6 +367,25 @@ def test_embedding_and_head_lora_equal_tp1(tmp_path):
         one.shutdown()
 
 
+def test_mxfp4_experts_cut_inside_a_group_equal_tp1(tmp_path):
+    """gpt-oss's MXFP4 experts of 96 columns on 2 ranks of 48: each rank holds the
+    32-group its columns end (rank 0: 0:64) or start (rank 1: 32:96) inside, gate/up rows,
+    biases and expert LoRA B rows of the columns it borrows zero, its down LoRA A columns
+    zero: logits and a staggered mixed batch of the base, an attention adapter and one on
+    attention and the experts equal TP=1."""
+    from cluster.demo.families import family_model_dir
+    from replica.model.spec import load_model_spec
+    from tests.oracle import family_adapters
+    from tests.quant_checkpoints import mxfp4_copy
+
+    dense = family_model_dir("gptoss", overrides={"intermediate_size": 96})
+    model_dir = mxfp4_copy(dense, tmp_path / "mxfp4")
+    spec = load_model_spec(model_dir)
+    assert [TPShard(spec, rank, 2).expert_held_range for rank in (0, 1)] == [(0, 64), (32, 96)]
+    adapters = family_adapters("gptoss", dense, tmp_path)
+    check_tp2_equals_tp1(model_dir, adapters, "mxfp4", lora_experts=True)
+
+
 @pytest.mark.parametrize(
     ("family", "fmt"),
     [("qwen3", "ct-fp8-channel"), ("qwen3", "ct-w4a16-g16"), ("qwen3moe", "ct-w4a16-g16")],

@@ -12,7 +12,6 @@ experts only (target_parameters), and both.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -21,14 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cluster.demo.families import family_model_dir
-from kernels.quant_formats import E2M1_VALUES, Mxfp4Weight
+from kernels.quant_formats import Mxfp4Weight
 from replica.executor.memory_plan import weight_bytes
 from replica.model.peft_config import AdapterFormatError
 from replica.model.spec import ModelConfigError, spec_from_dict
 from replica.wire import SamplingParams
 from tests.engines import held_bytes
-from tests.model_dirs import PUBLISHED
 from tests.oracle import ATTENTION, check_mixed_batch, hf_logits, hf_model, peft_adapter
+from tests.quant_checkpoints import GPT_OSS_20B, mxfp4_copy
 from tests.replica.model.families import (
     MARGIN,
     NEW_TOKENS,
@@ -182,10 +181,6 @@ def test_router_lora_is_refused_by_name(gpt_oss, tmp_path):
         load_peft_adapter(by_hand, spec, 64)
 
 
-# config.json of openai/gpt-oss-20b as the Hub ships it (MXFP4 experts)
-GPT_OSS_20B = json.loads((PUBLISHED / "gpt-oss-20b" / "config.json").read_text())
-
-
 def test_hub_config_reads_as_transformers_fills_it_in():
     from transformers import GptOssConfig
 
@@ -225,39 +220,6 @@ def test_mxfp4_blocks_of_the_wrong_dtype_are_refused_by_name(gpt_oss, tmp_path):
         engine_for(bad, {})
 
 
-def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] fp32 -> OCP MXFP4 as gpt-oss ships it: blocks [E, N, K/32, 16] uint8
-    (element 2j in the low nibble) and e8m0 scales [E, N, K/32] uint8, each 32-group's
-    exponent the smallest that fits its largest value in e2m1's 6, values rounded to the
-    nearest e2m1."""
-    e, n, k = w.shape
-    groups = w.reshape(e, n, k // 32, 32)
-    amax = groups.abs().amax(-1).clamp(min=2**-100)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exp)[..., None]
-    magnitudes = torch.tensor(E2M1_VALUES[:8])
-    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
-    code |= ((scaled < 0) & (code > 0)).long() << 3
-    pairs = code.to(torch.uint8).reshape(e, n, k // 32, 16, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4), (exp + 127).to(torch.uint8)
-
-
-def mxfp4_copy(model_dir: Path, out: Path) -> Path:
-    """The model with its experts in the Hub's MXFP4 layout: gate_up_proj [E, H, 2I] as
-    gate_up_proj_blocks / _scales over [E, 2I, H] (out, in), down_proj likewise; biases,
-    attention and router unquantized, as in openai/gpt-oss-20b."""
-    shutil.copytree(model_dir, out)
-    tensors = load_file(out / "model.safetensors")
-    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = to_mxfp4(tensors.pop(key).transpose(1, 2).contiguous())
-        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = GPT_OSS_20B["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 @pytest.mark.slow  # the Triton interpreter: about 30 s on 2 shared CPU cores
 def test_triton_kernels_give_the_torch_path_output(gpt_oss):
     """The model end to end with the Triton kernels forced (the interpreter here): sinks
@@ -277,3 +239,103 @@ def test_triton_kernels_give_the_torch_path_output(gpt_oss):
         got_logits = eng.score(p, "experts")
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+def group_straddling_mxfp4(root: Path) -> tuple[Path, Path]:
+    """The tiny gpt-oss with experts of 96 columns, and its MXFP4 copy: at tp 2 a rank
+    owns 48 of them, at tp 4 24, so every split starts or ends inside a group of 32."""
+    dense = family_model_dir("gptoss", overrides={"intermediate_size": 96})
+    return dense, mxfp4_copy(dense, root)
+
+
+def borrowed(shard) -> torch.Tensor:
+    """[held columns] bool: the columns `shard`'s rank holds and does not own."""
+    (lo, hi), (h0, h1) = shard.expert_range, shard.expert_held_range
+    mask = torch.ones(h1 - h0, dtype=torch.bool)
+    mask[lo - h0 : hi - h0] = False
+    return mask
+
+
+def test_mxfp4_experts_cut_inside_a_group_sum_to_the_unsplit_layer(tmp_path):
+    """Each rank holds the whole groups its expert columns start and end in (at tp 4:
+    32, 64, 64 and 32 columns), their gate/up rows and biases zero for the columns it
+    borrows: the ranks' partial expert sums (the all-reduce's inputs) add up to the
+    unsplit layer's output, every rank holds at most what the plan counts and the widest
+    exactly that, and the widest rank's adapter arenas are the plan's."""
+    from kernels import make_segment_info
+    from replica.config import EngineConfig
+    from replica.executor.memory_plan import plan_memory
+    from replica.model.decoder import CausalLM
+    from replica.model.lora_slots import LoRASlotBuffers
+    from replica.model.spec import load_model_spec
+    from replica.model.tp_layers import TPRank
+    from replica.model.tp_shard import TPShard
+
+    _, model_dir = group_straddling_mxfp4(tmp_path / "mx")
+    spec, dtype = load_model_spec(model_dir), torch.float32
+    x = torch.randn(9, spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    seg = {"qkv_proj": make_segment_info([9], [0], [0], [1.0], [0])}  # base rows only
+    unsplit = CausalLM(model_dir, spec=spec)
+    whole = [layer.mlp(x, seg) for layer in unsplit.layers]
+    whole_gate = unsplit.layers[0].mlp.packed[0].dequantize_rows(0, 96, 0)  # expert 0's
+    held_cols = {2: [(0, 64), (32, 96)], 4: [(0, 32), (0, 64), (32, 96), (64, 96)]}
+    for tp, cols in held_cols.items():
+        shards = [TPShard(spec, rank, tp) for rank in range(tp)]
+        assert [shard.expert_held_range for shard in shards] == cols
+        parts, held, arenas = [], [], []
+        for shard in shards:
+            model = CausalLM(model_dir, spec=spec, tp=TPRank(shard, None))
+            (lo, hi), (h0, h1) = shard.expert_range, shard.expert_held_range
+            own, mlp = slice(lo - h0, hi - h0), model.layers[0].mlp
+            gate = mlp.packed[0].dequantize_rows(0, h1 - h0, 0)
+            assert torch.equal(gate[own], whole_gate[lo:hi])
+            assert not gate[borrowed(shard)].any(), "borrowed columns' gate rows are zero"
+            bias = mlp.gate_up_bias.view(spec.num_experts, 2, h1 - h0)  # gate, up
+            assert not bias[:, :, borrowed(shard)].any(), "and their biases"
+            parts.append([layer.mlp(x, seg) for layer in model.layers])
+            held.append(held_bytes(model))
+            lora = LoRASlotBuffers(spec, 3, 16, "cpu", dtype, shard.lora_shapes, experts=True)
+            arenas.append(lora.nbytes())
+        for layer, want in enumerate(whole):
+            got = sum(part[layer] for part in parts)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert max(held) == weight_bytes(spec, tp, dtype), tp
+        config = EngineConfig(model=str(model_dir), max_lora_rank=16, tp_size=tp,
+                              kv_cache_bytes=1 << 20, adapters={"num_slots": 3},
+                              lora_experts=True)  # fmt: skip
+        assert max(arenas) == plan_memory(spec, config, dtype, 1 << 40).adapter_memory_bytes
+    assert held[0] < held[1], "at tp 4 rank 0 holds one group, rank 1 two"
+
+
+def test_expert_lora_of_borrowed_columns_is_zero_on_the_rank(tmp_path):
+    """A rank's expert LoRA over its held columns: gate/up B rows and down A columns of
+    the columns it borrows zero, the rest its share of the adapter's, from the adapter
+    file and from the object store's numpy arrays alike, in the arenas' shapes."""
+    from replica.adapters.packing import pack_adapter, unpack_adapter
+    from replica.model.adapter_weights import load_peft_adapter
+    from replica.model.spec import load_model_spec
+    from replica.model.tp_shard import TPShard
+
+    dense, model_dir = group_straddling_mxfp4(tmp_path / "mx")
+    spec = load_model_spec(model_dir)
+    path = peft_adapter(dense, tmp_path / "experts", [], r=4, alpha=8, seed=3, **EXPERTS)
+    whole = load_peft_adapter(path, spec, 64, lora_experts=True)
+    for rank in range(4):
+        shard = TPShard(spec, rank, 4)
+        (lo, hi), (h0, h1) = shard.expert_range, shard.expert_held_range
+        own, lent = slice(lo - h0, hi - h0), borrowed(shard)
+        mine = whole.select(shard.slice_lora)
+        stored = unpack_adapter(pack_adapter(whole), None, shard.slice_lora).weights
+        assert mine.weights.keys() == stored.keys()
+        for (layer, module), (a, b) in mine.weights.items():
+            assert all(map(torch.equal, (a, b), stored[layer, module]))
+            in_f, out_f = shard.lora_shapes()[module]
+            whole_a, whole_b = whole.weights[layer, module]
+            if module == "expert_down_proj":
+                assert a.shape[2] == in_f == h1 - h0
+                assert torch.equal(a[:, :, own], whole_a[:, :, lo:hi])
+                assert not a[:, :, lent].any(), "borrowed columns' A columns are zero"
+            elif module in ("expert_gate_proj", "expert_up_proj"):
+                assert b.shape[1] == out_f == h1 - h0
+                assert torch.equal(b[:, own], whole_b[:, lo:hi])
+                assert not b[:, lent].any(), "borrowed columns' B rows are zero"
