@@ -175,6 +175,7 @@ def _check_files(app: AppConfig, where: str) -> None:
             Checkpoint(model)
     except WeightLoadError as e:
         raise ServeConfigError(f"{where}.args.engine.model: {_one_line(e)}") from None
+    engine = app.engine
     for name, path in app.store.adapters.items():
         at = f"{where}.args.store.adapters.{name}"
         weights = adapter_weights_file(path)
@@ -182,11 +183,9 @@ def _check_files(app: AppConfig, where: str) -> None:
             raise ServeConfigError(
                 f"{at}: {weights} is larger than max_adapter_bytes ({app.store.max_adapter_bytes})"
             )
-        try:
-            engine = app.engine  # what it serves: an adapter it would refuse is refused here
-            load_peft_adapter(
-                path, spec, engine.max_lora_rank, name, engine.lora_embeddings, engine.lora_experts
-            )
+        try:  # as the engine it serves reads it (an adapter the store would refuse: here)
+            load_peft_adapter(path, spec, engine.max_lora_rank, name, engine.lora_embeddings,
+                              engine.lora_experts)  # fmt: skip
         except AdapterFormatError as e:
             raise ServeConfigError(f"{at}: {_one_line(e)}") from None
 
