@@ -1,4 +1,5 @@
-"""An adapter with expert LoRA on a server without engine.lora_experts: refused where the
+"""An adapter that needs an engine setting (expert LoRA: engine.lora_experts; LoRA on the
+embedding or head: engine.lora_embeddings) on a server without it: refused where the
 cluster reads adapters, the AdapterStore's registration (the 400 of a load) and `lorafleet
 up`'s check of the adapters it registers at start, in one line naming the setting; with
 the setting, the same adapter passes both."""
@@ -18,6 +19,7 @@ from cluster.store.conversion import Converter
 from replica.model.spec import load_model_spec
 from router.errors import BadRequestError
 from tests.cluster.cli_runs import refused, run_cli
+from tests.oracle import peft_adapter
 
 SETTING = r"engine\.lora_experts: true"
 
@@ -67,3 +69,17 @@ def test_up_refuses_an_expert_adapter_at_start_unless_the_setting_is_on(
     assert "engine.lora_experts: true" in line
     with pytest.raises(AssertionError, match="went on to start Ray"):  # past the checks
         run_cli(capsys, *argv, "--set", "engine.lora_experts=true", "--no-demo-requests")
+
+
+def test_up_checks_an_embedding_adapter_with_the_engine_s_lora_embeddings(
+    tiny, tmp_path, capsys, nothing_starts
+):
+    """`up` read its adapters without engine.lora_embeddings, so an adapter with LoRA on
+    the embedding was refused at start even with the setting on."""
+    adapter = peft_adapter(tiny.model_dir, tmp_path / "vocab", ["embed_tokens", "q_proj"],
+                           r=4, alpha=8, seed=3)  # fmt: skip
+    capsys.readouterr()  # transformers' loading lines, not the command's
+    argv = ("up", "--model", str(tiny.model_dir), "--lora", f"vocab={adapter}")
+    assert "engine.lora_embeddings" in refused(capsys, *argv)
+    with pytest.raises(AssertionError, match="went on to start Ray"):  # past the checks
+        run_cli(capsys, *argv, "--set", "engine.lora_embeddings=true", "--no-demo-requests")
