@@ -46,7 +46,7 @@ from replica.adapters.memory import config_slot_bytes, size_adapter_slots
 from replica.config import EngineConfig
 from replica.executor.static_decode import static_decode_bytes
 from replica.model.kv_cache import KVCache
-from replica.model.lora import layer_groups
+from replica.model.lora import workspace_columns
 from replica.model.lora_slots import arena_rows, block_rows
 from replica.model.quant_shares import packed_difference
 from replica.model.spec import ModelSpec
@@ -258,11 +258,7 @@ def step_bytes(
     s, b, f32 = widest_layer(local_spec(spec, config.tp_size)), dtype.itemsize, 4
     h, q, kv, hd = s.hidden_size, s.q_size, s.kv_size, s.head_dim
     t, r, vocab = tokens, logit_rows, spec.vocab_size
-    lora_cols = sum(  # expert groups have no workspace columns: their rows are pairs
-        len(names) * config.max_lora_rank
-        for names in layer_groups(s, 0, experts=False).values()
-    ) * s.num_layers  # fmt: skip
-    persistent = t * h * b + t * lora_cols * f32
+    persistent = t * h * b + t * workspace_columns(spec, config.max_lora_rank) * f32
     norm = t * h * (b + 8)
     rotation = t * (q + kv) * (2 * b + 2 * f32 if s.qk_norm else b)
     output = t * q * b

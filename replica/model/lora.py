@@ -76,6 +76,18 @@ def layer_groups(spec: ModelSpec, layer: int, *, experts: bool) -> dict[str, tup
     return groups | dense
 
 
+def workspace_columns(spec: ModelSpec, max_rank: int) -> int:
+    """The columns of a step's LoRAWorkspace: num_slices x max_rank for every projection
+    group of every layer, as LoRASlotBuffers assigns them (expert groups have none: their
+    rows are (token, expert) pairs). Layers differ: Gemma 4's KV-sharing layers have one
+    qkv slice, a hybrid model's linear-attention layers their own groups."""
+    return max_rank * sum(
+        len(names)
+        for layer in range(spec.num_layers)
+        for names in layer_groups(spec, layer, experts=False).values()
+    )
+
+
 # Gemma 4's per-layer-input gate and projection: a group each, on every layer (replicated
 # under tensor parallelism, their LoRA whole on every rank).
 PER_LAYER_INPUT_GROUPS: dict[str, tuple[str, ...]] = {

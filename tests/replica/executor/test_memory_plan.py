@@ -22,6 +22,7 @@ from replica.executor.memory_plan import MemoryPlanError, plan_memory, step_byte
 from replica.executor.static_decode import DecodeInputs
 from replica.model.decoder import CausalLM
 from replica.model.kv_cache import KVCache
+from replica.model.lora import workspace_columns
 from replica.model.lora_slots import LoRASlotBuffers
 from replica.model.spec import load_model_spec
 from replica.model.tp_layers import TPRank
@@ -424,3 +425,13 @@ def test_a_hybrid_model_profiles_its_largest_step_over_a_state_row(monkeypatch):
     assert seen == {"rows": 1, "initial": [True]}
     per_seq = spec.linear_attention.state_bytes_per_seq(torch.float32)
     assert plan.state_pool_bytes == (cfg.max_num_seqs + 1) * per_seq
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_the_plan_counts_the_lora_workspace_columns_the_buffers_assign(family):
+    """Layers' groups differ (a hybrid model's linear-attention layers, Gemma 4's
+    KV-sharing layers with q alone): the step's LoRA workspace is counted per layer, as
+    LoRASlotBuffers lays it out, not as layer 0's times the layers."""
+    spec = load_model_spec(family_model_dir(family))
+    buffers = LoRASlotBuffers(spec, 2, 8, torch.device("cpu"), torch.float32)
+    assert workspace_columns(spec, 8) == buffers.workspace_cols
