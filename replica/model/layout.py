@@ -248,11 +248,11 @@ class CheckpointLayout:
         e, h, i = s.num_experts, s.hidden_size, s.moe_intermediate_size
         where = f"{self.prefix}layers.{layer}.mlp.experts"
         lo, hi = (0, i) if self.shard is None else self.shard.expert_held_range
-        # the Hub's MXFP4 stacks, kept packed: a dummy checkpoint "has" every name, so it
-        # follows the config's quantization (as the plan does)
-        dummy = isinstance(self.ckpt, DummyCheckpoint)
-        packed = self.format_at(f"{where}.gate_up_proj") is not None if dummy else None
-        if packed or (packed is None and not self.ckpt.has(f"{where}.gate_up_proj")):
+        if isinstance(self.ckpt, DummyCheckpoint):  # "has" every name: the config decides,
+            packed = self.format_at(f"{where}.gate_up_proj") is not None  # as for the plan
+        else:  # the Hub's MXFP4 stacks (*_blocks, *_scales) in place of the dense ones
+            packed = not self.ckpt.has(f"{where}.gate_up_proj")
+        if packed:  # kept packed
             blocks, scales = self._mxfp4(f"{where}.gate_up_proj", e, 2 * i, h)
             gate = Mxfp4Weight(*(self._held_rows(t[:, 0::2]) for t in (blocks, scales)))
             up = Mxfp4Weight(*(self._held_rows(t[:, 1::2]) for t in (blocks, scales)))
