@@ -76,14 +76,19 @@ class ChatTemplate:
         fmt = registry.TOOL_PARSERS.get(self.tool_parser or "")
         return tool_mode == "auto" and fmt is not None and fmt.special_tokens
 
+    def text_for(self, tools: list[dict[str, Any]] | None) -> str | None:
+        """The template text a conversation with `tools` renders with: of named templates,
+        the tool one when there are tools, else the default (None: the tokenizer's)."""
+        text = self.text
+        if isinstance(text, dict):
+            text = text.get("tool_use") if tools and "tool_use" in text else text.get("default")
+        return text
+
     def variables(self, tokenizer: Any, tools: list[dict[str, Any]] | None) -> frozenset[str]:
         """The variables the template `render` picks for `tools` reads from its context.
         One passed that is not among them would change nothing, so chat_template_kwargs
         and reasoning_effort are checked against these."""
-        text = self.text
-        if isinstance(text, dict):
-            text = text.get("tool_use") if tools and "tool_use" in text else text.get("default")
-        return _variables(tokenizer.get_chat_template(text, tools))
+        return _variables(tokenizer.get_chat_template(self.text_for(tools), tools))
 
     def render(
         self,
@@ -94,13 +99,10 @@ class ChatTemplate:
         template_kwargs: Mapping[str, Any],
     ) -> str:
         """The conversation as the prompt's text (transformers' apply_chat_template)."""
-        text = self.text
-        if isinstance(text, dict):  # named templates: the tool one when there are tools
-            text = text.get("tool_use") if tools and "tool_use" in text else text.get("default")
         return tokenizer.apply_chat_template(
             messages,
             tools=tools,
-            chat_template=text,
+            chat_template=self.text_for(tools),
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **template_kwargs,
